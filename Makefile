@@ -1,0 +1,32 @@
+# Two entry points (see README):  `make run`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test sweep clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements/cpu.txt -r requirements/test.txt
+	# torchrec's metadata pulls the CUDA build of fbgemm-gpu; fbgemm-gpu-cpu is installed above instead
+	$(BIN)/python -m pip install -q --no-deps torchrec==1.8.0
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+# The main job: train the ranking model on its CPU default.
+run: setup
+	$(BIN)/python train.py
+
+# The test suite (Triton kernels run under TRITON_INTERPRET=1 on CPU machines).
+test: setup
+	$(BIN)/python -m pytest -q -n 2
+
+sweep: setup
+	$(BIN)/python train.py -m model=gem_bf16,gem_mxfp8
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,0 +1,29 @@
+"""Backend selection shared by every op: `reference` (plain PyTorch, the oracle) or `triton`."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run in the interpreter (TRITON_INTERPRET=1), which takes CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """`auto` -> `triton` when every tensor is on CUDA, else `reference`; checks an explicit choice."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "auto":
+        return "triton" if on_cuda else "reference"
+    if backend == "triton" and not on_cuda and not interpreter_enabled():
+        devices = sorted({str(t.device) for t in tensors})
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {devices}); on a CPU machine set "
+            f"TRITON_INTERPRET=1 before importing gem_lp to run the kernels in Triton's interpreter"
+        )
+    return backend
