@@ -1,0 +1,120 @@
+"""Shared benchmark harness: CUDA-event medians, the copy ceiling, a printed table and JSON under $OUT.
+
+Every script builds a `Bench`, records rows with `bench.time(...)`, and calls `bench.finish()`, which
+prints the table last (the part of the output that is read) and writes `<name>.json` under $OUT
+(or ./.bench_out when $OUT is unset).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+from typing import Callable
+
+import torch
+
+
+def lognormal_lengths(batch: int, mean: float, *, seed: int = 0, lo: int = 1, hi: int = 4096,
+                      sigma: float = 0.8) -> torch.Tensor:
+    """Sequence lengths drawn as in DESIGN.md §6 (same generator, seed and clamp as the anchors)."""
+    g = torch.Generator().manual_seed(seed)
+    mu = math.log(mean) - 0.5 * sigma**2
+    return torch.exp(torch.randn(batch, generator=g) * sigma + mu).round().clamp(lo, hi).long()
+
+
+def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    offs = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    offs[1:] = torch.cumsum(lengths, 0)
+    return offs
+
+
+class Bench:
+    def __init__(self, name: str):
+        self.name = name
+        self.rows: list[dict] = []
+        self.extra: dict = {}
+        self.env = self._env()
+        print(self.env, flush=True)
+
+    @staticmethod
+    def _env() -> dict:
+        import triton
+
+        env = dict(torch=torch.__version__, triton=triton.__version__, python=sys.version.split()[0])
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            env.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
+        return env
+
+    def measure(self, fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+        """Median milliseconds of `fn` (triton.testing.do_bench, CUDA events)."""
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+    def time(self, group: str, name: str, fn: Callable[[], object], *, flop: float | None = None,
+             nbytes: float | None = None, peer: bool = False, **info) -> float | None:
+        """Time `fn` and record a row; a failure is recorded (and printed) instead of raised."""
+        try:
+            ms = self.measure(fn)
+        except Exception as e:  # one failing variant must not hide the others
+            msg = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  [{group}] {name}: FAILED {msg}", flush=True)
+            traceback.print_exc(limit=2)
+            self.rows.append(dict(group=group, name=name, error=msg, peer=peer, **info))
+            return None
+        row = dict(group=group, name=name, ms=ms, peer=peer, **info)
+        if flop:
+            row["tflops"] = flop / ms / 1e9
+        if nbytes:
+            row["tbps"] = nbytes / ms / 1e9
+        self.rows.append(row)
+        print(f"  [{group}] {name}: {ms:.4f} ms" + (f"  {row['tflops']:.1f} TF/s" if flop else "")
+              + (f"  {row['tbps']:.3f} TB/s" if nbytes else ""), flush=True)
+        return ms
+
+    def copy_bandwidth(self, nbytes: int = 2 << 30) -> float:
+        """Device-to-device copy TB/s (bytes read + written), measured in this run."""
+        a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+        b = torch.empty_like(a)
+        ms = self.measure(lambda: b.copy_(a))
+        tbps = 2 * a.numel() / ms / 1e9
+        self.extra["copy_tbps"] = tbps
+        self.rows.append(dict(group="ceiling", name=f"copy d2d {nbytes >> 20} MiB", ms=ms, tbps=tbps, peer=True))
+        print(f"  copy bandwidth: {tbps:.3f} TB/s", flush=True)
+        del a, b
+        torch.cuda.empty_cache()
+        return tbps
+
+    def finish(self) -> None:
+        """Add ratios (to the copy ceiling and to the best peer of each group), print, write JSON."""
+        copy = self.extra.get("copy_tbps")
+        groups: dict[str, list[dict]] = {}
+        for r in self.rows:
+            groups.setdefault(r["group"], []).append(r)
+        for rows in groups.values():
+            peers = [r for r in rows if r.get("peer") and "ms" in r]
+            best = min((r["ms"] for r in peers), default=None)
+            for r in rows:
+                if "ms" not in r:
+                    continue
+                if best:
+                    r["vs_best_peer"] = best / r["ms"]
+                if copy and "tbps" in r:
+                    r["pct_copy"] = 100 * r["tbps"] / copy
+        out = os.environ.get("OUT") or ".bench_out"
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, f"{self.name}.json")
+        with open(path, "w") as f:
+            json.dump(dict(env=self.env, extra=self.extra, rows=self.rows), f, indent=1, default=str)
+        print(f"\n=== {self.name} (json: {path})")
+        print(f"{'group':28s} {'name':52s} {'ms':>9s} {'TF/s':>7s} {'TB/s':>7s} {'%copy':>6s} {'xpeer':>6s}")
+        for r in self.rows:
+            if "ms" not in r:
+                print(f"{r['group'][:28]:28s} {r['name'][:52]:52s}  FAILED {r.get('error', '')[:60]}")
+                continue
+            print(f"{r['group'][:28]:28s} {r['name'][:52]:52s} {r['ms']:9.4f} {r.get('tflops', 0):7.1f} "
+                  f"{r.get('tbps', 0):7.3f} {r.get('pct_copy', 0):6.1f} {r.get('vs_best_peer', 0):6.2f}"
+                  + ("  (peer)" if r.get("peer") else ""))
