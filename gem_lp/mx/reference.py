@@ -79,6 +79,7 @@ def encode_payload(x32: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_dim(x: torch.Tensor, dim: int, allow_partial: bool, what: str) -> tuple[torch.Tensor, int]:
+    dim = dim % x.dim()
     n = x.shape[dim]
     if n % BLOCK == 0:
         return x, n
