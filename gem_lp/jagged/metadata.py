@@ -1,0 +1,163 @@
+"""Jagged batch metadata: offsets, lengths and the per-sequence 128-padded scale rows.
+
+A jagged batch packs B sequences into `values [T, H, D]`; sequence b holds tokens
+`offsets[b] .. offsets[b+1] - 1` (TorchRec-style `offsets [B+1]`, int32 or int64, `offsets[0] == 0`).
+Scales are padded per sequence to a multiple of 128 rows:
+
+    scale_offsets[b] = sum_{i<b} ceil(L_i / 128) * 128      (int64, [B+1]);   Tp = scale_offsets[B]
+
+and token t of sequence b sits on padded row `scale_offsets[b] + (t - offsets[b])`. Every 128-row tile of
+the padded rows belongs to exactly one sequence, which is what lets one kernel launch cover a whole batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+SCALE_ROW_TILE = 128  # padded scale rows per tile: the row tile of the 128x4 blocked layout
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaggedLayout:
+    """Offsets and padded-scale metadata of one jagged batch.
+
+    Attributes:
+        offsets: `[B+1]` int32/int64 (the caller's tensor and dtype), `offsets[0] == 0`, non-decreasing.
+        lengths: `[B]`, same dtype and device as `offsets`, `offsets[1:] - offsets[:-1]`.
+        scale_offsets: `[B+1]` int64, first padded scale row of each sequence (see module docstring).
+        max_len: longest sequence (0 for an empty batch).
+        total: T, the number of packed tokens (`offsets[-1]`).
+        padded_total: Tp, the number of padded scale rows (`scale_offsets[-1]`, a multiple of 128).
+    """
+
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    scale_offsets: torch.Tensor
+    max_len: int
+    total: int
+    padded_total: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def num_tiles(self) -> int:
+        """Number of 128-row tiles of padded scale rows (`Tp / 128`)."""
+        return self.padded_total // SCALE_ROW_TILE
+
+    @property
+    def device(self) -> torch.device:
+        return self.offsets.device
+
+    def tile_sequences(self) -> torch.Tensor:
+        """`[Tp/128]` int32: the sequence that owns each 128-row tile (on device, no host sync)."""
+        return tile_sequences(self.scale_offsets, self.num_tiles)
+
+    @classmethod
+    def from_offsets(
+        cls,
+        offsets: torch.Tensor,
+        values: torch.Tensor | None = None,
+        *,
+        total: int | None = None,
+        max_len: int | None = None,
+        padded_total: int | None = None,
+        validate: bool = True,
+    ) -> "JaggedLayout":
+        """Build and check the layout of `offsets` (and of `values [T, ...]` when given).
+
+        At most one host sync for the whole batch: it reads max_len, Tp and the values that the checks
+        need in a single transfer. Pass `max_len`, `padded_total` (and `total` when `values` is None)
+        with `validate=False` to build the layout with no sync at all (the caller vouches for them).
+
+        Raises:
+            TypeError / ValueError naming `offsets` (or `values`, `max_len`, `padded_total`, `total`)
+            when the offsets are not 1-D int32/int64 on the values' device, do not start at 0,
+            decrease, or do not end at `values.shape[0]`.
+        """
+        check_offsets_form(offsets, values)
+        if values is not None:
+            if total is not None and total != values.shape[0]:
+                raise ValueError(f"total={total} disagrees with values.shape[0]={values.shape[0]}")
+            total = values.shape[0]
+        lengths = offsets[1:] - offsets[:-1]
+        padded = (lengths.to(torch.int64) + (SCALE_ROW_TILE - 1)) // SCALE_ROW_TILE * SCALE_ROW_TILE
+        scale_offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+
+        if validate or max_len is None or padded_total is None or total is None:
+            total, max_len, padded_total = _check_and_read(
+                offsets, lengths, scale_offsets, values is not None,
+                total=total, max_len=max_len, padded_total=padded_total)
+        else:
+            _check_ints(total=total, max_len=max_len, padded_total=padded_total)
+        return cls(offsets, lengths, scale_offsets, int(max_len), int(total), int(padded_total))
+
+
+def check_offsets_form(offsets: torch.Tensor, values: torch.Tensor | None = None) -> None:
+    """The checks that need no host sync: type, rank, dtype, size and device of `offsets`."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets must be a torch.Tensor [B+1] of int32/int64, got {type(offsets).__name__}")
+    if offsets.dim() != 1:
+        raise ValueError(f"offsets must be 1-D [B+1], got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    if offsets.numel() == 0:
+        raise ValueError("offsets must have B+1 >= 1 elements (an empty batch is offsets = [0]), got 0")
+    if values is not None:
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor [T, ...], got {type(values).__name__}")
+        if values.dim() == 0:
+            raise ValueError("values must have a leading token dimension [T, ...], got a 0-d tensor")
+        if offsets.device != values.device:
+            raise ValueError(
+                f"offsets must be on the same device as values: offsets on {offsets.device}, "
+                f"values on {values.device}"
+            )
+
+
+def _check_ints(**named: int | None) -> None:
+    for name, v in named.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+
+
+def _check_and_read(offsets, lengths, scale_offsets, have_values: bool, **given: int | None) -> tuple[int, int, int]:
+    """One host sync: read first/last offset, min/max length and Tp together, check them against the
+    given ints, and return `(total, max_len, padded_total)`."""
+    _check_ints(**given)
+    zero = offsets.new_zeros(1)
+    stats = torch.stack([
+        offsets[0].to(torch.int64),
+        torch.cat([lengths, zero]).min().to(torch.int64),
+        offsets[-1].to(torch.int64),
+        torch.cat([lengths, zero]).max().to(torch.int64),
+        scale_offsets[-1],
+    ]).tolist()
+    first, min_len, last, max_len, padded_total = stats
+    if first != 0:
+        raise ValueError(f"offsets must start at 0, got offsets[0] = {first}")
+    if min_len < 0:
+        bad = int(torch.nonzero(lengths < 0)[0, 0])
+        raise ValueError(
+            f"offsets must be non-decreasing, got offsets[{bad}] = {int(offsets[bad])} > "
+            f"offsets[{bad + 1}] = {int(offsets[bad + 1])}"
+        )
+    what = "values.shape[0]" if have_values else "total"
+    if given["total"] is not None and last != given["total"]:
+        raise ValueError(f"offsets must end at {what} = {given['total']}, got offsets[-1] = {last}")
+    for name, actual in (("max_len", max_len), ("padded_total", padded_total)):
+        if given[name] is not None and given[name] != actual:
+            raise ValueError(f"{name}={given[name]} disagrees with the offsets, which give {actual}")
+    return last, max_len, padded_total
+
+
+def tile_sequences(scale_offsets: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """`[num_tiles]` int32 owner sequence of each 128-row tile: the last b with scale_offsets[b] <= row.
+
+    `right=True` skips zero-length sequences, whose scale offset equals the next sequence's.
+    """
+    starts = torch.arange(num_tiles, device=scale_offsets.device, dtype=torch.int64) * SCALE_ROW_TILE
+    return (torch.searchsorted(scale_offsets, starts, right=True) - 1).to(torch.int32)
