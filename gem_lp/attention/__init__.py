@@ -1,0 +1,17 @@
+"""Jagged attention (forward and backward) in FP32, BF16 and MXFP8 (LP-FA4 recipe), see DESIGN.md §3."""
+from .interface import jagged_attention
+from .layout import CHUNK_ELEMENTS, JaggedPlan, check_offsets, make_plan
+from .naive import naive_jagged_attention
+from .reference import P_QUANTS, PRECISIONS, attention_reference
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "JaggedPlan",
+    "P_QUANTS",
+    "PRECISIONS",
+    "attention_reference",
+    "check_offsets",
+    "jagged_attention",
+    "make_plan",
+    "naive_jagged_attention",
+]

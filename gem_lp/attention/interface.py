@@ -1,0 +1,155 @@
+"""`jagged_attention`: argument checks and backend dispatch of jagged (variable-length) attention."""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+from ..backend import resolve_backend
+from ..mx.formats import BLOCK
+from .layout import check_offsets, make_plan
+from .reference import P_QUANTS, PRECISIONS, attention_reference
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [T, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [Tk, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"q and k must have the same heads and head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    dim = q.shape[2]
+    if dim == 0 or q.shape[1] == 0:
+        raise ValueError(f"q must have at least one head and a non-zero head dim, got shape {tuple(q.shape)}")
+    if precision == "mxfp8" and dim % BLOCK != 0:
+        raise ValueError(f"precision='mxfp8' needs a head dim that is a multiple of {BLOCK} (64 or 128 for the "
+                         f"kernels), got D={dim}")
+
+
+def _varlen_attention(q, k, v, q_offs, kv_offs, *, causal: bool, scale: float) -> torch.Tensor | None:
+    """torch's flash `varlen_attn` for the 16-bit recipe on CUDA, or None where it does not apply.
+
+    Used only where its semantics are surely ours: every sequence with queries has keys, and causal
+    only when query and key lengths are equal (so the mask's alignment cannot differ).
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    q_lens, kv_lens = q_offs[1:] - q_offs[:-1], kv_offs[1:] - kv_offs[:-1]
+    if q.shape[0] == 0 or bool(((q_lens > 0) & (kv_lens == 0)).any()):
+        return None
+    if causal and not torch.equal(q_lens, kv_lens):
+        return None
+    dim = q.shape[2]
+    if dim % 8 != 0 or dim > 256:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {}
+    if causal:
+        if "window_size" in params:
+            kwargs["window_size"] = (-1, 0)
+        elif "is_causal" in params:
+            kwargs["is_causal"] = True
+        else:
+            return None
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale != 1.0 / math.sqrt(dim):
+        return None
+    cu_q = q_offs.to(device=q.device, dtype=torch.int32)
+    cu_k = kv_offs.to(device=q.device, dtype=torch.int32)
+    out = varlen_attn(q, k, v, cu_q, cu_k, int(q_lens.max()), int(kv_lens.max()), **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor | None,
+                     kv_offsets: torch.Tensor | None = None, *, causal: bool = False, broadcast_q: bool = False,
+                     precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
+                     p_quant: str = "const_p", return_lse: bool = False
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over jagged (variable-length) sequences, differentiable.
+
+    Args:
+        q: `[Tq, H, D]` queries; with `broadcast_q`, `[Lq, H, D]`: one query sequence shared by every
+            sequence of the batch (e.g. learned query tokens). bfloat16, float16 or float32.
+        k, v: `[Tk, H, D]`, q's dtype and device.
+        q_offsets: `[B+1]` int32/int64 offsets into q (start 0, non-decreasing, end Tq); with
+            `broadcast_q`, None or `[0, Lq]`.
+        kv_offsets: `[B+1]` offsets into k/v; None means `q_offsets` (self-attention); required with
+            `broadcast_q`. Sequence b's queries attend over sequence b's keys only.
+        causal: query i of a sequence sees keys j <= i + (Lk - Lq) (bottom-right aligned).
+        broadcast_q: see q; output row `b * Lq + i` is query i against sequence b; dq sums over b.
+        precision: `"fp32"` (the oracle), `"bf16"` (a 16-bit flash kernel's rounding) or `"mxfp8"`
+            (LP-FA4 recipe; D a multiple of 32).
+        backend: `"auto"`, `"reference"` or `"triton"` (see `gem_lp.backend.resolve_backend`).
+        softmax_scale: defaults to `1/sqrt(D)`.
+        p_quant: `"const_p"` or `"dynamic"` (how `mxfp8` quantizes P).
+        return_lse: also return LSE.
+
+    Returns:
+        O `[T_out, H, D]` in q's dtype (`T_out` = Tq, or B * Lq with broadcast_q); a query with no
+        visible key gives 0. With `return_lse`, also LSE `[T_out, H]` float32, natural log, -inf for
+        a query with no visible key.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if p_quant not in P_QUANTS:
+        raise ValueError(f"p_quant must be one of {P_QUANTS}, got {p_quant!r}")
+    _check_qkv(q, k, v, precision)
+    heads, dim = q.shape[1], q.shape[2]
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    elif isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0:
+        scale = float(softmax_scale)
+    else:
+        raise ValueError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
+
+    if broadcast_q:
+        if kv_offsets is None:
+            raise ValueError("kv_offsets is required with broadcast_q=True (q is one shared query sequence)")
+        if q_offsets is not None:
+            q_offs = check_offsets(q_offsets, "q_offsets", q.shape[0])
+            if q_offs.numel() != 2:
+                raise ValueError(f"q_offsets must be None or [0, Lq] with broadcast_q=True, got {q_offs.tolist()}")
+        kv_offs = check_offsets(kv_offsets, "kv_offsets", k.shape[0])
+        q_offs = None
+    else:
+        if q_offsets is None:
+            raise ValueError("q_offsets is required unless broadcast_q=True")
+        q_offs = check_offsets(q_offsets, "q_offsets", q.shape[0])
+        kv_offs = q_offs if kv_offsets is None else check_offsets(kv_offsets, "kv_offsets", k.shape[0])
+        if kv_offs.numel() != q_offs.numel():
+            raise ValueError(f"q_offsets and kv_offsets must describe the same number of sequences, got "
+                             f"B={q_offs.numel() - 1} and B={kv_offs.numel() - 1}")
+        if kv_offsets is None and k.shape[0] != q.shape[0]:
+            raise ValueError(f"kv_offsets=None means self-attention: k must have Tq={q.shape[0]} rows, got {k.shape[0]}")
+    for name, offs in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+        if offs is not None and offs.device.type != "cpu" and offs.device != q.device:
+            raise ValueError(f"{name} must be on the CPU or on q's device {q.device}, got {offs.device}")
+
+    resolved = resolve_backend(backend, q, k, v)
+    if resolved == "triton":
+        # Kernel hook: the Triton kernels plug in here. Until they exist, the 16-bit recipe takes
+        # torch's flash varlen kernel where it applies and everything else runs the reference.
+        if precision == "bf16" and q.is_cuda and q.dtype != torch.float32 and not broadcast_q and not return_lse:
+            out = _varlen_attention(q, k, v, q_offs, kv_offs, causal=causal, scale=scale)
+            if out is not None:
+                return out
+        resolved = "reference"
+
+    plan = make_plan(q_offs, kv_offs, broadcast_q=broadcast_q, q_len=q.shape[0], heads=heads)
+    out, lse = attention_reference(q, k, v, plan, causal=causal, precision=precision, scale=scale, p_quant=p_quant)
+    return (out, lse) if return_lse else out

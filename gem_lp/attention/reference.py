@@ -1,0 +1,209 @@
+"""Reference jagged attention: FP32 math with rounding exactly at each recipe's quantization points.
+
+Three recipes (DESIGN.md §3), one autograd Function that saves Q, K, V, O and LSE and recomputes P in the
+backward (so memory stays that of a flash kernel's inputs and outputs plus one chunk of scores):
+
+* `fp32`:  plain FP32 math (FP64 when the inputs are FP64, for gradcheck); the accuracy oracle.
+* `bf16`:  what a BF16 flash kernel does. Operands in the 16-bit input dtype (FP32 inputs are rounded to
+  BF16); S, softmax, l, O/l in FP32; P rounded to the operand dtype before P.V; backward rounds P and dS
+  to the operand dtype before their GEMMs.
+* `mxfp8`: the LP-FA4 recipe. Forward: Q, K `hdim` (1x32 along D), V `seq` (32 tokens x 1 feature);
+  P as E4M3, `const_p` (payload e4m3(256 p), scale 2^-8) or `dynamic` (1x32 along kv, rceil).
+  Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
+  and LSE, dS (and P for dV when `dynamic`) quantized in 32x32 blocks.
+
+Every GEMM takes exactly dequantized (or 16-bit) operands and accumulates in FP32. Tensors inside a chunk
+are `[Bc, H, P, D]` padded per sequence start (see layout.py), masks `[Bc, 1, Pq, Pk]`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..mx.reference import dequantize, encode_payload, quantize_reference
+from .layout import JaggedPlan, Rows, chunk_rows, visibility_mask
+
+PRECISIONS = ("fp32", "bf16", "mxfp8")
+P_QUANTS = ("const_p", "dynamic")
+LOG2E = 1.4426950408889634
+# const_p: P is stored as e4m3(256 * p) with the fixed scale 2^-8, i.e. E8M0 byte 127 - 8.
+CONST_P_SCALE_BYTE = 119
+CONST_P_SCALE = 2.0**-8
+
+
+# ----------------------------------------------------------------------------- quantization points
+
+
+def mx_hdim(x: torch.Tensor) -> torch.Tensor:
+    """Dequantized 1x32 blocks along the last dim (features) of `[..., P, D]`, FP32."""
+    return dequantize(quantize_reference(x, axis=-1))
+
+
+def mx_seq(x: torch.Tensor) -> torch.Tensor:
+    """Dequantized 32x1 blocks along the token dim of `[..., P, D]` (P a multiple of 32, padded per sequence)."""
+    return dequantize(quantize_reference(x, axis=-2))
+
+
+def mx_square(x: torch.Tensor) -> torch.Tensor:
+    """Dequantized 32x32 blocks over the last two dims, FP32."""
+    return dequantize(quantize_reference(x, block="square"))
+
+
+def const_p(p: torch.Tensor) -> torch.Tensor:
+    """p in [0, 1] through E4M3 with the fixed scale 2^-8: fp32(e4m3(256 p)) * 2^-8."""
+    byte = torch.full((), CONST_P_SCALE_BYTE, dtype=torch.uint8, device=p.device)
+    return encode_payload(p, byte).to(torch.float32) * CONST_P_SCALE
+
+
+def quantize_p_forward(p: torch.Tensor, p_quant: str) -> torch.Tensor:
+    """P of the forward P.V GEMM: `const_p`, or `dynamic` 1x32 blocks along kv (rceil)."""
+    return const_p(p) if p_quant == "const_p" else mx_hdim(p)
+
+
+def quantize_p_backward(p: torch.Tensor, p_quant: str) -> torch.Tensor:
+    """P of the backward dV = P^T dO GEMM: `const_p`, or `dynamic` 32x32 blocks."""
+    return const_p(p) if p_quant == "const_p" else mx_square(p)
+
+
+# ----------------------------------------------------------------------------- softmax pieces
+
+
+def softmax_parts(s: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalized p = exp2((S - m) log2 e) over visible keys, row max m (0 for empty rows) and l = rowsum p."""
+    s = s.masked_fill(~mask, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(m == -math.inf, torch.zeros((), dtype=s.dtype, device=s.device), m)
+    p = torch.exp2((s - m) * LOG2E)
+    return p, m, p.sum(-1, keepdim=True)
+
+
+def normalize(pv: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """O = pv / l (0 where no key is visible) and LSE = m + ln l (-inf there), LSE `[Bc, H, Pq]`."""
+    empty = l == 0
+    o = pv / torch.where(empty, torch.ones((), dtype=l.dtype, device=l.device), l)
+    lse = torch.where(empty, -math.inf, m + torch.log(l))
+    return o, lse.squeeze(-1)
+
+
+def probabilities(s: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Normalized P = exp2((S - LSE) log2 e) recomputed from LSE; 0 where masked."""
+    p = torch.exp2((s - lse[..., None]) * LOG2E)
+    return torch.where(mask, p, torch.zeros((), dtype=p.dtype, device=p.device))
+
+
+def grad_scores(p: torch.Tensor, dp: torch.Tensor, do: torch.Tensor, o: torch.Tensor,
+                dlse: torch.Tensor | None) -> torch.Tensor:
+    """dS = P * (dP - Δ + dLSE), Δ = rowsum(dO * O) in the compute dtype (dO, O as given)."""
+    delta = (do.to(p.dtype) * o.to(p.dtype)).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(p.dtype)[..., None]
+    return p * (dp - delta)
+
+
+# ----------------------------------------------------------------------------- recipes on one chunk
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def operand_dtype_16(x: torch.Tensor) -> torch.dtype:
+    """Operand dtype of the 16-bit recipe: the input's own when 16-bit, else BF16."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def forward_chunk(precision: str, q, k, v, mask, scale: float, p_quant: str):
+    """O (compute dtype) and LSE of one chunk; q `[Bc,H,Pq,D]`, k/v `[Bc,H,Pk,D]` in the input dtype."""
+    if precision == "fp32":
+        ct = compute_dtype(q)
+        q, k, v = q.to(ct), k.to(ct), v.to(ct)
+        p, m, l = softmax_parts(q @ k.transpose(-1, -2) * scale, mask)
+        return normalize(p @ v, m, l)
+    if precision == "bf16":
+        od = operand_dtype_16(q)
+        q, k, v = (t.to(od).float() for t in (q, k, v))
+        p, m, l = softmax_parts(q @ k.transpose(-1, -2) * scale, mask)
+        return normalize(p.to(od).float() @ v, m, l)
+    qd, kd, vd = mx_hdim(q), mx_hdim(k), mx_seq(v)
+    p, m, l = softmax_parts(qd @ kd.transpose(-1, -2) * scale, mask)
+    return normalize(quantize_p_forward(p, p_quant) @ vd, m, l)
+
+
+def backward_chunk(precision: str, q, k, v, o, do, lse, dlse, mask, scale: float, p_quant: str):
+    """dQ, dK, dV (compute dtype) of one chunk; o, do in the input dtype, lse/dlse `[Bc,H,Pq]`."""
+    if precision == "fp32":
+        ct = compute_dtype(q)
+        q, k, v, do32 = q.to(ct), k.to(ct), v.to(ct), do.to(ct)
+        p = probabilities(q @ k.transpose(-1, -2) * scale, lse.to(ct), mask)
+        ds = grad_scores(p, do32 @ v.transpose(-1, -2), do, o, dlse)
+        return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do32
+    if precision == "bf16":
+        od = operand_dtype_16(q)
+        q, k, v, do16 = (t.to(od).float() for t in (q, k, v, do))
+        p = probabilities(q @ k.transpose(-1, -2) * scale, lse, mask)
+        ds = grad_scores(p, do16 @ v.transpose(-1, -2), do, o, dlse).to(od).float()
+        dv = p.to(od).float().transpose(-1, -2) @ do16
+        return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
+    qs, ks, dos, vh = mx_square(q), mx_square(k), mx_square(do), mx_hdim(v)
+    p = probabilities(qs @ ks.transpose(-1, -2) * scale, lse, mask)
+    ds = mx_square(grad_scores(p, dos @ vh.transpose(-1, -2), do, o, dlse))
+    dv = quantize_p_backward(p, p_quant).transpose(-1, -2) @ dos
+    return ds @ ks * scale, ds.transpose(-1, -2) @ qs * scale, dv
+
+
+# ----------------------------------------------------------------------------- the autograd Function
+
+
+class JaggedAttentionFunction(torch.autograd.Function):
+    """Jagged attention with the recipe's own backward (not autograd through the forward's rounding).
+
+    Inputs: q `[Tq,H,D]` (`[Lq,H,D]` with broadcast_q), k, v `[Tk,H,D]`, all of one dtype and device.
+    Returns O `[num_out,H,D]` in the input dtype and LSE `[num_out,H]` (FP32, FP64 for FP64 inputs).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: JaggedPlan, causal: bool, precision: str, scale: float, p_quant: str):
+        ct = compute_dtype(q) if precision == "fp32" else torch.float32
+        heads, dim = q.shape[1], q.shape[2]
+        out = q.new_zeros(plan.num_out, heads, dim)
+        lse = torch.full((plan.num_out, heads), -math.inf, dtype=ct, device=q.device)
+        for chunk in plan.chunks:
+            qr, kvr, outr = chunk_rows(plan, chunk, q.device)
+            mask = visibility_mask(plan, chunk, qr, kvr, causal)
+            o_c, lse_c = forward_chunk(precision, qr.gather(q), kvr.gather(k), kvr.gather(v), mask, scale, p_quant)
+            outr.scatter(out, o_c)
+            outr.scatter(lse, lse_c)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.causal, ctx.precision, ctx.scale, ctx.p_quant = plan, causal, precision, scale, p_quant
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        ct = lse.dtype
+        dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+        dk = torch.zeros(k.shape, dtype=ct, device=k.device)
+        dv = torch.zeros(v.shape, dtype=ct, device=v.device)
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        for chunk in plan.chunks:
+            qr, kvr, outr = chunk_rows(plan, chunk, q.device)
+            mask = visibility_mask(plan, chunk, qr, kvr, ctx.causal)
+            dlse_c = None if d_lse is None else outr.gather_rows(d_lse)
+            dq_c, dk_c, dv_c = backward_chunk(
+                ctx.precision, qr.gather(q), kvr.gather(k), kvr.gather(v), outr.gather(out),
+                outr.gather(d_out), outr.gather_rows(lse), dlse_c, mask, ctx.scale, ctx.p_quant)
+            qr.scatter(dq, dq_c, accumulate=plan.broadcast_q)
+            kvr.scatter(dk, dk_c)
+            kvr.scatter(dv, dv_c)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: JaggedPlan, *,
+                        causal: bool, precision: str, scale: float, p_quant: str = "const_p"
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of jagged attention by the reference recipe (arguments already validated)."""
+    return JaggedAttentionFunction.apply(q, k, v, plan, causal, precision, scale, p_quant)
