@@ -1,0 +1,16 @@
+"""RMSNorm(+MX quantize), the MXFP8 linear recipe and their modules (DESIGN.md §1.4)."""
+from .modules import RECIPES, MXLinear, RMSNorm, RMSNormMXLinear
+from .ops import mx_linear, rms_norm, rms_norm_mx_linear, rms_norm_quantize
+from .reference import RMSNormQuantized
+
+__all__ = [
+    "RECIPES",
+    "MXLinear",
+    "RMSNorm",
+    "RMSNormMXLinear",
+    "RMSNormQuantized",
+    "mx_linear",
+    "rms_norm",
+    "rms_norm_mx_linear",
+    "rms_norm_quantize",
+]

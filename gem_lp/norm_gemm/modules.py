@@ -1,0 +1,115 @@
+"""nn.Modules of the norm/linear ops. The recipe picks the math; the backend is passed through untouched.
+
+Recipes: `"bf16"` (plain `F.linear` / `F.rms_norm` in the input dtype; parameters cast to it), `"fp32"`
+(the same in FP32, output in the input dtype) and `"mxfp8"` (the MXLinear recipe, reference.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backend import BACKENDS
+from ..mx.formats import BLOCK
+from .ops import mx_linear, rms_norm, rms_norm_mx_linear
+
+RECIPES = ("bf16", "fp32", "mxfp8")
+
+
+def _check_recipe(recipe: str, backend: str, in_features: int, out_features: int) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if in_features <= 0 or out_features <= 0:
+        raise ValueError(f"in_features and out_features must be positive, got {in_features} and {out_features}")
+    if recipe == "mxfp8" and (in_features % BLOCK or out_features % BLOCK):
+        raise ValueError(f"recipe='mxfp8' needs in_features and out_features to be multiples of {BLOCK}, "
+                         f"got {in_features} and {out_features}")
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+class _LinearParams(nn.Module):
+    """weight `[out, in]` and optional bias `[out]`, initialized as `nn.Linear` does."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.reset_linear_parameters()
+
+    def reset_linear_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+
+class MXLinear(_LinearParams):
+    """Linear layer `y = x W^T + b` with `x [..., in_features]`, output in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: str = "mxfp8",
+                 backend: str = "auto"):
+        _check_recipe(recipe, backend, in_features, out_features)
+        super().__init__(in_features, out_features, bias)
+        self.recipe, self.backend = recipe, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recipe == "mxfp8":
+            return mx_linear(x, self.weight, self.bias, backend=self.backend)
+        if self.recipe == "fp32":
+            return F.linear(x.float(), self.weight.float(), _cast(self.bias, torch.float32)).to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), _cast(self.bias, x.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe={self.recipe!r}, backend={self.backend!r}")
+
+
+class RMSNormMXLinear(_LinearParams):
+    """`y = RMSNorm(x) W^T + b`: RMSNorm (weight `norm_weight [in]`, ones at init) fused with a linear layer.
+
+    With `recipe="mxfp8"`, the normalized activation is produced once in MXFP8 in both layouts (forward
+    operand and saved operand); the RMSNorm backward runs in FP32 from the saved rstd.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = 1e-6, *,
+                 recipe: str = "mxfp8", backend: str = "auto"):
+        _check_recipe(recipe, backend, in_features, out_features)
+        super().__init__(in_features, out_features, bias)
+        self.norm_weight = nn.Parameter(torch.ones(in_features))
+        self.eps, self.recipe, self.backend = eps, recipe, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recipe == "mxfp8":
+            return rms_norm_mx_linear(x, self.norm_weight, self.weight, self.bias, self.eps, backend=self.backend)
+        dtype = torch.float32 if self.recipe == "fp32" else x.dtype
+        h = F.rms_norm(x.to(dtype), (self.in_features,), self.norm_weight.to(dtype), self.eps)
+        return F.linear(h, self.weight.to(dtype), _cast(self.bias, dtype)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"eps={self.eps}, recipe={self.recipe!r}, backend={self.backend!r}")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (FP32 math, output in the input dtype), weight `[dim]` ones at init."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"

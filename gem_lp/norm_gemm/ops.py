@@ -1,0 +1,124 @@
+"""Public RMSNorm / MX linear ops: each validates its arguments and dispatches to a backend."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..backend import resolve_backend
+from ..mx.formats import BLOCK, INPUT_DTYPES, check_scaling
+from .reference import (
+    MXLinearFunction,
+    RMSNormMXLinearFunction,
+    RMSNormQuantized,
+    rms_norm_fp32,
+    rms_norm_quantize_reference,
+)
+
+
+def _check_float(t: torch.Tensor, name: str, dims: int | None = None, what: str = "") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{what}, got {type(t).__name__}")
+    if t.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D{what}, got shape {tuple(t.shape)}")
+
+
+def _check_same_device(x: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def _check_eps(eps: float) -> None:
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_name: str = "weight") -> None:
+    _check_float(x, "x", what=" [..., K]")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., K]")
+    _check_float(weight, weight_name, 1, " [K]")
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{weight_name} must be [K={x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
+    _check_same_device(x, **{weight_name: weight})
+    _check_eps(eps)
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    _check_float(x, "x", what=" [..., K]")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., K]")
+    _check_float(weight, "weight", 2, " [N, K]")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dim must equal weight's K={k}, got x of shape {tuple(x.shape)}")
+    if k % BLOCK or n % BLOCK:
+        raise ValueError(f"mx_linear needs K and N to be multiples of {BLOCK} (the MX contraction blocks of the "
+                         f"forward and of dX), got weight of shape [N={n}, K={k}]")
+    if bias is not None:
+        _check_float(bias, "bias", 1, " [N]")
+        if bias.shape[0] != n:
+            raise ValueError(f"bias must be [N={n}], got {tuple(bias.shape)}")
+    _check_same_device(x, weight=weight, bias=bias)
+
+
+def _reference_backend(backend: str, *tensors: torch.Tensor) -> None:
+    """Resolve `backend`; every resolution runs the reference until the Triton kernels plug in here."""
+    resolve_backend(backend, *tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim in FP32, `x [..., K]`, `weight [K]`; output in x's dtype (autograd)."""
+    _check_norm(x, weight, eps)
+    y, _ = rms_norm_fp32(x, weight, eps)
+    return y.to(x.dtype)
+
+
+def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, scaling: str = "rceil",
+                      backend: str = "auto") -> RMSNormQuantized:
+    """RMSNorm of `x [..., K]` (flattened to `[M, K]`, K a multiple of 32) quantized to MXFP8.
+
+    `y = fp32(x) * rstd * fp32(weight)` is quantized from FP32, rowwise (1x32 along K of `y [M, K]`) and
+    colwise (`y^T [K, M]` along M, partial last block allowed); `rstd [M]` float32. Not differentiable.
+    """
+    _check_norm(x, weight, eps)
+    check_scaling(scaling)
+    k = x.shape[-1]
+    if k % BLOCK:
+        raise ValueError(f"rms_norm_quantize needs x's last dim K to be a multiple of {BLOCK}, got K={k}")
+    _reference_backend(backend, x, weight)
+    return rms_norm_quantize_reference(x.reshape(-1, k), weight, eps, scaling)
+
+
+def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, scaling: str = "rceil",
+              backend: str = "auto") -> torch.Tensor:
+    """`x [..., K] @ weight[N, K]^T + bias [N]` by the MXLinear recipe (see reference.py), differentiable.
+
+    K and N must be multiples of 32. Output `[..., N]` in x's dtype; gradients in each input's dtype.
+    """
+    _check_linear(x, weight, bias)
+    check_scaling(scaling)
+    _reference_backend(backend, x, weight)
+    k = x.shape[-1]
+    y = MXLinearFunction.apply(x.reshape(-1, k), weight, bias, scaling)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm_mx_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None, eps: float = 1e-6, *, scaling: str = "rceil",
+                       backend: str = "auto") -> torch.Tensor:
+    """`rms_norm(x, norm_weight, eps) @ weight^T + bias` with the normalized activation in MXFP8.
+
+    One RMSNorm+quantize pass gives the forward operand and the saved (colwise) operand; differentiable
+    in x, norm_weight, weight and bias. Output `[..., N]` in x's dtype.
+    """
+    _check_norm(x, norm_weight, eps, "norm_weight")
+    _check_linear(x, weight, bias)
+    check_scaling(scaling)
+    _reference_backend(backend, x, weight)
+    k = x.shape[-1]
+    y = RMSNormMXLinearFunction.apply(x.reshape(-1, k), norm_weight, weight, bias, float(eps), scaling)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
