@@ -1,7 +1,7 @@
 """MXFP8 numerics (OCP MX v1.0, E4M3 payload, E8M0 scales per 32 elements), exact by DESIGN.md §3."""
 from .formats import BLOCK, E4M3_MAX, MXTensor
 from .layout import blocked_index, blocked_size, from_blocked, to_blocked
-from .ops import dequantize, quantize
+from .ops import dequantize, quantize, quantize_dual
 from .reference import quantize_reference, scale_bytes
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "dequantize",
     "from_blocked",
     "quantize",
+    "quantize_dual",
     "quantize_reference",
     "scale_bytes",
     "to_blocked",
