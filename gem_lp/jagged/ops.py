@@ -33,6 +33,7 @@ def quantize_jagged(
         the 128x4 blocked layout, each sequence's scale rows padded to a multiple of 128.
     """
     check_values(values)
+    values = values.detach()  # quantization is not differentiable; payloads are plain data
     orientations = check_orientations(orientations)
     check_scaling(scaling)
     if isinstance(offsets_or_layout, JaggedLayout):

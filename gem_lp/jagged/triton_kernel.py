@@ -32,6 +32,16 @@ def _seq_scale_offset(feature, tile, j, num_tiles):
 
 
 @triton.jit
+def _to_f32(x):
+    """Exact FP32 of a loaded tile. bf16 is widened by its bits (<< 16): Triton's interpreter flushes
+    bf16 subnormals to 0 in `.to(tl.float32)`, the GPU does not; the bit form is exact on both."""
+    if x.dtype == tl.bfloat16:
+        bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _jagged_mx_kernel(
     x_ptr, offsets_ptr, scale_offsets_ptr, tile_seq_ptr,
     p_hdim_ptr, p_seq_ptr, p_square_ptr,
@@ -64,7 +74,8 @@ def _jagged_mx_kernel(
     for ci in tl.static_range(D // CHUNK_D):
         d = ci * CHUNK_D + tl.arange(0, CHUNK_D)
         x = tl.load(x_ptr + tok[:, None] * stride_t + h * stride_h + d[None, :] * stride_d,
-                    mask=valid[:, None], other=0.0).to(tl.float32)
+                    mask=valid[:, None], other=0.0)
+        x = _to_f32(x)
         a = abs_bits(x)  # integer max: NaN/Inf cannot hide
         p_off = (tok[:, None] * H + h) * D + d[None, :]
         c = ci * CB + tl.arange(0, CB)  # hdim-form scale columns of this chunk
