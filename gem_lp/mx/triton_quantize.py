@@ -35,6 +35,8 @@ DEFAULT_CONFIGS = {
 }
 # Under the interpreter the cost is per program and per op, not per byte: larger tiles run faster.
 INTERPRETER_CONFIG = (64, 64, 1)
+# Offsets inside a tile at or above this need int64 arithmetic.
+_INT32_SPAN = 2**31
 
 
 @triton.jit
@@ -54,20 +56,27 @@ def _mx_cast_2d_kernel(
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, sq_data_ptr, sq_scale_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, SQUARE: tl.constexpr,
-    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
+    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
 ):
     # The tile is held as [BLOCK_M/32, 32, BLOCK_K/32, 32] = (row block, row in block, col block,
     # col in block), so every block max is a plain reduction over one or two axes, without reshapes.
     NMB: tl.constexpr = BLOCK_M // 32
     NKB: tl.constexpr = BLOCK_K // 32
-    m0 = tl.program_id(0) * BLOCK_M
-    k0 = tl.program_id(1) * BLOCK_K
+    # A 1-D grid, tiles in row-major order (a 2-D grid's second dimension is capped at 65535).
+    n_k_tiles = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    m0 = (pid // n_k_tiles) * BLOCK_M
+    k0 = (pid % n_k_tiles) * BLOCK_K
     mb = tl.arange(0, NMB)[:, None, None, None]
     kb = tl.arange(0, NKB)[None, None, :, None]
     m = mb * 32 + tl.arange(0, 32)[None, :, None, None]  # row within the tile
     k = kb * 32 + tl.arange(0, 32)[None, None, None, :]  # column within the tile
     in_bounds = (m < M - m0) & (k < K - k0)
-    # Tile origins in int64 (tensors may exceed 2^31 elements); offsets inside a tile stay int32.
+    if LARGE_OFFSETS:  # some offset inside a tile (e.g. BLOCK_K * M) reaches 2^31
+        m = m.to(tl.int64)
+        k = k.to(tl.int64)
+    # Tile origins in int64 (tensors may exceed 2^31 elements); offsets inside a tile are int32
+    # unless LARGE_OFFSETS.
     x_tile = x_ptr + m0.to(tl.int64) * stride_xm + k0.to(tl.int64) * stride_xk
     # Out-of-range rows read as 0, which leaves every block max unchanged (partial colwise blocks).
     raw = tl.load(x_tile + m * stride_xm + k * stride_xk, mask=in_bounds, other=0.0)
@@ -152,11 +161,14 @@ def _mx_cast_2d_op(
     sq = (next(it), next(it)) if square else (None, None)
     # Payloads are written as bytes; the kernel never sees an fp8 pointer.
     ptrs = [t.view(torch.uint8) if t is not None and t.dtype == PAYLOAD_DTYPE else t for t in (*row, *col, *sq)]
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(K, block_k),)
+    # Largest offset inside one tile: input strides, rowwise rows (x K), colwise columns (x M).
+    span = max(block_m * abs(x.stride(0)) + block_k * abs(x.stride(1)), block_m * K, block_k * M)
     _mx_cast_2d_kernel[grid](
         x, x.stride(0), x.stride(1), M, K, *ptrs,
         BLOCK_M=block_m, BLOCK_K=block_k, ROWWISE=rowwise, COLWISE=colwise, SQUARE=square,
-        BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, num_warps=num_warps,
+        BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
+        num_warps=num_warps,
     )
     return outs
 
@@ -245,5 +257,6 @@ def mx_cast_2d(
     block_k = cfg[1] if block_k is None else block_k
     num_warps = cfg[2] if num_warps is None else num_warps
     _check_tile(block_m, block_k, num_warps)
-    return _mx_cast_2d_op(x, rowwise, colwise, square, blocked_scales, scaling == "rceil",
+    # Quantization is not differentiable: the op's outputs must not join the autograd graph.
+    return _mx_cast_2d_op(x.detach(), rowwise, colwise, square, blocked_scales, scaling == "rceil",
                           block_m, block_k, num_warps, hw_cast)
