@@ -30,6 +30,7 @@ class JaggedLayout:
         max_len: longest sequence (0 for an empty batch).
         total: T, the number of packed tokens (`offsets[-1]`).
         padded_total: Tp, the number of padded scale rows (`scale_offsets[-1]`, a multiple of 128).
+        tile_seq: `[Tp/128]` int32, the sequence owning each 128-row tile (see `tile_sequences`).
     """
 
     offsets: torch.Tensor
@@ -38,6 +39,7 @@ class JaggedLayout:
     max_len: int
     total: int
     padded_total: int
+    tile_seq: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -51,10 +53,6 @@ class JaggedLayout:
     @property
     def device(self) -> torch.device:
         return self.offsets.device
-
-    def tile_sequences(self) -> torch.Tensor:
-        """`[Tp/128]` int32: the sequence that owns each 128-row tile (on device, no host sync)."""
-        return tile_sequences(self.scale_offsets, self.num_tiles)
 
     @classmethod
     def from_offsets(
@@ -93,7 +91,8 @@ class JaggedLayout:
                 total=total, max_len=max_len, padded_total=padded_total)
         else:
             _check_ints(total=total, max_len=max_len, padded_total=padded_total)
-        return cls(offsets, lengths, scale_offsets, int(max_len), int(total), int(padded_total))
+        tiles = tile_sequences(scale_offsets, int(padded_total) // SCALE_ROW_TILE)
+        return cls(offsets, lengths, scale_offsets, int(max_len), int(total), int(padded_total), tiles)
 
 
 def check_offsets_form(offsets: torch.Tensor, values: torch.Tensor | None = None) -> None:

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from ..mx.formats import BLOCK, INPUT_DTYPES, ceil_div, check_scaling
+from ..mx.formats import BLOCK, INPUT_DTYPES, ceil_div
 from ..mx.layout import blocked_size, from_blocked
 from ..mx.reference import scale_f32
 from .metadata import JaggedLayout

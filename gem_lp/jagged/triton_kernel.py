@@ -1,7 +1,7 @@
 """One-launch Triton kernel for jagged MX quantization, registered as the custom op `gem_lp::jagged_mx_quantize`.
 
-Grid: (Tp/128 padded-row tiles, H). A tile belongs to one sequence (each sequence's scale rows are padded
-to a multiple of 128), found on device from `scale_offsets` with `torch.searchsorted`. Each program reads
+Grid: Tp/128 padded-row tiles x H heads (flattened, heads fastest). A tile belongs to one sequence (each
+sequence's scale rows are padded to a multiple of 128); the layout finds it on device (`torch.searchsorted` on `scale_offsets`). Each program reads
 its tile's `[128, D]` values of one head once (rows past the sequence's end masked to 0, so their blocks
 get scale byte 0 under both rules), in chunks of CHUNK_D features, and for every requested orientation
 stores the payload at the packed token positions and every scale byte of its 128 padded rows (hdim form)
@@ -15,7 +15,6 @@ import triton.language as tl
 
 from ..mx.formats import PAYLOAD_DTYPE
 from ..mx.triton_numerics import abs_bits, encode, scale_byte
-from .metadata import tile_sequences
 from .tensor import JaggedMXTensor, scale_sizes
 
 
@@ -52,8 +51,10 @@ def _jagged_mx_kernel(
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
+    # heads fastest: programs running together read neighbouring bytes of the same tokens
+    pid = tl.program_id(0)
+    tile = pid // H
+    h = pid % H
     NC: tl.constexpr = D // 32  # hdim-form scale columns
     N_COL_BLOCKS: tl.constexpr = (NC + 3) // 4
     CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per chunk
@@ -131,16 +132,21 @@ def chunk_width(head_dim: int) -> int:
     return 64 if head_dim % 64 == 0 else 32
 
 
-def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor, padded_total: int,
-           payloads: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], rceil: bool) -> None:
+def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
+           tile_seq: torch.Tensor, padded_total: int, payloads: dict[str, torch.Tensor],
+           scales: dict[str, torch.Tensor], rceil: bool, *,
+           chunk_d: int | None = None, num_warps: int = 4) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
         values: `[T, H, D]` float32/bfloat16/float16, any strides.
         offsets: `[B+1]` int32/int64; scale_offsets: `[B+1]` int64; padded_total: Tp.
+        tile_seq: `[Tp/128]` int32, owner sequence of each 128-row tile (`metadata.tile_sequences`).
         payloads: orientation -> `[T, H, D]` float8_e4m3fn (contiguous) for each requested orientation.
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
+        chunk_d, num_warps: launch tuning (features per inner step, a multiple of 32 dividing D;
+            warps per program); the defaults are `chunk_width(D)` and 4.
     """
     t, heads, d = values.shape
     num_tiles = padded_total // 128
@@ -152,17 +158,20 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
     def u8(x: torch.Tensor | None) -> torch.Tensor:
         return dummy if x is None else x.view(torch.uint8)
 
-    grid = (num_tiles, heads)
+    chunk_d = chunk_width(d) if chunk_d is None else chunk_d
+    if chunk_d % 32 or d % chunk_d:
+        raise ValueError(f"chunk_d must be a multiple of 32 dividing D = {d}, got {chunk_d}")
+    grid = (num_tiles * heads,)
     _jagged_mx_kernel[grid](
-        values, offsets, scale_offsets, tile_sequences(scale_offsets, num_tiles),
+        values, offsets, scale_offsets, tile_seq,
         u8(payloads.get("hdim")), u8(payloads.get("seq")), u8(payloads.get("square")),
         u8(scales.get("hdim")), u8(scales.get("seq")), u8(scales.get("square_hdim")), u8(scales.get("square_seq")),
         values.stride(0), values.stride(1), values.stride(2),
         num_tiles, hdim_bytes, seq_bytes,
-        H=heads, D=d, CHUNK_D=chunk_width(d),
+        H=heads, D=d, CHUNK_D=chunk_d,
         DO_HDIM="hdim" in payloads, DO_SEQ="seq" in payloads, DO_SQUARE="square" in payloads,
         RCEIL=rceil, HW_CAST=values.is_cuda,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
@@ -193,17 +202,18 @@ def _flat(payloads: dict, scales: dict) -> list[torch.Tensor]:
 
 @torch.library.custom_op("gem_lp::jagged_mx_quantize", mutates_args=())
 def jagged_mx_quantize(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
-                       padded_total: int, hdim: bool, seq: bool, square: bool, rceil: bool) -> list[torch.Tensor]:
+                       tile_seq: torch.Tensor, padded_total: int, hdim: bool, seq: bool, square: bool,
+                       rceil: bool) -> list[torch.Tensor]:
     """Jagged MX quantization in one launch; returns, for each requested orientation in the order hdim, seq,
     square: its payload `[T, H, D]` float8_e4m3fn and its blocked scales `[H, bytes]` uint8 (square: the
     hdim form, then the seq form)."""
     payloads, scales = _allocate(values, padded_total, hdim, seq, square)
-    launch(values, offsets, scale_offsets, padded_total, payloads, scales, rceil)
+    launch(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil)
     return _flat(payloads, scales)
 
 
 @jagged_mx_quantize.register_fake
-def _(values, offsets, scale_offsets, padded_total, hdim, seq, square, rceil):
+def _(values, offsets, scale_offsets, tile_seq, padded_total, hdim, seq, square, rceil):
     payloads, scales = _allocate(values, padded_total, hdim, seq, square)
     return _flat(payloads, scales)
 
@@ -211,8 +221,9 @@ def _(values, offsets, scale_offsets, padded_total, hdim, seq, square, rceil):
 def quantize_jagged_triton(values: torch.Tensor, layout, orientations: tuple[str, ...], scaling: str):
     """Triton backend of `quantize_jagged` (arguments already checked there)."""
     flags = {o: o in orientations for o in ("hdim", "seq", "square")}
-    outs = iter(jagged_mx_quantize(values, layout.offsets, layout.scale_offsets, layout.padded_total,
-                                   flags["hdim"], flags["seq"], flags["square"], scaling == "rceil"))
+    outs = iter(jagged_mx_quantize(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
+                                   layout.padded_total, flags["hdim"], flags["seq"], flags["square"],
+                                   scaling == "rceil"))
     t, heads, d = values.shape
     jmx = JaggedMXTensor(layout, scaling, values.dtype, heads, d)
     if flags["hdim"]:

@@ -1,0 +1,271 @@
+"""Jagged MXFP8 quantization on the GPU: our one-launch zero-gather kernel against the padded path.
+
+Workloads (DESIGN.md §6): A = 32 sequences, lognormal mean 1024 (lo 32, hi 4096), H16 D128 (32088 tokens,
+max 3274); B = 4096 sequences, mean 200 (lo 1, hi 4096), H4 D128. bf16 values, rceil.
+
+Rows per workload:
+  "<W> hdim+seq": ours hdim+seq (one launch), ours square (one payload, scales in both forms), and the
+      peer a user would write: scatter into a zero-padded [B, Lmax32, H, D] then a torch.compile'd dense
+      MX cast (`quantize_reference`) along D and along tokens, timed end to end (plain scales, no blocked
+      permute: that favours the peer).
+  "<W> hdim only": ours hdim only, and the peer that needs no padding: the compiled dense cast of the
+      packed [T*H, D].
+TB/s is effective: bf16 read once + payloads + scales written (the useful bytes of ours; the padded peer
+is credited with the same useful bytes). Each row's info holds the bytes it moves and stores, the padding
+ratio B*Lmax/T and the speed-up over the peer. Bit-identity against the per-sequence reference is checked
+on a sample of sequences (PASS/FAIL printed). Run: python benchmarks/bench_jagged.py
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks.common import Bench, lognormal_lengths, offsets_of
+from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
+from gem_lp.jagged.tensor import scale_sizes
+from gem_lp.jagged.triton_kernel import launch
+from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
+from gem_lp.mx.layout import from_blocked
+from gem_lp.mx.reference import quantize_reference
+
+WORKLOADS = {
+    "A": dict(batch=32, mean=1024, lo=32, hi=4096, heads=16, dim=128),
+    "B": dict(batch=4096, mean=200, lo=1, hi=4096, heads=4, dim=128),
+}
+SCALE_FORMS = ("scale_hdim", "scale_seq", "scale_square_hdim", "scale_square_seq")
+START = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - START:6.1f}s] {msg}", flush=True)
+
+
+def useful_bytes(values: torch.Tensor, n_payloads: int, scale_bytes: int) -> int:
+    """bf16 read once + payloads + scales written."""
+    return values.numel() * values.element_size() + n_payloads * values.numel() + scale_bytes
+
+
+# --- the padded path ----------------------------------------------------------------------------------
+
+
+def padded_cast(values, seq_id, pos, batch: int, lmax32: int):
+    """Scatter into zeros [B, Lmax32, H, D], then MX-cast along D (1x32) and along tokens (32x1)."""
+    padded = values.new_zeros(batch, lmax32, values.shape[1], values.shape[2])
+    padded[seq_id, pos] = values
+    hdim = quantize_reference(padded, axis=-1)
+    seq = quantize_reference(padded, axis=1)
+    return hdim.data, hdim.scale, seq.data, seq.scale
+
+
+def packed_hdim_cast(values):
+    """The hdim cast needs no sequence structure: dense 1x32 cast of the packed [T*H, D]."""
+    mx = quantize_reference(values.reshape(-1, values.shape[-1]), axis=-1)
+    return mx.data, mx.scale
+
+
+# --- verification against the per-sequence reference --------------------------------------------------
+
+
+def unblocked(jmx, name: str) -> torch.Tensor:
+    """Plain per-head matrix of one blocked scale buffer (padding rows/columns of the sequences included)."""
+    tp, d = jmx.layout.padded_total, jmx.head_dim
+    rows, cols = (tp, d // BLOCK) if name.endswith("hdim") else (d, tp // BLOCK)
+    blocked = getattr(jmx, name)
+    return torch.stack([from_blocked(blocked[h], rows, cols) for h in range(blocked.shape[0])])
+
+
+def verify_sample(values, layout, ours, n_random: int = 10, seed: int = 0) -> tuple[bool, str]:
+    """Bit-identity of every payload byte and every scale byte (padding included) of a sample of
+    sequences: the longest, the shortest and `n_random` others, quantized by the reference as a sub-batch."""
+    lengths = layout.lengths.cpu()
+    g = torch.Generator().manual_seed(seed)
+    pick = {int(lengths.argmax()), int(lengths.argmin())}
+    pick |= set(torch.randperm(len(lengths), generator=g)[:n_random].tolist())
+    pick = sorted(pick)
+    offs, so = layout.offsets.tolist(), layout.scale_offsets.tolist()
+    sub_values = torch.cat([values[offs[b]:offs[b + 1]] for b in pick])
+    sub_offsets = offsets_of(lengths[pick]).to(values.device)
+    sub_layout = JaggedLayout.from_offsets(sub_offsets, sub_values)
+    ref = quantize_jagged_reference(sub_values, sub_layout, ours.orientations, ours.scaling)
+    sub_offs, sub_so = sub_offsets.tolist(), sub_layout.scale_offsets.tolist()
+    bad = []
+    for o in ours.orientations:
+        p_ours, p_ref = ours.payload(o).view(torch.uint8), ref.payload(o).view(torch.uint8)
+        for i, b in enumerate(pick):
+            if not torch.equal(p_ours[offs[b]:offs[b + 1]], p_ref[sub_offs[i]:sub_offs[i + 1]]):
+                bad.append(f"payload_{o} seq {b}")
+    for name in SCALE_FORMS:
+        if getattr(ours, name) is None:
+            continue
+        s_ours, s_ref = unblocked(ours, name), unblocked(ref, name)
+        for i, b in enumerate(pick):
+            rows_ours = slice(so[b], so[b + 1])
+            rows_ref = slice(sub_so[i], sub_so[i + 1])
+            if name.endswith("hdim"):
+                same = torch.equal(s_ours[:, rows_ours], s_ref[:, rows_ref])
+            else:
+                same = torch.equal(s_ours[:, :, so[b] // BLOCK:so[b + 1] // BLOCK],
+                                   s_ref[:, :, sub_so[i] // BLOCK:sub_so[i + 1] // BLOCK])
+            if not same:
+                bad.append(f"{name} seq {b}")
+    return not bad, f"{len(pick)} sequences ({sum(int(lengths[b]) for b in pick)} tokens)" + (
+        f"; mismatches: {bad[:6]}" if bad else "")
+
+
+# --- one workload -------------------------------------------------------------------------------------
+
+
+def run_workload(bench: Bench, name: str, cfg: dict) -> None:
+    lengths = lognormal_lengths(cfg["batch"], cfg["mean"], seed=0, lo=cfg["lo"], hi=cfg["hi"])
+    heads, dim, batch = cfg["heads"], cfg["dim"], cfg["batch"]
+    total, max_len = int(lengths.sum()), int(lengths.max())
+    lmax32 = math.ceil(max_len / BLOCK) * BLOCK
+    padding_ratio = batch * max_len / total
+    offsets = offsets_of(lengths).cuda()
+    values = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    log(f"workload {name}: B={batch} T={total} max={max_len} H={heads} D={dim} padding ratio B*Lmax/T="
+        f"{padding_ratio:.2f}")
+    bench.extra[f"{name}_workload"] = dict(cfg, tokens=total, max_len=max_len, padding_ratio=padding_ratio)
+
+    bench.time(f"{name} layout", "JaggedLayout.from_offsets (one host sync)",
+               lambda: JaggedLayout.from_offsets(offsets, values), tokens=total)
+    layout = JaggedLayout.from_offsets(offsets, values)
+    hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, dim)
+    scales_hs = heads * (hdim_bytes + seq_bytes)
+    group = f"{name} hdim+seq"
+    ours_rows = {}
+    for label, orients, n_pay, sbytes, grp in [
+        ("ours hdim+seq (one launch)", ("hdim", "seq"), 2, scales_hs, group),
+        ("ours square (both scale forms)", ("square",), 1, scales_hs, group),
+        ("ours hdim only", ("hdim",), 1, heads * hdim_bytes, f"{name} hdim only"),
+    ]:
+        nbytes = useful_bytes(values, n_pay, sbytes)
+        bench.time(grp, label, lambda o=orients: quantize_jagged(values, layout, o, backend="triton"),
+                   nbytes=nbytes, bytes_moved=nbytes, bytes_stored=n_pay * values.numel() + sbytes,
+                   padded_rows=layout.padded_total, padding_ratio=padding_ratio)
+        ours_rows[label] = bench.rows[-1]
+
+    # the same call replayed from a CUDA graph: GPU time without Python and launch overhead
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compile) outside the capture
+            quantize_jagged(values, layout, ("hdim", "seq"), backend="triton")
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            quantize_jagged(values, layout, ("hdim", "seq"), backend="triton")
+        nbytes = useful_bytes(values, 2, scales_hs)
+        bench.time(group, "ours hdim+seq (CUDA graph replay)", graph.replay, nbytes=nbytes, bytes_moved=nbytes,
+                   bytes_stored=2 * values.numel() + scales_hs, padding_ratio=padding_ratio)
+        ours_rows["ours hdim+seq (CUDA graph replay)"] = bench.rows[-1]
+        del graph
+    except Exception as e:
+        log(f"{name}: CUDA graph row failed: {type(e).__name__}: {str(e)[:300]}")
+
+    # bit-identity on a sample of sequences (and every orientation)
+    ours = quantize_jagged(values, layout, ("hdim", "seq", "square"), backend="triton")
+    try:
+        ok, what = verify_sample(values, layout, ours)
+        bench.extra[f"{name}_bit_identical"] = ok
+        log(f"{name}: bit-identity vs per-sequence reference on {what}: {'PASS' if ok else 'FAIL'}")
+    except Exception as e:
+        bench.extra[f"{name}_bit_identical"] = f"error: {e}"
+        log(f"{name}: bit-identity check FAILED to run: {type(e).__name__}: {e}")
+        traceback.print_exc(limit=3)
+
+    # the padded path
+    try:
+        seq_id = torch.repeat_interleave(torch.arange(batch, device="cuda"), lengths.cuda(), output_size=total)
+        pos = torch.arange(total, device="cuda") - offsets[:-1][seq_id]
+        padded_fn = torch.compile(padded_cast, dynamic=False)
+        p_elems = batch * lmax32 * heads * dim
+        # zero-fill + scatter (read T, write T) + two casts reading the padded bf16 + payloads + plain scales
+        moved = 2 * p_elems + 4 * total * heads * dim + 2 * 2 * p_elems + 2 * p_elems + 2 * p_elems // BLOCK
+        stored = 2 * p_elems + 2 * p_elems + 2 * p_elems // BLOCK
+        t0 = time.time()
+        out = padded_fn(values, seq_id, pos, batch, lmax32)
+        torch.cuda.synchronize()
+        log(f"{name}: padded path compiled in {time.time() - t0:.1f}s")
+        same = (torch.equal(out[0][seq_id, pos].view(torch.uint8), ours.payload_hdim.view(torch.uint8))
+                and torch.equal(out[2][seq_id, pos].view(torch.uint8), ours.payload_seq.view(torch.uint8)))
+        log(f"{name}: padded path payloads at the real tokens equal ours: {'PASS' if same else 'FAIL'}")
+        bench.extra[f"{name}_padded_payloads_equal"] = same
+        del out
+        bench.time(group, "padded [B,Lmax32,H,D] scatter + compiled MX cast x2",
+                   lambda: padded_fn(values, seq_id, pos, batch, lmax32), peer=True,
+                   nbytes=useful_bytes(values, 2, scales_hs), bytes_moved=moved, bytes_stored=stored,
+                   padding_ratio=padding_ratio)
+    except Exception as e:
+        log(f"{name}: padded path failed: {type(e).__name__}: {str(e)[:300]}")
+        bench.rows.append(dict(group=group, name="padded path", error=str(e)[:300], peer=True))
+    torch.cuda.empty_cache()
+
+    try:
+        packed_fn = torch.compile(packed_hdim_cast, dynamic=False)
+        nb = useful_bytes(values, 1, heads * hdim_bytes)
+        bench.time(f"{name} hdim only", "packed [T*H,D] compiled MX cast (plain scales)", lambda: packed_fn(values),
+                   peer=True, nbytes=nb, bytes_moved=2 * values.numel() + values.numel() + values.numel() // BLOCK,
+                   bytes_stored=values.numel() + values.numel() // BLOCK)
+    except Exception as e:
+        log(f"{name}: packed hdim peer failed: {type(e).__name__}: {str(e)[:300]}")
+
+    # speed-up beside the padding ratio, in each of our rows
+    peer_ms = {r["group"]: r["ms"] for r in bench.rows if r.get("peer") and "ms" in r}
+    for label, row in ours_rows.items():
+        if "ms" in row and row["group"] in peer_ms:
+            row["speedup_vs_peer"] = peer_ms[row["group"]] / row["ms"]
+            log(f"{name}: {label}: {row['speedup_vs_peer']:.2f}x the peer of its group "
+                f"(padding ratio {padding_ratio:.2f})")
+
+    if name == "A":
+        tune(bench, values, layout)
+    del values, ours
+    torch.cuda.empty_cache()
+
+
+def tune(bench: Bench, values: torch.Tensor, layout: JaggedLayout) -> None:
+    """A few launch configurations of the hdim+seq kernel (the default is chunk 64, 4 warps)."""
+    t, h, d = values.shape
+    hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
+    payloads = {o: torch.empty(t, h, d, dtype=PAYLOAD_DTYPE, device="cuda") for o in ("hdim", "seq")}
+    scales = {"hdim": torch.empty(h, hdim_bytes, dtype=torch.uint8, device="cuda"),
+              "seq": torch.empty(h, seq_bytes, dtype=torch.uint8, device="cuda")}
+    nb = useful_bytes(values, 2, h * (hdim_bytes + seq_bytes))
+    for chunk_d in (32, 64, 128):
+        for warps in (4, 8):
+            bench.time("A tuning hdim+seq (launch only)", f"chunk_d={chunk_d} num_warps={warps}",
+                       lambda c=chunk_d, w=warps: launch(values, layout.offsets, layout.scale_offsets,
+                                                         layout.tile_seq, layout.padded_total, payloads, scales, True,
+                                                         chunk_d=c, num_warps=w), nbytes=nb)
+
+
+def main() -> None:
+    bench = Bench("bench_jagged")
+    if not torch.cuda.is_available():
+        print("bench_jagged needs a CUDA device", flush=True)
+        return
+    torch.manual_seed(0)
+    bench.copy_bandwidth()
+    for name, cfg in WORKLOADS.items():
+        try:
+            run_workload(bench, name, cfg)
+        except Exception as e:  # one workload failing must not hide the other
+            log(f"workload {name} failed: {type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(limit=4)
+        torch.cuda.empty_cache()
+    verdicts = {k: v for k, v in bench.extra.items() if k.endswith("bit_identical")}
+    log("bit-identity: " + ", ".join(f"{k}={'PASS' if v is True else 'FAIL'}" for k, v in verdicts.items()))
+    bench.finish()
+
+
+if __name__ == "__main__":
+    main()

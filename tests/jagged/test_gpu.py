@@ -1,0 +1,73 @@
+"""GPU checks: the compiled kernel (hardware E4M3 cast) byte for byte against the reference, on the
+DESIGN.md §6 jagged workload and on the mixed batch with outliers and non-finite values."""
+import pytest
+import torch
+
+from gem_lp.jagged import JaggedLayout, quantize_jagged
+from gem_lp.jagged.tensor import scale_sizes
+from gem_lp.jagged.triton_kernel import launch
+from gem_lp.mx.formats import PAYLOAD_DTYPE
+
+pytestmark = pytest.mark.gpu
+ALL = ("hdim", "seq", "square")
+OUTPUTS = ("payload_hdim", "payload_seq", "payload_square", "scale_hdim", "scale_seq", "scale_square_hdim",
+           "scale_square_seq")
+
+
+def assert_same_bytes(ours, ref):
+    for name in OUTPUTS:
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            diff = (a.view(torch.uint8) != b.view(torch.uint8)).nonzero()
+            assert diff.numel() == 0, f"{name}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
+
+
+@pytest.mark.parametrize("scaling", ["rceil", "floor"])
+def test_design_workload_bit_identical(scaling):
+    from benchmarks.common import lognormal_lengths
+
+    lengths = lognormal_lengths(32, 1024, seed=0, lo=32, hi=4096)
+    assert int(lengths.sum()) == 32088 and int(lengths.max()) == 3274
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    values = torch.randn(32088, 16, 128, device="cuda", generator=g).to(torch.bfloat16)
+    layout = JaggedLayout.from_offsets(offsets, values)
+    ours = quantize_jagged(values, layout, ALL, scaling=scaling, backend="triton")
+    ref = quantize_jagged(values, layout, ALL, scaling=scaling, backend="reference")
+    assert_same_bytes(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scaling", ["rceil", "floor"])
+@pytest.mark.parametrize("heads,dim", [(4, 128), (1, 32), (2, 96), (3, 64)])
+def test_mixed_batch_every_byte(mixed_batch, dtype, scaling, heads, dim):
+    values, offsets = mixed_batch(heads, dim, dtype)
+    values, offsets = values.cuda(), offsets.cuda()
+    layout = JaggedLayout.from_offsets(offsets, values)
+    t, h, d = values.shape
+    hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
+    payloads = {o: torch.full((t, h, d), 0xA5, dtype=torch.uint8, device="cuda").view(PAYLOAD_DTYPE) for o in ALL}
+    scales = {n: torch.full((h, nb), 0xA5, dtype=torch.uint8, device="cuda") for n, nb in
+              (("hdim", hdim_bytes), ("seq", seq_bytes), ("square_hdim", hdim_bytes), ("square_seq", seq_bytes))}
+    launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
+           scaling == "rceil")
+    ref = quantize_jagged(values, layout, ALL, scaling=scaling, backend="reference")
+    ours = type(ref)(layout, scaling, values.dtype, h, d, payloads["hdim"], payloads["seq"], payloads["square"],
+                     scales["hdim"], scales["seq"], scales["square_hdim"], scales["square_seq"])
+    assert_same_bytes(ours, ref)
+
+
+def test_int32_offsets_and_inductor_compile(mixed_batch):
+    values, offsets = mixed_batch(4, 128, torch.bfloat16, offsets_dtype=torch.int32)
+    values, offsets = values.cuda(), offsets.cuda()
+    layout = JaggedLayout.from_offsets(offsets, values)
+
+    def fn(v):
+        jmx = quantize_jagged(v, layout, ALL, backend="triton")
+        return [getattr(jmx, n) for n in OUTPUTS]
+
+    got = torch.compile(fn, fullgraph=True)(values)
+    ref = quantize_jagged(values, layout, ALL, backend="reference")
+    for name, g in zip(OUTPUTS, got):
+        assert torch.equal(g.view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
