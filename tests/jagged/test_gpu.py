@@ -1,9 +1,13 @@
 """GPU checks: the compiled kernel (hardware E4M3 cast) byte for byte against the reference, on the
 DESIGN.md §6 jagged workload and on the mixed batch with outliers and non-finite values."""
+import importlib.util
+import pathlib
+import warnings
+
 import pytest
 import torch
 
-from gem_lp.jagged import JaggedLayout, quantize_jagged
+from gem_lp.jagged import JaggedLayout, dequantize_jagged, quantize_jagged
 from gem_lp.jagged.tensor import scale_sizes
 from gem_lp.jagged.triton_kernel import launch
 from gem_lp.mx.formats import PAYLOAD_DTYPE
@@ -23,11 +27,18 @@ def assert_same_bytes(ours, ref):
             assert diff.numel() == 0, f"{name}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
 
 
+def _benchmark_common():
+    """benchmarks/common.py (the §6 length generator), loaded by path: `benchmarks` is not installed."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
+    spec = importlib.util.spec_from_file_location("bench_common", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("scaling", ["rceil", "floor"])
 def test_design_workload_bit_identical(scaling):
-    from benchmarks.common import lognormal_lengths
-
-    lengths = lognormal_lengths(32, 1024, seed=0, lo=32, hi=4096)
+    lengths = _benchmark_common().lognormal_lengths(32, 1024, seed=0, lo=32, hi=4096)
     assert int(lengths.sum()) == 32088 and int(lengths.max()) == 3274
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -71,3 +82,31 @@ def test_int32_offsets_and_inductor_compile(mixed_batch):
     ref = quantize_jagged(values, layout, ALL, backend="reference")
     for name, g in zip(OUTPUTS, got):
         assert torch.equal(g.view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
+
+
+def test_host_syncs(mixed_batch):
+    """At most one host sync to build a layout; none to build one from precomputed ints, to quantize with
+    a built layout, or to dequantize."""
+    values, offsets = mixed_batch(2, 64, torch.bfloat16)
+    values, offsets = values.cuda(), offsets.cuda()
+    layout = JaggedLayout.from_offsets(offsets, values)
+    quantize_jagged(values, layout, ALL)  # compile the kernel outside the checks
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            JaggedLayout.from_offsets(offsets, values)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]  # 0 would mean the check saw nothing
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast = JaggedLayout.from_offsets(offsets, values, max_len=layout.max_len,
+                                         padded_total=layout.padded_total, validate=False)
+        jmx = quantize_jagged(values, fast, ALL)
+        for o in ALL:
+            dequantize_jagged(jmx, o)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
