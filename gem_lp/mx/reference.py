@@ -124,7 +124,7 @@ def quantize_reference(
             raise ValueError(f"axis {axis} is out of range for a tensor of {x.dim()} dims")
         xt = x32.movedim(ax, -1)
         xp, n = _pad_dim(xt, -1, allow_partial, f"x.shape[{ax}]")
-        blocks = xp.reshape(*xp.shape[:-1], -1, BLOCK)
+        blocks = xp.reshape(*xp.shape[:-1], xp.shape[-1] // BLOCK, BLOCK)
         byte = scale_bytes(abs_bits(blocks).amax(-1), scaling)
         data = encode_payload(blocks, byte.unsqueeze(-1)).reshape(xp.shape)[..., :n]
         return MXTensor(data.movedim(-1, ax).contiguous(), byte.movedim(-1, ax).contiguous(),

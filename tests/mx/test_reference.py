@@ -236,3 +236,10 @@ def test_dequantize_is_exact_for_extreme_bytes():
     assert lo[0, :4].tolist() == [2.0**-136, 3 * 2.0**-136, 2.0**-128, 448 * 2.0**-127]
     hi = dequantize(MXTensor(payload[:, :3].repeat(1, 11)[:, :32], torch.tensor([[254]], dtype=torch.uint8)))
     assert hi[0, 2].item() == 2.0**126
+
+
+@pytest.mark.parametrize("shape,block", [((0, 64), "1d"), ((3, 0), "1d"), ((0, 64, 32), "square"), ((64, 0), "square")])
+def test_empty_inputs(shape, block):
+    mx = quantize_reference(torch.empty(*shape), block=block)
+    assert mx.data.shape == shape and mx.data.numel() == 0
+    assert dequantize(mx).shape == shape
