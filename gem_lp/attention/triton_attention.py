@@ -1,0 +1,879 @@
+"""Jagged attention in Triton, forward and backward, BF16 and exact MXFP8 (LP-FA4 recipe, DESIGN.md §3).
+
+Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16. So the default path
+("producer") is:
+
+1. a memory-bound producer pass (`_operand_kernel`) per operand: read `[T, H, D]` once, quantize each
+   MX block (hdim 1x32 along D, seq 32 tokens x 1 feature, square 32x32; token blocks aligned to each
+   sequence's first token), and write the dequantized, MX-exact BF16 operand; the dO pass also writes
+   Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient);
+2. a BF16 flash kernel (`_attn_fwd_kernel`, `_attn_bwd_kernel`) that rounds P (and, backward, dS) to
+   the recipe's grid in registers: `const_p` e4m3(256 p) with the fixed scale 2^-8, `dynamic` 1x32
+   blocks along kv (forward) or 32x32 blocks (backward) with the rceil rule; dS in 32x32 blocks.
+   With `precision="bf16"` the same kernels round P and dS to the operand dtype instead.
+
+Forward variants of the same kernel, for measurement (`variant=`): `"dequant_in_loop"` loads the E4M3
+payloads and the E8M0 bytes of `gem_lp.jagged.quantize_jagged` (blocked, per-sequence padded scales) and
+dequantizes Q, K, V tiles in registers; `"fp8_qk"` computes QK^T as FP8 `tl.dot`s per 32-wide chunk of D,
+each promoted into the FP32 scores by the product of the two E8M0 scales (V from the producer).
+`warp_specialize=True` runs the KV loop as `tl.range(..., warp_specialize=True)`.
+
+Scheduling: one launch covers every sequence and head. A tile map (`tile_seq`, `tile_idx`), built on
+the device without a host sync, sends program i to one BLOCK_M-query tile of one sequence, largest
+work first; tiles never cross sequences, so 32-token MX blocks stay aligned to sequence starts; causal
+tiles skip fully masked KV tiles. The backward runs one program per BLOCK_N-key tile and head,
+accumulates dK, dV in registers and dQ with atomic adds (FP32, or FP16 with a static scale), which also
+sums dQ over the batch for `broadcast_q`.
+
+Numerics against `reference.py` (same precision): the kernel's softmax is online, so it rounds p
+relative to the running row max and rescales, while the reference rounds p relative to the final max.
+Each rounded element is within one rounding of p on both sides: |P_kernel - P_ref| <= 2 u p + 2 a,
+with u = 2^-4, a = 2^-18 (E4M3: half a step in 3 mantissa bits; the subnormal half-step 2^-10 of the
+payload 256 p, or of p's block-max-scaled payload for `dynamic`), u = 2^-8 / a = 0 for BF16 P (2^-11
+for FP16). Hence per output element |O_kernel - O_ref| <= (2u Σ_j p_j |v_j| + 2a Σ_j |v_j|) / l plus
+the output rounding; the tests check this bound and a tight match against a tile-by-tile model of the
+kernel. The backward rounds the same quantities as the reference (P from the final LSE), so it
+agrees up to FP32 summation order.
+
+Exactness caveat: dequantized MX values below 2^-133 (blocks whose scale byte is < 5) are not all
+representable in BF16 and round; such blocks hold values below 2^-118.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import interpreter_enabled
+from ..mx.triton_numerics import abs_bits, e4m3_bits, encode, inv_scale, scale_byte
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+PRECISIONS = ("bf16", "mxfp8")
+P_QUANTS = ("const_p", "dynamic")
+VARIANTS = ("producer", "dequant_in_loop", "fp8_qk")
+DQ_ACCUMS = ("fp32", "fp16")
+HEAD_DIMS = (64, 128)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MX_BLOCK = 32
+
+# constexpr codes
+ORIENT_NONE, ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE = 0, 1, 2, 3
+PQ_NONE, PQ_CONST, PQ_DYNAMIC = 0, 1, 2
+OPERANDS_16BIT, OPERANDS_MX_IN_LOOP, OPERANDS_FP8_QK = 0, 1, 2
+
+
+# ============================================================================ device helpers
+
+
+@triton.jit
+def _to_f32(x):
+    """Exact FP32 of a loaded tile (bf16 widened by its bits: the interpreter's cast flushes subnormals)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """FP32 `x` to `dtype`, round-to-nearest-even. The interpreter truncates FP32 -> BF16, so there the
+    rounding is done on the bits first (NaN kept)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, rounded).to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """tl.dot(a, b, acc) of 16-bit operands. Triton 3.6's interpreter computes BF16 dots wrongly, so
+    there the operands are widened to FP32 first (the same exact products, summed in FP32)."""
+    if INTERPRET:
+        return tl.dot(_to_f32(a), _to_f32(b), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _e4m3_value(q):
+    """FP32 value of E4M3 bytes `q` (int32), exact. 0x7F/0xFF decode as +-480: they only occur in
+    blocks whose scale byte is 255, whose scale value is NaN."""
+    e = (q >> 3) & 0xF
+    m = q & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((q & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _payload_value(pay, HW_CAST: tl.constexpr):
+    """FP32 value of a uint8 E4M3 payload tile."""
+    if HW_CAST:
+        return pay.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return _e4m3_value(pay.to(tl.int32))
+
+
+@triton.jit
+def _round_e4m3(y, HW_CAST: tl.constexpr):
+    """FP32 `y` (|y| <= 448) rounded to nearest-even E4M3, as FP32. The interpreter's FP8 cast is not
+    faithful, so `HW_CAST=False` rounds by integer arithmetic (same result)."""
+    if HW_CAST:
+        return y.to(tl.float8e4nv).to(tl.float32)
+    else:
+        return _e4m3_value(e4m3_bits(y))
+
+
+@triton.jit
+def _scale_value(byte):
+    """2^(byte - 127) in FP32 of E8M0 bytes (int32): byte 0 -> 2^-127 (subnormal), 255 -> NaN."""
+    v = tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+    return tl.where(byte == 255, float("nan"), v)
+
+
+@triton.jit
+def _mx_round(x, byte, HW_CAST: tl.constexpr):
+    """Dequantized MX value of FP32 `x` under E8M0 bytes `byte` (broadcast): exact FP32."""
+    y = tl.minimum(tl.maximum(x * inv_scale(byte), -448.0), 448.0)
+    return _round_e4m3(y, HW_CAST) * _scale_value(byte)
+
+
+@triton.jit
+def _mx_round_rows(x, R: tl.constexpr, C: tl.constexpr, HW_CAST: tl.constexpr):
+    """`[R, C]` FP32 through MXFP8 with 1x32 blocks along dim 1 (rceil), dequantized."""
+    xb = tl.reshape(x, [R, C // 32, 32])
+    byte = scale_byte(tl.max(abs_bits(xb), axis=2), True)
+    return tl.reshape(_mx_round(xb, byte[:, :, None], HW_CAST), [R, C])
+
+
+@triton.jit
+def _mx_round_square(x, R: tl.constexpr, C: tl.constexpr, HW_CAST: tl.constexpr):
+    """`[R, C]` FP32 through MXFP8 with 32x32 blocks (rceil, max-abs), dequantized."""
+    xb = tl.reshape(x, [R // 32, 32, C // 32, 32])
+    byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=3), axis=1), True)
+    return tl.reshape(_mx_round(xb, byte[:, None, :, None], HW_CAST), [R, C])
+
+
+@triton.jit
+def _hdim_scale_offset(row, col, N_COL_BLOCKS: tl.constexpr):
+    """Byte of scale (row, col) in the 128x4 blocked layout of an hdim-form matrix [Tp, D/32]."""
+    return ((row // 128) * N_COL_BLOCKS + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
+
+
+@triton.jit
+def _seq_scale_offset(feature, col, num_col_tiles):
+    """Byte of scale (feature, col) in the blocked layout of a seq-form matrix [D, Tp/32]."""
+    return (((feature // 128) * num_col_tiles + col // 4) * 512 + (feature % 32) * 16
+            + ((feature % 128) // 32) * 4 + col % 4)
+
+
+@triton.jit
+def _load_hdim_mx(pay_ptr, s_ptr, tok, srow, mask, h, H, s_head_bytes, D: tl.constexpr, HW_CAST: tl.constexpr):
+    """Dequantized `[R, D]` FP32 tile of an hdim-quantized jagged tensor (payload [T, H, D], blocked scales)."""
+    d = tl.arange(0, D)
+    pay = tl.load(pay_ptr + (tok[:, None] * H + h) * D + d[None, :], mask=mask[:, None], other=0)
+    soff = _hdim_scale_offset(srow[:, None], (d // 32)[None, :], (D // 32 + 3) // 4)
+    byte = tl.load(s_ptr + h * s_head_bytes + soff, mask=mask[:, None], other=0)
+    return _payload_value(pay, HW_CAST) * _scale_value(byte.to(tl.int32))
+
+
+@triton.jit
+def _load_seq_mx(pay_ptr, s_ptr, tok, srow, mask, h, H, s_head_bytes, num_col_tiles, D: tl.constexpr,
+                 HW_CAST: tl.constexpr):
+    """Dequantized `[R, D]` FP32 tile of a seq-quantized jagged tensor (32-token blocks of padded rows)."""
+    d = tl.arange(0, D)
+    pay = tl.load(pay_ptr + (tok[:, None] * H + h) * D + d[None, :], mask=mask[:, None], other=0)
+    soff = _seq_scale_offset(d[None, :], (srow // 32)[:, None], num_col_tiles)
+    byte = tl.load(s_ptr + h * s_head_bytes + soff, mask=mask[:, None], other=0)
+    return _payload_value(pay, HW_CAST) * _scale_value(byte.to(tl.int32))
+
+
+@triton.jit
+def _load_fp8_chunk(pay_ptr, s_ptr, tok, srow, mask, h, H, s_head_bytes, c: tl.constexpr, D: tl.constexpr):
+    """Chunk c (features 32c..32c+31) of an hdim-quantized tensor: FP8 payload `[R, 32]` and scale `[R]` FP32."""
+    d = c * 32 + tl.arange(0, 32)
+    pay = tl.load(pay_ptr + (tok[:, None] * H + h) * D + d[None, :], mask=mask[:, None], other=0)
+    soff = _hdim_scale_offset(srow, c, (D // 32 + 3) // 4)
+    byte = tl.load(s_ptr + h * s_head_bytes + soff, mask=mask, other=0)
+    return pay.to(tl.float8e4nv, bitcast=True), _scale_value(byte.to(tl.int32))
+
+
+@triton.jit
+def _round_p(p, BM: tl.constexpr, BN: tl.constexpr, P_QUANT: tl.constexpr, SQUARE: tl.constexpr,
+             dtype: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """P as the P.V (or P^T.dO) operand: `const_p` -> e4m3(256 p) (a 256x scaled value), `dynamic` ->
+    MX blocks (1x32 along kv, or 32x32 when SQUARE), none -> rounded to the operand dtype."""
+    if P_QUANT == 1:
+        return _round_e4m3(p * 256.0, HW_CAST).to(dtype)
+    elif P_QUANT == 2:
+        if SQUARE:
+            return _mx_round_square(p, BM, BN, HW_CAST).to(dtype)
+        else:
+            return _mx_round_rows(p, BM, BN, HW_CAST).to(dtype)
+    else:
+        return _cast(p, dtype, INTERPRET)
+
+
+# ============================================================================ producer pass
+
+
+@triton.jit
+def _operand_kernel(
+    x_ptr, out_ptr, o_ptr, delta_ptr, dlse_ptr,
+    blk_seq_ptr, offsets_ptr, blk_offsets_ptr, H,
+    D: tl.constexpr, ORIENT: tl.constexpr, WRITE_OUT: tl.constexpr, DELTA: tl.constexpr,
+    HAS_DLSE: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One 32-token block (aligned to its sequence's start) of one head: the MX-exact operand, and Δ."""
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(blk_seq_ptr + blk)
+    if b < 0:
+        return
+    end = tl.load(offsets_ptr + b + 1)
+    tok = tl.load(offsets_ptr + b) + (blk - tl.load(blk_offsets_ptr + b)) * 32 + tl.arange(0, 32)
+    valid = tok < end
+    d = tl.arange(0, D)
+    off = (tok[:, None] * H + h) * D + d[None, :]
+    x = _to_f32(tl.load(x_ptr + off, mask=valid[:, None], other=0.0))
+    if WRITE_OUT:
+        if ORIENT == 1:  # hdim: 1x32 along D
+            xb = tl.reshape(x, [32, D // 32, 32])
+            byte = scale_byte(tl.max(abs_bits(xb), axis=2), True)
+            y = tl.reshape(_mx_round(xb, byte[:, :, None], HW_CAST), [32, D])
+        elif ORIENT == 2:  # seq: 32 tokens x 1 feature (padding rows are 0: they never raise the max)
+            byte = scale_byte(tl.max(abs_bits(x), axis=0), True)
+            y = _mx_round(x, byte[None, :], HW_CAST)
+        elif ORIENT == 3:  # square: 32 tokens x 32 features
+            xb = tl.reshape(x, [32, D // 32, 32])
+            byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=2), axis=0), True)
+            y = tl.reshape(_mx_round(xb, byte[None, :, None], HW_CAST), [32, D])
+        else:  # plain rounding to the operand dtype
+            y = x
+        tl.store(out_ptr + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid[:, None])
+    if DELTA:  # x is dO as given
+        o = _to_f32(tl.load(o_ptr + off, mask=valid[:, None], other=0.0))
+        delta = tl.sum(x * o, axis=1)
+        if HAS_DLSE:
+            delta -= tl.load(dlse_ptr + tok * H + h, mask=valid, other=0.0)
+        tl.store(delta_ptr + tok * H + h, delta, mask=valid)
+
+
+# ============================================================================ forward
+
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
+              k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n, offs_m, shift,
+              h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              P_QUANT: tl.constexpr, OPERANDS: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """One KV tile of the online softmax: returns the updated (acc, l_i, m_i)."""
+    offs_n = start_n + tl.arange(0, BN)
+    n_mask = offs_n < Lk
+    tok = kv_row0 + offs_n
+    d = tl.arange(0, D)
+    kv_off = (tok[:, None] * H + h) * D + d[None, :]
+    # ---- S = Q K^T, in the log2 domain (qk_scale = softmax_scale * log2 e)
+    if OPERANDS == 2:
+        srow = kv_srow0 + offs_n
+        k0, sk0 = _load_fp8_chunk(k_ptr, k_scale_ptr, tok, srow, n_mask, h, H, k_scale_head, 0, D)
+        k1, sk1 = _load_fp8_chunk(k_ptr, k_scale_ptr, tok, srow, n_mask, h, H, k_scale_head, 1, D)
+        s = tl.dot(q0, tl.trans(k0)) * sq0[:, None] * sk0[None, :]
+        s += tl.dot(q1, tl.trans(k1)) * sq1[:, None] * sk1[None, :]
+        if D == 128:
+            k2, sk2 = _load_fp8_chunk(k_ptr, k_scale_ptr, tok, srow, n_mask, h, H, k_scale_head, 2, D)
+            k3, sk3 = _load_fp8_chunk(k_ptr, k_scale_ptr, tok, srow, n_mask, h, H, k_scale_head, 3, D)
+            s += tl.dot(q2, tl.trans(k2)) * sq2[:, None] * sk2[None, :]
+            s += tl.dot(q3, tl.trans(k3)) * sq3[:, None] * sk3[None, :]
+    else:
+        if OPERANDS == 1:
+            k = _load_hdim_mx(k_ptr, k_scale_ptr, tok, kv_srow0 + offs_n, n_mask, h, H, k_scale_head, D,
+                              HW_CAST).to(tl.bfloat16)
+        elif MASKED:
+            k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_off)
+        s = _dot(q, tl.trans(k), None, INTERPRET) * qk_scale
+    if MASKED:
+        visible = n_mask[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+        s = tl.where(visible, s, float("-inf"))
+    # ---- online softmax (fully masked rows keep m = -inf; their p are exp2(-inf) = 0)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    # ---- P V with P on the recipe's grid
+    if OPERANDS == 1:
+        v = _load_seq_mx(v_ptr, v_scale_ptr, tok, kv_srow0 + offs_n, n_mask, h, H, v_scale_head, v_num_tiles,
+                         D, HW_CAST).to(tl.bfloat16)
+    elif MASKED:
+        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptr + kv_off)
+    acc = _dot(_round_p(p, BM, BN, P_QUANT, False, v.dtype, HW_CAST, INTERPRET), v, acc, INTERPRET)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    q_base_ptr, o_offsets_ptr, kv_offsets_ptr, q_srow_ptr, kv_srow_ptr, tile_seq_ptr, tile_idx_ptr,
+    H, qk_scale, q_scale_head, k_scale_head, v_scale_head, v_num_tiles,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
+    OPERANDS: tl.constexpr, HW_CAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One BM-query tile of one sequence and head: O (input dtype) and LSE (FP32, natural log)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(tile_seq_ptr + pid)
+    if b < 0:
+        return
+    qt = tl.load(tile_idx_ptr + pid)
+    o_row0 = tl.load(o_offsets_ptr + b)
+    Lq = tl.load(o_offsets_ptr + b + 1) - o_row0
+    kv_row0 = tl.load(kv_offsets_ptr + b)
+    Lk = tl.load(kv_offsets_ptr + b + 1) - kv_row0
+    shift = Lk - Lq  # causal: query i sees keys j <= i + shift
+    offs_m = qt * BM + tl.arange(0, BM)
+    m_mask = offs_m < Lq
+    d = tl.arange(0, D)
+    q_tok = tl.load(q_base_ptr + b) + offs_m
+
+    q = tl.zeros([BM, D], dtype=tl.bfloat16)
+    q0 = tl.zeros([BM, 32], dtype=tl.float8e4nv)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    sq0 = tl.zeros([BM], dtype=tl.float32)
+    sq1 = sq0
+    sq2 = sq0
+    sq3 = sq0
+    kv_srow0 = 0
+    if OPERANDS == 0:
+        q = tl.load(q_ptr + (q_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
+    elif OPERANDS == 1:
+        q_srow = tl.load(q_srow_ptr + b) + offs_m
+        q = _load_hdim_mx(q_ptr, q_scale_ptr, q_tok, q_srow, m_mask, h, H, q_scale_head, D, HW_CAST).to(tl.bfloat16)
+        kv_srow0 = tl.load(kv_srow_ptr + b)
+    else:
+        q_srow = tl.load(q_srow_ptr + b) + offs_m
+        q0, sq0 = _load_fp8_chunk(q_ptr, q_scale_ptr, q_tok, q_srow, m_mask, h, H, q_scale_head, 0, D)
+        q1, sq1 = _load_fp8_chunk(q_ptr, q_scale_ptr, q_tok, q_srow, m_mask, h, H, q_scale_head, 1, D)
+        if D == 128:
+            q2, sq2 = _load_fp8_chunk(q_ptr, q_scale_ptr, q_tok, q_srow, m_mask, h, H, q_scale_head, 2, D)
+            q3, sq3 = _load_fp8_chunk(q_ptr, q_scale_ptr, q_tok, q_srow, m_mask, h, H, q_scale_head, 3, D)
+        sq0 = sq0 * qk_scale
+        sq1 = sq1 * qk_scale
+        sq2 = sq2 * qk_scale
+        sq3 = sq3 * qk_scale
+        kv_srow0 = tl.load(kv_srow_ptr + b)
+
+    # KV tiles [0, full_end) need no mask; [full_end, end) are masked (sequence end, causal diagonal)
+    if CAUSAL:
+        end = tl.minimum(tl.maximum(tl.minimum(qt * BM + BM, Lq) + shift, 0), Lk)
+        full_end = tl.minimum(tl.maximum(qt * BM + shift + 1, 0), Lk) // BN * BN
+    else:
+        end = Lk
+        full_end = Lk // BN * BN
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot take run-time range bounds; a while loop is the same walk
+        start_n = 0
+        while start_n < end:
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
+                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
+                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, start_n >= full_end, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+            start_n += BN
+    else:
+        if WARP_SPECIALIZE:
+            for start_n in tl.range(0, full_end, BN, warp_specialize=True):
+                acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
+                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
+                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+        else:
+            for start_n in tl.range(0, full_end, BN):
+                acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
+                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
+                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+        for start_n in tl.range(full_end, end, BN):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
+                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
+                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, True, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * 0.6931471805599453)
+    denom = tl.where(empty, 1.0, l_i)
+    if P_QUANT == 1:
+        denom = denom * 256.0  # const_p accumulated 256 p (an exact power of two)
+    o = acc / denom[:, None]
+    o_tok = o_row0 + offs_m
+    tl.store(o_ptr + (o_tok[:, None] * H + h) * D + d[None, :], _cast(o, o_ptr.dtype.element_ty, INTERPRET),
+             mask=m_mask[:, None])
+    tl.store(lse_ptr + o_tok * H + h, lse, mask=m_mask)
+
+
+# ============================================================================ backward
+
+
+@triton.jit
+def _bwd_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq, start_m,
+              offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
+              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
+              DS_MX: tl.constexpr, DQ_FP16: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """One query tile against the program's key tile: returns the updated (dK, dV); adds into dQ."""
+    d = tl.arange(0, D)
+    offs_m = start_m + tl.arange(0, BM)
+    m_mask = offs_m < Lq
+    q_tok = q_row0 + offs_m
+    o_tok = o_row0 + offs_m
+    q = tl.load(q_ptr + (q_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
+    do = tl.load(do_ptr + (o_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
+    lse = tl.load(lse_ptr + o_tok * H + h, mask=m_mask, other=0.0)
+    delta = tl.load(delta_ptr + o_tok * H + h, mask=m_mask, other=0.0)
+    # P = exp(S * scale - LSE), recomputed; rows without visible keys (LSE = -inf) give 0
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    s = _dot(q, tl.trans(k), None, INTERPRET) * qk_scale
+    visible = m_mask[:, None] & n_mask[None, :]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+    p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+    dv = _dot(tl.trans(_round_p(p, BM, BN, P_QUANT, True, do.dtype, HW_CAST, INTERPRET)), do, dv, INTERPRET)
+    dp = _dot(do, tl.trans(v), None, INTERPRET)
+    ds = p * (dp - delta[:, None])
+    if DS_MX:
+        ds_op = _mx_round_square(ds, BM, BN, HW_CAST).to(q.dtype)
+    else:
+        ds_op = _cast(ds, q.dtype, INTERPRET)
+    dk = _dot(tl.trans(ds_op), q, dk, INTERPRET)
+    dq = _dot(ds_op, k, None, INTERPRET) * sm_scale
+    dq_off = (q_tok[:, None] * H + h) * D + d[None, :]
+    if DQ_FP16:
+        tl.atomic_add(dq_ptr + dq_off, (dq * dq_static_scale).to(tl.float16), mask=m_mask[:, None])
+    else:
+        tl.atomic_add(dq_ptr + dq_off, dq, mask=m_mask[:, None])
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+    dk_pay_ptr, dk_s_hdim_ptr, dk_s_seq_ptr, dv_pay_ptr, dv_s_hdim_ptr, dv_s_seq_ptr,
+    q_base_ptr, o_offsets_ptr, kv_offsets_ptr, kv_srow_ptr, tile_seq_ptr, tile_idx_ptr,
+    H, qk_scale, sm_scale, dq_static_scale, s_hdim_head, s_seq_head, s_num_col_tiles,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
+    DS_MX: tl.constexpr, DQ_FP16: tl.constexpr, MX_GRADS: tl.constexpr, HW_CAST: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One BN-key tile of one sequence and head: dK, dV in registers over all query tiles; dQ by atomics."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(tile_seq_ptr + pid)
+    if b < 0:
+        return
+    kt = tl.load(tile_idx_ptr + pid)
+    o_row0 = tl.load(o_offsets_ptr + b)
+    Lq = tl.load(o_offsets_ptr + b + 1) - o_row0
+    kv_row0 = tl.load(kv_offsets_ptr + b)
+    Lk = tl.load(kv_offsets_ptr + b + 1) - kv_row0
+    q_row0 = tl.load(q_base_ptr + b)
+    shift = Lk - Lq
+    offs_n = kt * BN + tl.arange(0, BN)
+    n_mask = offs_n < Lk
+    d = tl.arange(0, D)
+    kv_tok = kv_row0 + offs_n
+    kv_off = (kv_tok[:, None] * H + h) * D + d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    dk = tl.zeros([BN, D], dtype=tl.float32)
+    dv = tl.zeros([BN, D], dtype=tl.float32)
+    start = 0
+    if CAUSAL:  # the first query that sees key kt*BN is kt*BN - shift
+        start = tl.maximum(kt * BN - shift, 0) // BM * BM
+    if INTERPRET:  # the interpreter cannot take run-time range bounds; a while loop is the same walk
+        start_m = start
+        while start_m < Lq:
+            dk, dv = _bwd_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq, start_m,
+                               offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
+                               D, BM, BN, CAUSAL, P_QUANT, DS_MX, DQ_FP16, HW_CAST, INTERPRET)
+            start_m += BM
+    else:
+        for start_m in tl.range(start, Lq, BM):
+            dk, dv = _bwd_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq, start_m,
+                               offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
+                               D, BM, BN, CAUSAL, P_QUANT, DS_MX, DQ_FP16, HW_CAST, INTERPRET)
+    dk = dk * sm_scale
+    if P_QUANT == 1:
+        dv = dv * 0.00390625  # const_p accumulated 256 p
+    if MX_GRADS:
+        _store_square_mx(dk, dk_pay_ptr, dk_s_hdim_ptr, dk_s_seq_ptr, kv_tok, n_mask, kv_srow_ptr, b, kt, Lk, h, H,
+                         s_hdim_head, s_seq_head, s_num_col_tiles, D, BN, HW_CAST)
+        _store_square_mx(dv, dv_pay_ptr, dv_s_hdim_ptr, dv_s_seq_ptr, kv_tok, n_mask, kv_srow_ptr, b, kt, Lk, h, H,
+                         s_hdim_head, s_seq_head, s_num_col_tiles, D, BN, HW_CAST)
+    else:
+        tl.store(dk_ptr + kv_off, _cast(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=n_mask[:, None])
+        tl.store(dv_ptr + kv_off, _cast(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=n_mask[:, None])
+
+
+@triton.jit
+def _store_square_mx(x, pay_ptr, s_hdim_ptr, s_seq_ptr, tok, n_mask, srow_ptr, b, kt, Lk, h, H,
+                     s_hdim_head, s_seq_head, num_col_tiles, D: tl.constexpr, BN: tl.constexpr,
+                     HW_CAST: tl.constexpr):
+    """Store `[BN, D]` FP32 as MXFP8 32x32 blocks in `gem_lp.jagged`'s format: payload [T, H, D] and the
+    square scales in both blocked forms (rows past the sequence keep their zero padding)."""
+    xb = tl.reshape(x, [BN // 32, 32, D // 32, 32])
+    byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=3), axis=1), True)  # [BN/32, D/32]
+    pay = tl.reshape(encode(xb, byte[:, None, :, None], HW_CAST), [BN, D])
+    d = tl.arange(0, D)
+    tl.store(pay_ptr + (tok[:, None] * H + h) * D + d[None, :], pay, mask=n_mask[:, None])
+    srow = tl.load(srow_ptr + b) + kt * BN + tl.arange(0, BN)  # padded scale rows of this tile
+    on_rows = tl.reshape(tl.broadcast_to(byte[:, None, :], [BN // 32, 32, D // 32]), [BN, D // 32])
+    c = tl.arange(0, D // 32)
+    hoff = _hdim_scale_offset(srow[:, None], c[None, :], (D // 32 + 3) // 4)
+    tl.store(s_hdim_ptr + h * s_hdim_head + hoff, on_rows.to(tl.uint8), mask=n_mask[:, None])
+    j = tl.arange(0, BN // 32)
+    jmask = kt * BN + j * 32 < Lk
+    col = (tl.load(srow_ptr + b) + kt * BN) // 32 + j  # 32-token block columns of the seq form
+    on_features = tl.reshape(tl.broadcast_to(byte[:, :, None], [BN // 32, D // 32, 32]), [BN // 32, D])
+    soff = _seq_scale_offset(d[None, :], col[:, None], num_col_tiles)
+    tl.store(s_seq_ptr + h * s_seq_head + soff, on_features.to(tl.uint8), mask=jmask[:, None])
+
+
+# ============================================================================ host: geometry and tile maps
+
+
+class _Geometry:
+    """Device-side description of one batch (no host sync): int64 offsets and per-sequence row starts.
+
+    Attributes:
+        batch: B. q_offsets: `[B+1]` offsets into q's rows (`[0, Lq]` for broadcast_q).
+        kv_offsets: `[B+1]`. o_offsets: `[B+1]` output rows (`b * Lq` for broadcast_q).
+        q_base: `[B]` first q row of each sequence (0 for broadcast_q). num_out: output rows.
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
+                 broadcast_q: bool):
+        dev = q.device
+        self.kv_offsets = kv_offsets.to(device=dev, dtype=torch.int64).contiguous()
+        self.batch = self.kv_offsets.numel() - 1
+        self.broadcast_q = broadcast_q
+        if broadcast_q:
+            lq = q.shape[0]
+            self.q_offsets = torch.tensor([0, lq], dtype=torch.int64, device=dev)
+            self.o_offsets = torch.arange(self.batch + 1, dtype=torch.int64, device=dev) * lq
+            self.q_base = torch.zeros(self.batch, dtype=torch.int64, device=dev)
+            self.num_out = self.batch * lq
+        else:
+            self.q_offsets = q_offsets.to(device=dev, dtype=torch.int64).contiguous()
+            self.o_offsets = self.q_offsets
+            self.q_base = self.q_offsets[:-1].contiguous()
+            self.num_out = q.shape[0]
+        self.q_rows, self.kv_rows = q.shape[0], k.shape[0]
+
+    def q_lengths(self) -> torch.Tensor:
+        return self.o_offsets[1:] - self.o_offsets[:-1]
+
+    def kv_lengths(self) -> torch.Tensor:
+        return self.kv_offsets[1:] - self.kv_offsets[:-1]
+
+
+def _tile_map(lengths: torch.Tensor, block: int, upper: int, work_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles of `block` rows of every sequence, `[upper]` int32 (sequence, tile index), most work first.
+
+    `upper` bounds the number of tiles (sum of ceil(L/block) <= rows/block + B), so the grid needs no
+    host sync; the slots past the real tiles hold sequence -1 and their programs return at once.
+    """
+    batch = lengths.numel()
+    nt = (lengths + block - 1) // block
+    cum = torch.cumsum(nt, 0)
+    t = torch.arange(upper, device=lengths.device)
+    seq = torch.searchsorted(cum, t, right=True)
+    valid = seq < batch
+    seq = seq.clamp(max=batch - 1)
+    idx = t - (cum[seq] - nt[seq])
+    work = torch.where(valid, work_of(seq, idx), torch.full_like(idx, -1))
+    order = torch.argsort(work, descending=True, stable=True)
+    tile_seq = torch.where(valid, seq, torch.full_like(seq, -1))[order]
+    return tile_seq.to(torch.int32).contiguous(), idx[order].to(torch.int32).contiguous()
+
+
+def _fwd_tiles(g: _Geometry, block_m: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    lq, lk = g.q_lengths(), g.kv_lengths()
+    upper = g.num_out // block_m + g.batch
+
+    def work(seq, idx):  # KV columns a query tile visits
+        if not causal:
+            return lk[seq]
+        last = torch.minimum((idx + 1) * block_m, lq[seq])
+        return (last + lk[seq] - lq[seq]).clamp(min=0).minimum(lk[seq])
+
+    return (*_tile_map(lq, block_m, upper, work), upper)
+
+
+def _bwd_tiles(g: _Geometry, block_n: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    lq, lk = g.q_lengths(), g.kv_lengths()
+    upper = g.kv_rows // block_n + g.batch
+
+    def work(seq, idx):  # query rows a key tile visits
+        if not causal:
+            return lq[seq]
+        first = (idx * block_n - (lk[seq] - lq[seq])).clamp(min=0).minimum(lq[seq])
+        return lq[seq] - first
+
+    return (*_tile_map(lk, block_n, upper, work), upper)
+
+
+def _block_map(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """32-token blocks aligned to sequence starts: `blk_seq [upper]` int32 (-1 past the last block),
+    `blk_offsets [B+1]` int64 (first block of each sequence), and `upper`."""
+    batch = offsets.numel() - 1
+    nb = (offsets[1:] - offsets[:-1] + MX_BLOCK - 1) // MX_BLOCK
+    blk_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=offsets.device)
+    blk_offsets[1:] = torch.cumsum(nb, 0)
+    upper = rows // MX_BLOCK + batch
+    t = torch.arange(upper, device=offsets.device)
+    seq = torch.searchsorted(blk_offsets[1:], t, right=True)
+    blk_seq = torch.where(seq < batch, seq, torch.full_like(seq, -1))
+    return blk_seq.to(torch.int32).contiguous(), blk_offsets, upper
+
+
+def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
+    if hw_cast is None:
+        return x.is_cuda and not interpreter_enabled()
+    return bool(hw_cast)
+
+
+def _operand(x: torch.Tensor, offsets: torch.Tensor, orient: int, *, hw_cast: bool, write_out: bool = True,
+             o: torch.Tensor | None = None, dlse: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Producer pass over `x [T, H, D]`: the BF16 MX-exact operand of one orientation (`ORIENT_NONE`:
+    `x` rounded to BF16), and with `o` given, Δ `[T, H]` FP32 = rowsum(x ⊙ o) (- dlse)."""
+    rows, heads, dim = x.shape
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) if write_out else None
+    delta = torch.empty(rows, heads, dtype=torch.float32, device=x.device) if o is not None else None
+    batch = offsets.numel() - 1
+    if rows == 0 or batch == 0:
+        if delta is not None:
+            delta.zero_()
+        return out, delta
+    blk_seq, blk_offsets, upper = _block_map(offsets, rows)
+    dummy = x
+    _operand_kernel[(upper, heads)](
+        x, out if out is not None else dummy, o if o is not None else dummy,
+        delta if delta is not None else dummy, dlse if dlse is not None else dummy,
+        blk_seq, offsets, blk_offsets, heads,
+        D=dim, ORIENT=orient, WRITE_OUT=write_out, DELTA=o is not None, HAS_DLSE=dlse is not None,
+        HW_CAST=hw_cast, INTERPRET=interpreter_enabled(), num_warps=4,
+    )
+    return out, delta
+
+
+# ============================================================================ host: launch configs
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim; the GPU benchmark sweeps alternatives.
+FWD_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+BWD_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
+# Under the interpreter cost is per program and per op: small tiles keep tests quick and multi-tile.
+INTERPRETER_FWD = (64, 32, 1, 1)
+INTERPRETER_BWD = (32, 64, 1, 1)
+
+
+def _config(which: str, dim: int, on_gpu: bool, override) -> tuple[int, int, int, int]:
+    base = (FWD_CONFIGS if which == "fwd" else BWD_CONFIGS)[dim] if on_gpu else (
+        INTERPRETER_FWD if which == "fwd" else INTERPRETER_BWD)
+    if not override:
+        return base
+    cfg = tuple(o if o else b for o, b in zip(tuple(override) + (0,) * (4 - len(override)), base))
+    bm, bn = cfg[0], cfg[1]
+    for name, n in (("block_m", bm), ("block_n", bn)):
+        if n % MX_BLOCK or n & (n - 1) or n > 128:
+            raise ValueError(f"{name} must be 32, 64 or 128 (a power of two multiple of {MX_BLOCK}), got {n}")
+    return cfg
+
+
+# ============================================================================ host: forward and backward
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor | None,
+                      kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
+                      precision: str = "mxfp8", softmax_scale: float | None = None, p_quant: str = "const_p",
+                      variant: str = "producer", warp_specialize: bool = False, config=None,
+                      hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of jagged attention (arguments checked by `jagged_attention_triton`; offsets trusted).
+
+    Args:
+        q: `[Tq, H, D]` (`[Lq, H, D]` with broadcast_q), k, v: `[Tk, H, D]`, contiguous, one dtype.
+        q_offsets, kv_offsets: `[B+1]` int32/int64 on q's device (q_offsets unused with broadcast_q).
+        variant: `"producer"`, `"dequant_in_loop"` or `"fp8_qk"` (mxfp8 only; see module docstring).
+        config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages); 0 entries keep the default.
+        hw_cast: E4M3 rounding by the hardware cast (default on CUDA) or by integer arithmetic.
+
+    Returns:
+        O `[T_out, H, D]` in q's dtype and LSE `[T_out, H]` FP32 (natural log; -inf without keys).
+    """
+    g = _Geometry(q, k, q_offsets, kv_offsets, broadcast_q)
+    heads, dim = q.shape[1], q.shape[2]
+    out = torch.empty(g.num_out, heads, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(g.num_out, heads, dtype=torch.float32, device=q.device)
+    if g.num_out == 0:
+        return out, lse
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
+    hw = _hw_cast(q, hw_cast)
+    bm, bn, warps, stages = _config("fwd", dim, q.is_cuda and not interpreter_enabled(), config)
+    dummy_u8 = torch.empty(1, dtype=torch.uint8, device=q.device)
+    q_scale = k_scale = v_scale = dummy_u8
+    q_srow = kv_srow = g.q_base
+    q_head = k_head = v_head = v_tiles = 0
+    if precision == "bf16":
+        p_code, operands = PQ_NONE, OPERANDS_16BIT
+        if q.dtype == torch.float32:  # the 16-bit recipe's operands are BF16
+            q_op = _operand(q, g.q_offsets, ORIENT_NONE, hw_cast=hw)[0]
+            k_op = _operand(k, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
+            v_op = _operand(v, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
+        else:
+            q_op, k_op, v_op = q, k, v
+    else:
+        p_code = PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC
+        if variant == "producer":
+            operands = OPERANDS_16BIT
+            q_op = _operand(q, g.q_offsets, ORIENT_HDIM, hw_cast=hw)[0]
+            k_op = _operand(k, g.kv_offsets, ORIENT_HDIM, hw_cast=hw)[0]
+            v_op = _operand(v, g.kv_offsets, ORIENT_SEQ, hw_cast=hw)[0]
+        else:
+            from ..jagged import JaggedLayout, quantize_jagged
+
+            q_layout = JaggedLayout.from_offsets(g.q_offsets, q)
+            kv_layout = JaggedLayout.from_offsets(g.kv_offsets, k)
+            qj = quantize_jagged(q, q_layout, ("hdim",))
+            kj = quantize_jagged(k, kv_layout, ("hdim",))
+            q_op, q_scale, q_head = qj.payload_hdim.view(torch.uint8), qj.scale_hdim, qj.scale_hdim.shape[1]
+            k_op, k_scale, k_head = kj.payload_hdim.view(torch.uint8), kj.scale_hdim, kj.scale_hdim.shape[1]
+            q_srow = (torch.zeros(g.batch, dtype=torch.int64, device=q.device) if broadcast_q
+                      else q_layout.scale_offsets[:-1].contiguous())
+            kv_srow = kv_layout.scale_offsets[:-1].contiguous()
+            if variant == "dequant_in_loop":
+                operands = OPERANDS_MX_IN_LOOP
+                vj = quantize_jagged(v, kv_layout, ("seq",))
+                v_op, v_scale, v_head = vj.payload_seq.view(torch.uint8), vj.scale_seq, vj.scale_seq.shape[1]
+                v_tiles = kv_layout.num_tiles
+            else:
+                operands = OPERANDS_FP8_QK
+                v_op = _operand(v, g.kv_offsets, ORIENT_SEQ, hw_cast=hw)[0]
+    if g.batch == 0:
+        return out, lse
+    tile_seq, tile_idx, upper = _fwd_tiles(g, bm, causal)
+    _attn_fwd_kernel[(upper, heads)](
+        q_op, k_op, v_op, out, lse, q_scale, k_scale, v_scale,
+        g.q_base, g.o_offsets, g.kv_offsets, q_srow, kv_srow, tile_seq, tile_idx,
+        heads, scale * LOG2E, q_head, k_head, v_head, v_tiles,
+        D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=p_code, OPERANDS=operands, HW_CAST=hw,
+        WARP_SPECIALIZE=warp_specialize, INTERPRET=interpreter_enabled(), num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, q_offsets: torch.Tensor | None, kv_offsets: torch.Tensor, *,
+                       causal: bool = False, broadcast_q: bool = False, precision: str = "mxfp8",
+                       softmax_scale: float | None = None, p_quant: str = "const_p",
+                       dlse: torch.Tensor | None = None, dq_accum: str = "fp32", dq_static_scale: float = 1.0,
+                       grad_format: str = "dense", grad_dtype: torch.dtype | None = None, config=None,
+                       hw_cast: bool | None = None):
+    """Backward of jagged attention by the recipe (DESIGN.md §3); inputs as for `attention_forward`.
+
+    Args:
+        do: `[T_out, H, D]` gradient of O (contiguous); o, lse: the forward's outputs.
+        dlse: optional `[T_out, H]` FP32 gradient of LSE (folded into Δ).
+        dq_accum: `"fp32"`, or `"fp16"`: dQ partial sums are added atomically into an FP16 buffer
+            holding dQ * dq_static_scale (halves the atomic traffic; pick the scale so that
+            |dQ| * scale stays well inside FP16's range).
+        grad_format: `"dense"` (dK, dV tensors) or `"mxfp8"`: dK and dV leave the kernel as
+            `gem_lp.jagged.JaggedMXTensor`s with a `square` payload (32x32 blocks, rceil; both blocked
+            scale forms), quantized in the kernel's epilogue from the FP32 accumulators.
+        grad_dtype: dtype of dQ (and of dense dK, dV); default q's dtype.
+
+    Returns:
+        (dQ `[Tq, H, D]` (`[Lq, H, D]` with broadcast_q: summed over the batch), dK, dV).
+    """
+    g = _Geometry(q, k, q_offsets, kv_offsets, broadcast_q)
+    heads, dim = q.shape[1], q.shape[2]
+    grad_dtype = grad_dtype or q.dtype
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
+    hw = _hw_cast(q, hw_cast)
+    bm, bn, warps, stages = _config("bwd", dim, q.is_cuda and not interpreter_enabled(), config)
+    mx = precision == "mxfp8"
+    if mx:
+        q_op = _operand(q, g.q_offsets, ORIENT_SQUARE, hw_cast=hw)[0]
+        k_op = _operand(k, g.kv_offsets, ORIENT_SQUARE, hw_cast=hw)[0]
+        v_op = _operand(v, g.kv_offsets, ORIENT_HDIM, hw_cast=hw)[0]
+        do_op, delta = _operand(do, g.o_offsets, ORIENT_SQUARE, hw_cast=hw, o=o, dlse=dlse)
+    elif q.dtype == torch.float32:
+        q_op = _operand(q, g.q_offsets, ORIENT_NONE, hw_cast=hw)[0]
+        k_op = _operand(k, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
+        v_op = _operand(v, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
+        do_op, delta = _operand(do, g.o_offsets, ORIENT_NONE, hw_cast=hw, o=o, dlse=dlse)
+    else:
+        q_op, k_op, v_op = q, k, v
+        do_op = do
+        delta = _operand(do, g.o_offsets, ORIENT_NONE, hw_cast=hw, write_out=False, o=o, dlse=dlse)[1]
+    dq_buf = torch.zeros(q.shape, dtype=torch.float16 if dq_accum == "fp16" else torch.float32, device=q.device)
+    mx_grads = grad_format == "mxfp8"
+    dummy_u8 = torch.empty(1, dtype=torch.uint8, device=q.device)
+    kv_srow = g.kv_offsets
+    s_hdim_head = s_seq_head = s_tiles = 0
+    if mx_grads:
+        from ..jagged import JaggedLayout, JaggedMXTensor
+        from ..jagged.tensor import scale_sizes
+
+        layout = JaggedLayout.from_offsets(g.kv_offsets, k)
+        s_hdim_head, s_seq_head = scale_sizes(layout.padded_total, dim)
+        s_tiles = layout.num_tiles
+        kv_srow = layout.scale_offsets[:-1].contiguous()
+        grads = []
+        for _ in range(2):
+            grads.append(JaggedMXTensor(
+                layout, "rceil", grad_dtype, heads, dim,
+                payload_square=torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=k.device),
+                scale_square_hdim=torch.zeros(heads, s_hdim_head, dtype=torch.uint8, device=k.device),
+                scale_square_seq=torch.zeros(heads, s_seq_head, dtype=torch.uint8, device=k.device)))
+        dk_t = dv_t = dummy_u8
+        dk_mx = (grads[0].payload_square.view(torch.uint8), grads[0].scale_square_hdim, grads[0].scale_square_seq)
+        dv_mx = (grads[1].payload_square.view(torch.uint8), grads[1].scale_square_hdim, grads[1].scale_square_seq)
+    else:
+        dk_t = torch.empty(k.shape, dtype=grad_dtype, device=k.device)
+        dv_t = torch.empty(v.shape, dtype=grad_dtype, device=v.device)
+        dk_mx = dv_mx = (dummy_u8, dummy_u8, dummy_u8)
+    if g.batch > 0 and g.kv_rows > 0:
+        tile_seq, tile_idx, upper = _bwd_tiles(g, bn, causal)
+        _attn_bwd_kernel[(upper, heads)](
+            q_op, k_op, v_op, do_op, lse, delta, dq_buf, dk_t, dv_t, *dk_mx, *dv_mx,
+            g.q_base, g.o_offsets, g.kv_offsets, kv_srow, tile_seq, tile_idx,
+            heads, scale * LOG2E, scale, float(dq_static_scale), s_hdim_head, s_seq_head, s_tiles,
+            D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=(PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC) if mx
+            else PQ_NONE, DS_MX=mx, DQ_FP16=dq_accum == "fp16", MX_GRADS=mx_grads, HW_CAST=hw,
+            INTERPRET=interpreter_enabled(), num_warps=warps, num_stages=stages,
+        )
+    elif not mx_grads:
+        dk_t.zero_()
+        dv_t.zero_()
+    if dq_accum == "fp16":
+        dq = (dq_buf.to(torch.float32) / dq_static_scale).to(grad_dtype)
+    else:
+        dq = dq_buf.to(grad_dtype)
+    if mx_grads:
+        return dq, grads[0], grads[1]
+    return dq, dk_t, dv_t
