@@ -12,8 +12,10 @@ backward (so memory stays that of a flash kernel's inputs and outputs plus one c
   Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
   and LSE, dS (and P for dV when `dynamic`) quantized in 32x32 blocks.
 
-Every GEMM takes exactly dequantized (or 16-bit) operands and accumulates in FP32. Tensors inside a chunk
-are `[Bc, H, P, D]` padded per sequence start (see layout.py), masks `[Bc, 1, Pq, Pk]`.
+Every GEMM takes exactly dequantized (or 16-bit) operands and accumulates in FP32 (autocast is switched
+off inside; on CUDA keep `torch.backends.cuda.matmul.allow_tf32` off for the `fp32` oracle, the other two
+recipes' operands are exact in TF32). Tensors inside a chunk are `[Bc, H, P, D]` padded per sequence start
+(see layout.py), masks `[Bc, 1, Pq, Pk]`.
 """
 from __future__ import annotations
 
@@ -164,6 +166,11 @@ class JaggedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: JaggedPlan, causal: bool, precision: str, scale: float, p_quant: str):
+        with torch.autocast(q.device.type, enabled=False):  # the recipe fixes every GEMM's dtype itself
+            return JaggedAttentionFunction._forward(ctx, q, k, v, plan, causal, precision, scale, p_quant)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, plan: JaggedPlan, causal: bool, precision: str, scale: float, p_quant: str):
         ct = compute_dtype(q) if precision == "fp32" else torch.float32
         heads, dim = q.shape[1], q.shape[2]
         out = q.new_zeros(plan.num_out, heads, dim)
@@ -182,6 +189,11 @@ class JaggedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            return JaggedAttentionFunction._backward(ctx, q, k, v, out, lse, d_out, d_lse)
+
+    @staticmethod
+    def _backward(ctx, q, k, v, out, lse, d_out, d_lse):
         plan = ctx.plan
         ct = lse.dtype
         dq = torch.zeros(q.shape, dtype=ct, device=q.device)

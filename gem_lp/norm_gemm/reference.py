@@ -13,6 +13,7 @@ a BF16 layer. All GEMMs take exactly dequantized operands and accumulate in FP32
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -69,6 +70,17 @@ def mx_linear_grads(dy: torch.Tensor, weight: torch.Tensor, in_col: MXTensor, sc
     return d_in, d_w, d_b
 
 
+def no_autocast(fn):
+    """Run an autograd Function's forward/backward with autocast off: the recipe fixes every GEMM's dtype."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx, first, *args):
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(ctx, first, *args)
+
+    return wrapper
+
+
 def _saved_mx(ctx, mx: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
     ctx.mx_meta = (mx.block, mx.axis, mx.scaling, mx.orig_dtype)
     return mx.data, mx.scale
@@ -83,6 +95,7 @@ class MXLinearFunction(torch.autograd.Function):
     """`Y [M, N] = X [M, K] W^T + b` by the MXLinear recipe; saves X's colwise MX tensor, not X."""
 
     @staticmethod
+    @no_autocast
     def forward(ctx, x2, weight, bias, scaling: str):
         y = rows_mx(x2, scaling) @ rows_mx(weight, scaling).t()
         if bias is not None:
@@ -93,6 +106,7 @@ class MXLinearFunction(torch.autograd.Function):
         return y.to(x2.dtype)
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dy):
         x_data, x_scale, weight = ctx.saved_tensors
         x_col = _restore_mx(ctx, x_data, x_scale)
@@ -109,6 +123,7 @@ class RMSNormMXLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @no_autocast
     def forward(ctx, x2, norm_weight, weight, bias, eps: float, scaling: str):
         yn = rms_norm_quantize_reference(x2, norm_weight, eps, scaling)
         y = dequantize(yn.rowwise) @ rows_mx(weight, scaling).t()
@@ -120,6 +135,7 @@ class RMSNormMXLinearFunction(torch.autograd.Function):
         return y.to(x2.dtype)
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dy):
         x2, norm_weight, rstd, yn_data, yn_scale, weight = ctx.saved_tensors
         dyn, dw, db = mx_linear_grads(dy, weight, _restore_mx(ctx, yn_data, yn_scale), ctx.scaling, ctx.has_bias)

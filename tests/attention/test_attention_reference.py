@@ -411,3 +411,14 @@ def test_tensor_errors():
         jagged_attention(q[:, :1], k, v, offs)
     with pytest.raises(ValueError, match="self-attention: k must have"):
         jagged_attention(q, k[:5], v[:5], offs)
+
+
+def test_reference_ignores_autocast():
+    q, k, v, q_offs, _, _ = make_case("self", heads=1, dim=32)
+    o = jagged_attention(q, k, v, q_offs, precision="mxfp8")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o2 = jagged_attention(q, k, v, q_offs, precision="mxfp8")
+        g2 = torch.autograd.grad(o2.sum(), (q, k, v))
+    g = torch.autograd.grad(o.sum(), (q, k, v))
+    assert o2.dtype == torch.float32 and torch.equal(o, o2)
+    assert all(torch.equal(a, b) for a, b in zip(g, g2))

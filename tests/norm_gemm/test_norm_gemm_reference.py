@@ -255,3 +255,14 @@ def test_errors():
     with pytest.raises(ValueError, match="multiples of 32"):
         RMSNormMXLinear(64, 33)
     RMSNormMXLinear(64, 33, recipe="bf16")  # any size outside mxfp8
+
+
+def test_mx_recipe_ignores_autocast():
+    x, w = torch.randn(16, 64, requires_grad=True), torch.randn(32, 64, requires_grad=True)
+    y = mx_linear(x, w)
+    grads = torch.autograd.grad(y.sum(), (x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y2 = mx_linear(x, w)
+        grads2 = torch.autograd.grad(y2.sum(), (x, w))
+    assert y2.dtype == torch.float32 and torch.equal(y, y2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
