@@ -1,0 +1,458 @@
+"""Exact MXFP8 GEMM `Y = A B^T` in Triton (three operand routes, a quantizing epilogue) and its dequantize pass.
+
+`A [M, Kc]` and `B [N, Kc]` are MX tensors blocked along Kc (their last, contiguous dim; a last partial
+block is allowed, as for the colwise casts contracted over tokens). The exact product is
+`Y = deq(A) deq(B)^T` with FP32 accumulation; the routes differ only in the order of the FP32 sums:
+
+* `"fp8"`: FP8 `tl.dot` per 32-wide k chunk (one E4M3 MMA), each chunk result promoted into the FP32
+  accumulator by the product of its two E8M0 scales: `acc += (dot * sa) * sb`.
+* `"dot_scaled"`: `tl.dot_scaled` per BLOCK_K (native block-scaled MMA on sm_100; on sm_90 Triton
+  decomposes it into a BF16 upcast and a BF16 dot). A NaN scale byte (255) is applied by the kernel itself
+  (sm_90 builds of Triton 3.6 do not decode it as NaN); Triton 3.6 on sm_90 decodes byte 0 as 0 instead
+  of 2^-127, which only changes products of magnitude below ~2^-118 * |other operand|.
+* `"dequant_triton"` / `"dequant_cublas"`: a memory-bound pass writes `deq(A)`, `deq(B)` as BF16 (exact:
+  E4M3 times a power of two fits BF16 down to 2^-133), then a BF16 GEMM: ours (with the epilogue below)
+  or cuBLAS (`torch.mm`; an MX output then costs a separate cast of Y).
+
+Epilogue (every Triton route): `+ bias` in FP32, then any of: Y in bf16/fp16/fp32; Y's rowwise MX cast
+(1x32 along N, payload `[M, N]`); Y's colwise MX cast (32x1 along M, payload of `Y^T`, `[N, M]`, partial last
+block allowed). The MX bytes come from the FP32 accumulator by `gem_lp.mx.triton_numerics`, so they equal
+`quantize_reference` of the FP32 Y that the same launch writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import interpreter_enabled
+from ..mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
+from ..mx.layout import blocked_size
+from ..mx.triton_numerics import abs_bits, encode, scale_byte
+from .triton_norm import e4m3_value, load_f32, scale_offset, scale_value, store_operand
+
+GEMM_VARIANTS = ("fp8", "dot_scaled", "dequant_triton", "dequant_cublas")
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OPERANDS_FP8, _OPERANDS_SCALED, _OPERANDS_PLAIN = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile of one program (BLOCK_M x BLOCK_N, BLOCK_K per loop step), L2 grouping, warps, pipeline stages."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# Defaults per operand route (sm_90); `benchmarks/bench_norm_gemm.py` measures alternatives.
+DEFAULT_CONFIGS = {
+    _OPERANDS_FP8: GemmConfig(128, 128, 128, 8, 8, 3),
+    _OPERANDS_SCALED: GemmConfig(128, 128, 128, 8, 8, 3),
+    _OPERANDS_PLAIN: GemmConfig(128, 256, 64, 8, 8, 3),
+}
+# Under the interpreter the cost is per program and per op: small tiles keep the masks exercised.
+INTERPRETER_CONFIG = GemmConfig(32, 32, 64, 2, 1, 1)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld, k0, Kc, n_kb,
+            OPERANDS: tl.constexpr, A_BLOCKED: tl.constexpr, B_BLOCKED: tl.constexpr, EVEN_K: tl.constexpr,
+            BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """One BLOCK_K step of the contraction: A rows `a_rows [BM, 1]`, B rows as columns `b_cols [1, BN]`."""
+    if OPERANDS == 0:  # FP8 dot per 32-chunk, promoted by the scale product
+        for j in tl.static_range(BLOCK_K // 32):
+            kk = k0 + j * 32 + tl.arange(0, 32)
+            if EVEN_K:
+                a = tl.load(a_rows + kk[None, :])
+                b = tl.load(b_cols + kk[:, None])
+            else:
+                a = tl.load(a_rows + kk[None, :], mask=kk[None, :] < Kc, other=0.0)
+                b = tl.load(b_cols + kk[:, None], mask=kk[:, None] < Kc, other=0.0)
+            kb = k0 // 32 + j
+            sa = scale_value(tl.load(a_scale_ptr + scale_offset(m_ld, kb, n_kb, A_BLOCKED),
+                                     mask=kb < n_kb, other=127).to(tl.int32))
+            sb = scale_value(tl.load(b_scale_ptr + scale_offset(n_ld, kb, n_kb, B_BLOCKED),
+                                     mask=kb < n_kb, other=127).to(tl.int32))
+            d = tl.dot(a, b, out_dtype=tl.float32)
+            acc += (d * sa[:, None]) * sb[None, :]
+    elif OPERANDS == 1:  # block-scaled dot
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(a_rows + kk[None, :])
+            b = tl.load(b_cols + kk[:, None])
+        else:
+            a = tl.load(a_rows + kk[None, :], mask=kk[None, :] < Kc, other=0.0)
+            b = tl.load(b_cols + kk[:, None], mask=kk[:, None] < Kc, other=0.0)
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+        sa = tl.load(a_scale_ptr + scale_offset(m_ld[:, None], kb, n_kb, A_BLOCKED), mask=kb < n_kb, other=127)
+        sb = tl.load(b_scale_ptr + scale_offset(n_ld[:, None], kb, n_kb, B_BLOCKED), mask=kb < n_kb, other=127)
+        acc = tl.dot_scaled(a, sa, "e4m3", b, sb, "e4m3", acc)
+        nan_m = tl.maximum(nan_m, tl.max((sa == 255).to(tl.int32), axis=1))
+        nan_n = tl.maximum(nan_n, tl.max((sb == 255).to(tl.int32), axis=1))
+    else:  # exact BF16 (or FP32) operands
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if INTERPRET:  # the interpreter's bf16 arithmetic is not exact: widen by bits, dot in FP32
+            a = load_f32(a_rows + kk[None, :], kk[None, :] < Kc)
+            b = load_f32(b_cols + kk[:, None], kk[:, None] < Kc)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            if EVEN_K:
+                a = tl.load(a_rows + kk[None, :])
+                b = tl.load(b_cols + kk[:, None])
+            else:
+                a = tl.load(a_rows + kk[None, :], mask=kk[None, :] < Kc, other=0.0)
+                b = tl.load(b_cols + kk[:, None], mask=kk[:, None] < Kc, other=0.0)
+            acc = tl.dot(a, b, acc)
+    return acc, nan_m, nan_n
+
+
+@triton.jit
+def _epilogue(acc, nan_m, nan_n, pid_m, pid_n, M, N, bias_ptr, y_ptr, yr_data_ptr, yr_scale_ptr,
+              yc_data_ptr, yc_scale_ptr,
+              OPERANDS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_PLAIN: tl.constexpr, OUT_ROW_MX: tl.constexpr,
+              OUT_COL_MX: tl.constexpr, BLOCKED_OUT: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    if HAS_BIAS:
+        acc = acc + load_f32(bias_ptr + n, n_ok)[None, :]
+    if OPERANDS == 1:
+        acc = tl.where((nan_m[:, None] + nan_n[None, :]) > 0, float("nan"), acc)
+    ok = m_ok[:, None] & n_ok[None, :]
+    acc = tl.where(ok, acc, 0.0)  # rows past M are 0 for the colwise block maxima
+    m64 = m.to(tl.int64)
+    if OUT_PLAIN:
+        store_operand(y_ptr + m64[:, None] * N + n[None, :], acc, ok, HW_CAST)
+    if OUT_ROW_MX:  # 1x32 blocks along N (N is a multiple of 32)
+        NB: tl.constexpr = BLOCK_N // 32
+        v = tl.reshape(acc, (BLOCK_M, NB, 32))
+        byte = scale_byte(tl.max(abs_bits(v), axis=2), RCEIL)  # [BM, NB]
+        q = encode(v, byte[:, :, None], HW_CAST)
+        nn = pid_n * BLOCK_N + tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+        mm = m64[:, None, None]
+        tl.store(yr_data_ptr + mm * N + nn, q, mask=(mm < M) & (nn < N))
+        c = pid_n * NB + tl.arange(0, NB)[None, :]
+        tl.store(yr_scale_ptr + scale_offset(m[:, None], c, N // 32, BLOCKED_OUT), byte.to(tl.uint8),
+                 mask=m_ok[:, None] & (c < N // 32))
+    if OUT_COL_MX:  # 32x1 blocks along M, stored as Y^T [N, M]
+        MB: tl.constexpr = BLOCK_M // 32
+        v = tl.reshape(acc, (MB, 32, BLOCK_N))
+        byte = scale_byte(tl.max(abs_bits(v), axis=1), RCEIL)  # [MB, BN]
+        q = encode(v, byte[:, None, :], HW_CAST)
+        mm = pid_m * BLOCK_M + tl.arange(0, MB)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
+        nn = n.to(tl.int64)[None, None, :]
+        tl.store(yc_data_ptr + nn * M + mm, q, mask=(mm < M) & (nn < N))
+        n_cols = (M + 31) // 32
+        c = pid_m * MB + tl.arange(0, MB)[:, None]
+        tl.store(yc_scale_ptr + scale_offset(n[None, :], c, n_cols, BLOCKED_OUT), byte.to(tl.uint8),
+                 mask=n_ok[None, :] & (c < n_cols))
+
+
+@triton.jit
+def _mx_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, y_ptr, yr_data_ptr, yr_scale_ptr, yc_data_ptr, yc_scale_ptr,
+    M, N, Kc, stride_am, stride_bn,
+    OPERANDS: tl.constexpr, A_BLOCKED: tl.constexpr, B_BLOCKED: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT_PLAIN: tl.constexpr, OUT_ROW_MX: tl.constexpr, OUT_COL_MX: tl.constexpr,
+    BLOCKED_OUT: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # grouped program order: GROUP_M row tiles share their B tiles in L2
+    pid = tl.program_id(0)
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * n_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(n_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    # rows past M / N wrap onto real rows (loads need no mask); the epilogue never stores them
+    m_ld = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    n_ld = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    a_rows = a_ptr + m_ld.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + n_ld.to(tl.int64)[None, :] * stride_bn
+    n_kb = (Kc + 31) // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    nan_m = tl.zeros((BLOCK_M,), tl.int32)
+    nan_n = tl.zeros((BLOCK_N,), tl.int32)
+    if INTERPRET:  # the interpreter cannot take run-time range bounds; a while loop is the same walk
+        k0 = 0
+        while k0 < Kc:
+            acc, nan_m, nan_n = _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld,
+                                        k0, Kc, n_kb, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(0, Kc, BLOCK_K):
+            acc, nan_m, nan_n = _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld,
+                                        k0, Kc, n_kb, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
+    _epilogue(acc, nan_m, nan_n, pid_m, pid_n, M, N, bias_ptr, y_ptr, yr_data_ptr, yr_scale_ptr,
+              yc_data_ptr, yc_scale_ptr, OPERANDS, HAS_BIAS, OUT_PLAIN, OUT_ROW_MX, OUT_COL_MX, BLOCKED_OUT,
+              RCEIL, HW_CAST, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, C, BLOCKED: tl.constexpr, HW_CAST: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    NCB: tl.constexpr = BLOCK_C // 32
+    n_c_tiles = tl.cdiv(C, BLOCK_C)
+    pid = tl.program_id(0)
+    r = (pid // n_c_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None, None]
+    cb = (pid % n_c_tiles) * NCB + tl.arange(0, NCB)[None, :, None]
+    c = cb * 32 + tl.arange(0, 32)[None, None, :]
+    ok = (r < R) & (c < C)
+    offs = r.to(tl.int64) * C + c
+    q = tl.load(data_ptr + offs, mask=ok, other=0)
+    n_cb = (C + 31) // 32
+    byte = tl.load(scale_ptr + scale_offset(r, cb, n_cb, BLOCKED), mask=(r < R) & (cb < n_cb), other=127)
+    store_operand(out_ptr + offs, e4m3_value(q, HW_CAST) * scale_value(byte.to(tl.int32)), ok, HW_CAST)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclasses.dataclass
+class GemmOutput:
+    """`mx_gemm`'s outputs (None unless requested): `y [M, N]`, Y rowwise `[M, N]` and Y^T colwise `[N, M]`."""
+
+    y: torch.Tensor | None
+    rowwise: MXTensor | None
+    colwise: MXTensor | None
+
+
+def _check_runnable(t: torch.Tensor, name: str) -> None:
+    if not t.is_cuda and not interpreter_enabled():
+        raise ValueError(f"the Triton MX GEMM needs CUDA tensors ({name} is on {t.device}); on a CPU machine set "
+                         f"TRITON_INTERPRET=1 before importing gem_lp")
+
+
+def check_mx_operand(mx: MXTensor, name: str) -> None:
+    """`mx` must be a 2-D MXFP8 tensor blocked along dim 1 (contiguous), scales plain or 128x4 blocked."""
+    if not isinstance(mx, MXTensor):
+        raise TypeError(f"{name} must be an MXTensor, got {type(mx).__name__}")
+    d = mx.data
+    if d.dim() != 2 or d.dtype != PAYLOAD_DTYPE or not d.is_contiguous():
+        raise ValueError(f"{name}.data must be a contiguous 2-D float8_e4m3fn tensor, got {d.dtype} of shape "
+                         f"{tuple(d.shape)} strides {d.stride()}")
+    if mx.block != "1d" or mx.axis not in (1, -1):
+        raise ValueError(f"{name} must be blocked 1x32 along its last dim (block='1d', axis=1), got "
+                         f"block={mx.block!r}, axis={mx.axis}")
+    rows, cols = d.shape
+    n_cb = ceil_div(cols, BLOCK)
+    s = mx.scale
+    if s.dtype != SCALE_DTYPE or not s.is_contiguous() or s.device != d.device:
+        raise ValueError(f"{name}.scale must be a contiguous uint8 tensor on {d.device}, got {s.dtype} on {s.device}")
+    if mx.scale_layout == "blocked":
+        if s.shape != (blocked_size(rows, n_cb),):
+            raise ValueError(f"{name}.scale (blocked) must hold {blocked_size(rows, n_cb)} bytes for a "
+                             f"[{rows}, {n_cb}] scale matrix, got shape {tuple(s.shape)}")
+    elif s.shape != (rows, n_cb):
+        raise ValueError(f"{name}.scale must be [{rows}, {n_cb}] (plain layout), got {tuple(s.shape)}")
+    _check_runnable(d, name)
+
+
+def mx_dequantize_operand(mx: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`deq(mx)` as a `[R, C]` tensor of `dtype` (bfloat16 or float32), by a memory-bound Triton pass.
+
+    `mx`: 2-D, blocked along dim 1, scales plain or blocked, a last partial block allowed.
+    Exact in float32; in bfloat16 exact except values below 2^-126 that need more than its subnormal bits.
+    """
+    check_mx_operand(mx, "mx")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    R, C = mx.data.shape
+    out = torch.empty(R, C, dtype=dtype, device=mx.device)
+    if out.numel() == 0:
+        return out
+    on_gpu = mx.device.type == "cuda" and not interpreter_enabled()
+    br, bc = (32, 256) if on_gpu else (32, 64)
+    _mx_dequantize_kernel[(triton.cdiv(R, br) * triton.cdiv(C, bc),)](
+        mx.data.view(torch.uint8), mx.scale, out, R, C, BLOCKED=mx.scale_layout == "blocked", HW_CAST=on_gpu,
+        BLOCK_R=br, BLOCK_C=bc, num_warps=4 if on_gpu else 1)
+    return out
+
+
+def _check_config(cfg: GemmConfig, operands: int) -> None:
+    for name in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two, got {v}")
+    if cfg.block_m < 32 or cfg.block_n < 32 or cfg.block_k < 32:
+        raise ValueError(f"config tiles must be >= 32 (MX blocks), got {cfg}")
+    if cfg.num_stages < 1:
+        raise ValueError(f"config.num_stages must be >= 1, got {cfg.num_stages}")
+
+
+def _launch(a, a_scale, b, b_scale, a_blocked, b_blocked, operands, M, N, Kc, *, bias, out_dtype, row_mx, col_mx,
+            scaling, blocked_out, config, hw_cast):
+    """Allocate the requested outputs and run `_mx_gemm_kernel` once."""
+    dev = a.device
+    cfg = config or (INTERPRETER_CONFIG if interpreter_enabled() else DEFAULT_CONFIGS[operands])
+    _check_config(cfg, operands)
+    if hw_cast is None:
+        hw_cast = dev.type == "cuda" and not interpreter_enabled()
+    y = torch.empty(M, N, dtype=out_dtype, device=dev) if out_dtype is not None else None
+    row = col = None
+    if row_mx:
+        n_cb = N // BLOCK
+        shape = (blocked_size(M, n_cb),) if blocked_out else (M, n_cb)
+        row = (torch.empty(M, N, dtype=PAYLOAD_DTYPE, device=dev),
+               (torch.zeros if blocked_out else torch.empty)(shape, dtype=SCALE_DTYPE, device=dev))
+    if col_mx:
+        n_mb = ceil_div(M, BLOCK)
+        shape = (blocked_size(N, n_mb),) if blocked_out else (N, n_mb)
+        col = (torch.empty(N, M, dtype=PAYLOAD_DTYPE, device=dev),
+               (torch.zeros if blocked_out else torch.empty)(shape, dtype=SCALE_DTYPE, device=dev))
+    if M > 0 and N > 0:
+        if Kc == 0:
+            raise ValueError("the contraction dim of a and b is empty")
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+        _mx_gemm_kernel[grid](
+            a, a_scale, b, b_scale, bias, y,
+            row[0].view(torch.uint8) if row else None, row[1] if row else None,
+            col[0].view(torch.uint8) if col else None, col[1] if col else None,
+            M, N, Kc, a.stride(0), b.stride(0),
+            OPERANDS=operands, A_BLOCKED=a_blocked, B_BLOCKED=b_blocked, EVEN_K=Kc % cfg.block_k == 0,
+            HAS_BIAS=bias is not None, OUT_PLAIN=y is not None, OUT_ROW_MX=row_mx, OUT_COL_MX=col_mx,
+            BLOCKED_OUT=blocked_out, RCEIL=scaling == "rceil", HW_CAST=hw_cast, INTERPRET=interpreter_enabled(),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    layout = "blocked" if blocked_out else "plain"
+    orig = out_dtype or torch.float32
+    return GemmOutput(
+        y,
+        None if row is None else MXTensor(row[0], row[1], "1d", 1, scaling, orig, layout),
+        None if col is None else MXTensor(col[0], col[1], "1d", 1, scaling, orig, layout),
+    )
+
+
+def _check_outputs(out_dtype, rowwise, colwise, N, bias, dev):
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES} or None, got {out_dtype}")
+    if out_dtype is None and not (rowwise or colwise):
+        raise ValueError("nothing to write: give out_dtype or ask for rowwise / colwise MX outputs")
+    if rowwise and N % BLOCK:
+        raise ValueError(f"a rowwise MX output needs N to be a multiple of {BLOCK} (blocks along N), got N={N}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (N,) or not bias.is_contiguous():
+            raise ValueError(f"bias must be a contiguous [N={N}] tensor, got "
+                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        if bias.dtype not in OUT_DTYPES or bias.device != dev:
+            raise ValueError(f"bias must be float32/bfloat16/float16 on {dev}, got {bias.dtype} on {bias.device}")
+
+
+def gemm_operands(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = torch.bfloat16, rowwise: bool = False, colwise: bool = False,
+                  scaling: str = "rceil", blocked_scales: bool = True, config: GemmConfig | None = None,
+                  hw_cast: bool | None = None) -> GemmOutput:
+    """Triton `Y = a b^T (+ bias)` on plain operands (exact MX values in bf16/fp32), with the MX epilogue.
+
+    Args:
+        a: `[M, Kc]`, b: `[N, Kc]`, same dtype (bfloat16, float16 or float32), contiguous last dim.
+        bias: `[N]` or None; out_dtype: dtype of Y, or None for MX outputs only.
+        rowwise / colwise: write Y's rowwise MX cast (N a multiple of 32) / Y^T's colwise MX cast.
+        scaling, blocked_scales: rule and scale layout of the MX outputs.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in OUT_DTYPES:
+            raise ValueError(f"{name} must be a 2-D bfloat16/float16/float32 tensor")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+        _check_runnable(t, name)
+    if a.dtype != b.dtype or a.shape[1] != b.shape[1] or a.device != b.device:
+        raise ValueError(f"a [M, Kc] and b [N, Kc] must share dtype, Kc and device, got {a.dtype} "
+                         f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    check_scaling(scaling)
+    (M, Kc), N = a.shape, b.shape[0]
+    _check_outputs(out_dtype, rowwise, colwise, N, bias, a.device)
+    return _launch(a, None, b, None, False, False, _OPERANDS_PLAIN, M, N, Kc, bias=bias, out_dtype=out_dtype,
+                   row_mx=rowwise, col_mx=colwise, scaling=scaling, blocked_out=blocked_scales, config=config,
+                   hw_cast=hw_cast)
+
+
+def _mm_dtype_out(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b_t` (cuBLAS on CUDA) with the product accumulated in FP32 and rounded once to `out_dtype`."""
+    if a.dtype == out_dtype:
+        return torch.mm(a, b_t)
+    if a.is_cuda and out_dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(a, b_t, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return torch.mm(a.float(), b_t.float()).to(out_dtype)
+
+
+def mx_gemm(a: MXTensor, b: MXTensor, *, variant: str = "fp8", bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = torch.bfloat16, rowwise: bool = False, colwise: bool = False,
+            scaling: str = "rceil", blocked_scales: bool = True, config: GemmConfig | None = None,
+            hw_cast: bool | None = None) -> GemmOutput:
+    """Exact MX GEMM `Y = deq(a) deq(b)^T (+ bias)` with FP32 accumulation.
+
+    Args:
+        a: MX `[M, Kc]`, b: MX `[N, Kc]`, both blocked along Kc (see `check_mx_operand`); scales plain or
+            blocked; Kc need not be a multiple of 32 (the last block is partial).
+        variant: one of `GEMM_VARIANTS` (module docstring). `"dot_scaled"` does not run in Triton 3.6's
+            interpreter.
+        bias: `[N]` (added in FP32), or None.
+        out_dtype: dtype of Y (bfloat16, float16, float32), or None for MX outputs only.
+        rowwise: also write Y's MX cast 1x32 along N (`[M, N]`, N a multiple of 32).
+        colwise: also write Y^T's MX cast 1x32 along M (`[N, M]`, partial last block allowed).
+        scaling, blocked_scales: rule and scale layout of the MX outputs.
+        config: tile configuration (None: the route's default).
+
+    Returns:
+        `GemmOutput(y, rowwise, colwise)`.
+    """
+    check_mx_operand(a, "a")
+    check_mx_operand(b, "b")
+    if variant not in GEMM_VARIANTS:
+        raise ValueError(f"variant must be one of {GEMM_VARIANTS}, got {variant!r}")
+    check_scaling(scaling)
+    (M, Kc), (N, Kb) = a.shape, b.shape
+    if Kc != Kb or a.device != b.device:
+        raise ValueError(f"a [M, Kc] and b [N, Kc] must share Kc and device, got {tuple(a.shape)} on {a.device} "
+                         f"and {tuple(b.shape)} on {b.device}")
+    _check_outputs(out_dtype, rowwise, colwise, N, bias, a.device)
+    if variant == "dot_scaled" and interpreter_enabled():
+        raise ValueError("variant='dot_scaled' does not run in Triton's interpreter (tl.dot_scaled); use 'fp8' "
+                         "or a dequant variant on CPU")
+    common = dict(bias=bias, out_dtype=out_dtype, row_mx=rowwise, col_mx=colwise, scaling=scaling,
+                  blocked_out=blocked_scales, config=config, hw_cast=hw_cast)
+    if variant in ("fp8", "dot_scaled"):
+        operands = _OPERANDS_FP8 if variant == "fp8" else _OPERANDS_SCALED
+        return _launch(a.data, a.scale, b.data, b.scale, a.scale_layout == "blocked", b.scale_layout == "blocked",
+                       operands, M, N, Kc, **common)
+    a_op, b_op = mx_dequantize_operand(a), mx_dequantize_operand(b)
+    if variant == "dequant_triton":
+        return _launch(a_op, None, b_op, None, False, False, _OPERANDS_PLAIN, M, N, Kc, **common)
+    # dequant_cublas: cuBLAS BF16 GEMM (FP32 accumulation); an MX output is a separate cast of FP32 Y
+    want_mx = rowwise or colwise
+    if want_mx and N % BLOCK:
+        raise ValueError(f"variant='dequant_cublas' casts Y [M, N] afterwards, which needs N to be a multiple of "
+                         f"{BLOCK}, got N={N}; the Triton variants write a colwise output for any N")
+    y = _mm_dtype_out(a_op, b_op.t(), torch.float32 if (want_mx or bias is not None) else out_dtype)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    row = col = None
+    if want_mx:
+        from ..mx.triton_quantize import mx_cast_2d
+
+        outs = mx_cast_2d(y, rowwise=rowwise, colwise=colwise, scaling=scaling, blocked_scales=blocked_scales,
+                          hw_cast=hw_cast)
+        layout = "blocked" if blocked_scales else "plain"
+        it = iter(outs)
+        orig = out_dtype or torch.float32
+        row = MXTensor(next(it), next(it), "1d", 1, scaling, orig, layout) if rowwise else None
+        col = MXTensor(next(it), next(it), "1d", 1, scaling, orig, layout) if colwise else None
+    return GemmOutput(None if out_dtype is None else y.to(out_dtype), row, col)
