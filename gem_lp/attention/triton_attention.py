@@ -416,8 +416,8 @@ def _attn_fwd_kernel(
                                       D, BM, BN, True, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
 
     empty = l_i == 0.0
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * 0.6931471805599453)
     denom = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(denom)) * 0.6931471805599453)
     if P_QUANT == 1:
         denom = denom * 256.0  # const_p accumulated 256 p (an exact power of two)
     o = acc / denom[:, None]
@@ -877,3 +877,205 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if mx_grads:
         return dq, grads[0], grads[1]
     return dq, dk_t, dv_t
+
+
+# ============================================================================ checks
+
+
+def _check_offsets_values(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, q_rows: int, kv_rows: int) -> None:
+    """Offsets start at 0, never decrease and end at their tensor's rows: one host sync for all checks."""
+    checks = []
+    for name, offs, rows, what in (("q_offsets", q_offsets, q_rows, "q"), ("kv_offsets", kv_offsets, kv_rows, "k")):
+        checks += [(offs[0] != 0, offs, f"{name} must start at 0"),
+                   ((offs[1:] < offs[:-1]).any(), offs, f"{name} must be non-decreasing"),
+                   (offs[-1] != rows, offs, f"{name} must end at the number of rows of {what} ({rows})")]
+    flags = torch.stack([c for c, _, _ in checks]).tolist()
+    for bad, (_, offs, msg) in zip(flags, checks):
+        if bad:
+            raise ValueError(f"{msg}, got {offs.tolist()[:16]}{'...' if offs.numel() > 16 else ''}")
+
+
+def _check_offsets_form(offsets, name: str, device: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets [B+1], got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be 1-D [B+1] with at least one entry, got shape {tuple(offsets.shape)}")
+    if offsets.device.type != "cpu" and offsets.device != device:
+        raise ValueError(f"{name} must be on the CPU or on q's device {device}, got {offsets.device}")
+
+
+def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: str, p_quant: str, variant: str,
+                  dq_accum: str, dq_static_scale: float) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [T, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [T, H, D] (the kernels index rows as T x H x D); "
+                             f"got strides {t.stride()} for shape {tuple(t.shape)}, call .contiguous()")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not q.is_cuda and not interpreter_enabled():
+        raise ValueError(f"the Triton attention kernels need CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 "
+                         f"before importing gem_lp to run them in Triton's interpreter)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [Tk, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"q and k must have the same heads and head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"the Triton attention kernels take head dim D in {HEAD_DIMS}, got D={q.shape[2]} "
+                         f"(use backend='reference' for other head dims)")
+    if q.shape[1] < 1:
+        raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} for the Triton kernels, got {precision!r} "
+                         f"(precision='fp32' is the reference oracle: use backend='reference')")
+    if p_quant not in P_QUANTS:
+        raise ValueError(f"p_quant must be one of {P_QUANTS}, got {p_quant!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant != "producer" and precision != "mxfp8":
+        raise ValueError(f"variant={variant!r} is an MXFP8 forward variant; precision={precision!r} takes 'producer'")
+    if dq_accum not in DQ_ACCUMS:
+        raise ValueError(f"dq_accum must be one of {DQ_ACCUMS}, got {dq_accum!r}")
+    if not (isinstance(dq_static_scale, (int, float)) and math.isfinite(dq_static_scale) and dq_static_scale > 0):
+        raise ValueError(f"dq_static_scale must be a positive finite number, got {dq_static_scale!r}")
+    if broadcast_q:
+        if kv_offsets is None:
+            raise ValueError("kv_offsets is required with broadcast_q=True (q is one shared query sequence)")
+        _check_offsets_form(kv_offsets, "kv_offsets", q.device)
+        if q_offsets is not None:
+            _check_offsets_form(q_offsets, "q_offsets", q.device)
+            if q_offsets.numel() != 2:
+                raise ValueError(f"q_offsets must be None or [0, Lq] with broadcast_q=True, got shape "
+                                 f"{tuple(q_offsets.shape)}")
+    else:
+        if q_offsets is None:
+            raise ValueError("q_offsets is required unless broadcast_q=True")
+        _check_offsets_form(q_offsets, "q_offsets", q.device)
+        if kv_offsets is None:
+            if k.shape[0] != q.shape[0]:
+                raise ValueError(f"kv_offsets=None means self-attention: k must have Tq={q.shape[0]} rows, "
+                                 f"got {k.shape[0]}")
+        else:
+            _check_offsets_form(kv_offsets, "kv_offsets", q.device)
+            if kv_offsets.numel() != q_offsets.numel():
+                raise ValueError(f"q_offsets and kv_offsets must describe the same number of sequences, got "
+                                 f"B={q_offsets.numel() - 1} and B={kv_offsets.numel() - 1}")
+
+
+# ============================================================================ custom ops and autograd
+
+
+@torch.library.custom_op("gem_lp::jagged_attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+                      kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
+                      softmax_scale: float, p_quant: str, variant: str, warp_specialize: bool,
+                      dq_accum: str, dq_static_scale: float, fwd_config: list[int], bwd_config: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of jagged attention (the backward options ride along for the autograd context)."""
+    _check_offsets_values(q_offsets, kv_offsets, q.shape[0], k.shape[0])
+    return attention_forward(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
+                             precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, variant=variant,
+                             warp_specialize=warp_specialize, config=fwd_config)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, variant,
+      warp_specialize, dq_accum, dq_static_scale, fwd_config, bwd_config):
+    num_out = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    return q.new_empty(num_out, q.shape[1], q.shape[2]), q.new_empty(num_out, q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("gem_lp::jagged_attention_bwd", mutates_args=())
+def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, dlse: torch.Tensor | None, q_offsets: torch.Tensor,
+                      kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
+                      softmax_scale: float, p_quant: str, dq_accum: str, dq_static_scale: float,
+                      bwd_config: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of jagged attention by the recipe."""
+    return attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
+                              precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, dlse=dlse,
+                              dq_accum=dq_accum, dq_static_scale=dq_static_scale, config=bwd_config)
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant,
+      dq_accum, dq_static_scale, bwd_config):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, _variant,
+     _warp_specialize, dq_accum, dq_static_scale, _fwd_config, bwd_config) = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, q_offsets, kv_offsets)
+    ctx.options = (causal, broadcast_q, precision, softmax_scale, p_quant, dq_accum, dq_static_scale, bwd_config)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, q_offsets, kv_offsets = ctx.saved_tensors
+    if do is None and dlse is None:
+        return (None,) * 16
+    do = torch.zeros_like(o) if do is None else do.contiguous()
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, *ctx.options)
+    return (dq, dk, dv) + (None,) * 13
+
+
+torch.library.register_autograd("gem_lp::jagged_attention_fwd", _backward, setup_context=_setup_context)
+
+
+# ============================================================================ public entry point
+
+
+def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor | None,
+                            kv_offsets: torch.Tensor | None = None, *, causal: bool = False,
+                            broadcast_q: bool = False, precision: str = "bf16", softmax_scale: float | None = None,
+                            p_quant: str = "const_p", return_lse: bool = False, variant: str = "producer",
+                            warp_specialize: bool = False, dq_accum: str = "fp32", dq_static_scale: float = 1.0,
+                            fwd_config=None, bwd_config=None
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Jagged attention on the Triton kernels, differentiable (semantics of `gem_lp.attention.jagged_attention`).
+
+    Args:
+        q: `[Tq, H, D]` (`[Lq, H, D]` with broadcast_q), k, v: `[Tk, H, D]`; contiguous, one dtype
+            (bfloat16, float16 or float32) on CUDA (or CPU under TRITON_INTERPRET=1); D in {64, 128}.
+        q_offsets, kv_offsets: `[B+1]` int32/int64 (CPU or q's device); kv_offsets=None for self-attention;
+            with broadcast_q, q_offsets is None or `[0, Lq]` and kv_offsets is required.
+        causal: query i sees keys j <= i + (Lk - Lq) of its sequence.
+        precision: `"bf16"` (16-bit operands: BF16, or FP16 for FP16 inputs) or `"mxfp8"` (LP-FA4).
+        p_quant: `"const_p"` or `"dynamic"` (mxfp8).
+        return_lse: also return LSE `[T_out, H]` FP32 (natural log; differentiable).
+        variant: mxfp8 forward variant, `"producer"` (default), `"dequant_in_loop"`, `"fp8_qk"`.
+        warp_specialize: run the forward KV loop with `tl.range(..., warp_specialize=True)` (GPU only).
+        dq_accum, dq_static_scale: dQ accumulation buffer, FP32 or FP16 holding dQ * scale.
+        fwd_config, bwd_config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages), 0 = default.
+
+    Returns:
+        O `[T_out, H, D]` in q's dtype (T_out = Tq, or B * Lq with broadcast_q), and LSE with return_lse.
+    """
+    _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q, precision, p_quant, variant, dq_accum, dq_static_scale)
+    dim = q.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dim)
+    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
+    if kv_offsets is None:
+        kv_offsets = q_offsets
+    if broadcast_q and q_offsets is None:
+        q_offsets = torch.tensor([0, q.shape[0]], dtype=torch.int64, device=q.device)
+    q_offs = q_offsets.to(device=q.device, dtype=torch.int64)
+    kv_offs = kv_offsets.to(device=q.device, dtype=torch.int64)
+    o, lse = _attention_fwd_op(q, k, v, q_offs, kv_offs, causal, broadcast_q, precision, float(softmax_scale),
+                               p_quant, variant, warp_specialize, dq_accum, float(dq_static_scale),
+                               list(fwd_config or ()), list(bwd_config or ()))
+    return (o, lse) if return_lse else o
