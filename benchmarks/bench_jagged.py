@@ -233,19 +233,19 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
 
 
 def tune(bench: Bench, values: torch.Tensor, layout: JaggedLayout) -> None:
-    """A few launch configurations of the hdim+seq kernel (the default is chunk 64, 4 warps)."""
+    """A few launch configurations of the hdim+seq kernel (default: 32 rows x 128 features, 4 warps)."""
     t, h, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
     payloads = {o: torch.empty(t, h, d, dtype=PAYLOAD_DTYPE, device="cuda") for o in ("hdim", "seq")}
     scales = {"hdim": torch.empty(h, hdim_bytes, dtype=torch.uint8, device="cuda"),
               "seq": torch.empty(h, seq_bytes, dtype=torch.uint8, device="cuda")}
     nb = useful_bytes(values, 2, h * (hdim_bytes + seq_bytes))
-    for chunk_d in (32, 64, 128):
-        for warps in (4, 8):
-            bench.time("A tuning hdim+seq (launch only)", f"chunk_d={chunk_d} num_warps={warps}",
-                       lambda c=chunk_d, w=warps: launch(values, layout.offsets, layout.scale_offsets,
-                                                         layout.tile_seq, layout.padded_total, payloads, scales, True,
-                                                         chunk_d=c, num_warps=w), nbytes=nb)
+    for rows, chunk_d, warps in [(32, 128, 4), (32, 128, 8), (32, 64, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8)]:
+        bench.time("A tuning hdim+seq (launch only)", f"rows={rows} chunk_d={chunk_d} num_warps={warps}",
+                   lambda r=rows, c=chunk_d, w=warps: launch(
+                       values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
+                       payloads, scales, True, rows=r, chunk_d=c, num_warps=w),
+                   nbytes=nb)
 
 
 def main() -> None:

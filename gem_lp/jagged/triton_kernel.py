@@ -1,11 +1,12 @@
 """One-launch Triton kernel for jagged MX quantization, registered as the custom op `gem_lp::jagged_mx_quantize`.
 
 Grid: Tp/128 padded-row tiles x H heads (flattened, heads fastest). A tile belongs to one sequence (each
-sequence's scale rows are padded to a multiple of 128); the layout finds it on device (`torch.searchsorted` on `scale_offsets`). Each program reads
-its tile's `[128, D]` values of one head once (rows past the sequence's end masked to 0, so their blocks
-get scale byte 0 under both rules), in chunks of CHUNK_D features, and for every requested orientation
-stores the payload at the packed token positions and every scale byte of its 128 padded rows (hdim form)
-and of its 4 token-block columns (seq form), padding bytes included: the scale buffers need no zero-fill.
+sequence's scale rows are padded to a multiple of 128); the layout finds it on device (`torch.searchsorted`
+on `scale_offsets`). Each program reads its tile's `[128, D]` values of one head once (rows past the
+sequence's end masked to 0, so their blocks get scale byte 0 under both rules), in chunks of CHUNK_D
+features, and for every requested orientation stores the payload at the packed token positions and every
+scale byte of its 128 padded rows (hdim form) and of its 4 token-block columns (seq form), padding bytes
+included: the scale buffers need no zero-fill.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import interpreter_enabled
 from ..mx.formats import PAYLOAD_DTYPE
 from ..mx.triton_numerics import abs_bits, encode, scale_byte
 from .tensor import JaggedMXTensor, scale_sizes
@@ -47,68 +49,73 @@ def _jagged_mx_kernel(
     s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
     stride_t, stride_h, stride_d,
     num_tiles, hdim_head_bytes, seq_head_bytes,
-    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     # heads fastest: programs running together read neighbouring bytes of the same tokens
     pid = tl.program_id(0)
-    tile = pid // H
+    tile = (pid // H).to(tl.int64)
     h = pid % H
     NC: tl.constexpr = D // 32  # hdim-form scale columns
     N_COL_BLOCKS: tl.constexpr = (NC + 3) // 4
     CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per chunk
+    NB: tl.constexpr = ROWS // 32  # 32-token blocks per step
 
     b = tl.load(tile_seq_ptr + tile)
     seq_start = tl.load(offsets_ptr + b).to(tl.int64)
     seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    row0 = tile.to(tl.int64) * 128
+    row0 = tile * 128
     tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))  # first packed token of this tile
-    r = tl.arange(0, 128)
-    valid = r < seq_end - tok0
-    tok = tok0 + r
-    rows = row0 + r  # padded scale rows of this tile
-    j = tl.arange(0, 4)  # 32-token blocks of this tile (seq-form columns 4*tile + j)
+    i = tl.arange(0, ROWS)
     hdim_base = h.to(tl.int64) * hdim_head_bytes
     seq_base = h.to(tl.int64) * seq_head_bytes
 
-    for ci in tl.static_range(D // CHUNK_D):
-        d = ci * CHUNK_D + tl.arange(0, CHUNK_D)
-        x = tl.load(x_ptr + tok[:, None] * stride_t + h * stride_h + d[None, :] * stride_d,
-                    mask=valid[:, None], other=0.0)
-        x = _to_f32(x)
-        a = abs_bits(x)  # integer max: NaN/Inf cannot hide
-        p_off = (tok[:, None] * H + h) * D + d[None, :]
-        c = ci * CB + tl.arange(0, CB)  # hdim-form scale columns of this chunk
-        hdim_off = _hdim_scale_offset(rows[:, None], c[None, :], N_COL_BLOCKS)  # [128, CB]
-        seq_off = _seq_scale_offset(d[None, :], tile, j[:, None], num_tiles)  # [4, CHUNK_D]
-        if DO_HDIM:  # 1x32 along D
-            byte = scale_byte(tl.max(tl.reshape(a, [128, CB, 32]), axis=2), RCEIL)  # [128, CB]
-            q = encode(tl.reshape(x, [128, CB, 32]), byte[:, :, None], HW_CAST)
-            tl.store(p_hdim_ptr + p_off, tl.reshape(q, [128, CHUNK_D]), mask=valid[:, None])
-            tl.store(s_hdim_ptr + hdim_base + hdim_off, byte.to(tl.uint8))
-        if DO_SEQ:  # 32x1 along tokens
-            byte = scale_byte(tl.max(tl.reshape(a, [4, 32, CHUNK_D]), axis=1), RCEIL)  # [4, CHUNK_D]
-            q = encode(tl.reshape(x, [4, 32, CHUNK_D]), byte[:, None, :], HW_CAST)
-            tl.store(p_seq_ptr + p_off, tl.reshape(q, [128, CHUNK_D]), mask=valid[:, None])
-            tl.store(s_seq_ptr + seq_base + seq_off, byte.to(tl.uint8))
-        if DO_SQUARE:  # 32x32
-            amax = tl.max(tl.max(tl.reshape(a, [4, 32, CB, 32]), axis=3), axis=1)  # [4, CB]
-            byte = scale_byte(amax, RCEIL)
-            q = encode(tl.reshape(x, [4, 32, CB, 32]), byte[:, None, :, None], HW_CAST)
-            tl.store(p_square_ptr + p_off, tl.reshape(q, [128, CHUNK_D]), mask=valid[:, None])
-            on_rows = tl.reshape(tl.broadcast_to(byte[:, None, :], [4, 32, CB]), [128, CB])
-            on_rows = tl.where(valid[:, None], on_rows, 0)  # padding rows past the sequence: 0
-            tl.store(s_sq_hdim_ptr + hdim_base + hdim_off, on_rows.to(tl.uint8))
-            on_features = tl.reshape(tl.broadcast_to(byte[:, :, None], [4, CB, 32]), [4, CHUNK_D])
-            tl.store(s_sq_seq_ptr + seq_base + seq_off, on_features.to(tl.uint8))
+    # ROWS tokens (whole 32-token blocks) x CHUNK_D features per step: few registers on the GPU
+    for step in range(128 // ROWS):
+        tok = tok0 + step * ROWS + i
+        valid = tok < seq_end
+        rows = row0 + step * ROWS + i  # padded scale rows of this step
+        jb = step * NB + tl.arange(0, NB)  # its 32-token blocks within the tile (seq-form columns 4*tile + jb)
+        x_row = x_ptr + tok * stride_t + h * stride_h
+        p_row = (tok * H + h) * D
+        for ci in tl.static_range(D // CHUNK_D):
+            d = ci * CHUNK_D + tl.arange(0, CHUNK_D)
+            x = _to_f32(tl.load(x_row[:, None] + d[None, :] * stride_d, mask=valid[:, None], other=0.0))
+            a = abs_bits(x)  # integer max: NaN/Inf cannot hide
+            p_off = p_row[:, None] + d[None, :]
+            c = ci * CB + tl.arange(0, CB)  # hdim-form scale columns of this chunk
+            hdim_off = _hdim_scale_offset(rows[:, None], c[None, :], N_COL_BLOCKS)  # [ROWS, CB]
+            seq_off = _seq_scale_offset(d[None, :], tile, jb[:, None], num_tiles)  # [NB, CHUNK_D]
+            if DO_HDIM:  # 1x32 along D
+                byte = scale_byte(tl.max(tl.reshape(a, [ROWS, CB, 32]), axis=2), RCEIL)  # [ROWS, CB]
+                q = encode(tl.reshape(x, [ROWS, CB, 32]), byte[:, :, None], HW_CAST)
+                tl.store(p_hdim_ptr + p_off, tl.reshape(q, [ROWS, CHUNK_D]), mask=valid[:, None])
+                tl.store(s_hdim_ptr + hdim_base + hdim_off, byte.to(tl.uint8))
+            if DO_SEQ:  # 32x1 along tokens
+                byte = scale_byte(tl.max(tl.reshape(a, [NB, 32, CHUNK_D]), axis=1), RCEIL)  # [NB, CHUNK_D]
+                q = encode(tl.reshape(x, [NB, 32, CHUNK_D]), byte[:, None, :], HW_CAST)
+                tl.store(p_seq_ptr + p_off, tl.reshape(q, [ROWS, CHUNK_D]), mask=valid[:, None])
+                tl.store(s_seq_ptr + seq_base + seq_off, byte.to(tl.uint8))
+            if DO_SQUARE:  # 32x32
+                amax = tl.max(tl.max(tl.reshape(a, [NB, 32, CB, 32]), axis=3), axis=1)  # [NB, CB]
+                byte = scale_byte(amax, RCEIL)
+                q = encode(tl.reshape(x, [NB, 32, CB, 32]), byte[:, None, :, None], HW_CAST)
+                tl.store(p_square_ptr + p_off, tl.reshape(q, [ROWS, CHUNK_D]), mask=valid[:, None])
+                on_rows = tl.reshape(tl.broadcast_to(byte[:, None, :], [NB, 32, CB]), [ROWS, CB])
+                on_rows = tl.where(valid[:, None], on_rows, 0)  # rows past the sequence: padding, 0
+                tl.store(s_sq_hdim_ptr + hdim_base + hdim_off, on_rows.to(tl.uint8))
+                on_features = tl.reshape(tl.broadcast_to(byte[:, :, None], [NB, CB, 32]), [NB, CHUNK_D])
+                tl.store(s_sq_seq_ptr + seq_base + seq_off, on_features.to(tl.uint8))
 
     # padding columns of the hdim form (D/32 not a multiple of 4): zeros in the last column block
+    r = tl.arange(0, 128)
+    j = tl.arange(0, 4)
     if NC % 4 != 0:
         if DO_HDIM or DO_SQUARE:
             c = (N_COL_BLOCKS - 1) * 4 + j
-            off = _hdim_scale_offset(rows[:, None], c[None, :], N_COL_BLOCKS)
-            pad = (c[None, :] >= NC) & (rows[:, None] >= 0)
+            off = _hdim_scale_offset(row0 + r[:, None], c[None, :], N_COL_BLOCKS)
+            pad = (c[None, :] >= NC) & (r[:, None] >= 0)
             zero = tl.zeros([128, 4], dtype=tl.uint8)
             if DO_HDIM:
                 tl.store(s_hdim_ptr + hdim_base + off, zero, mask=pad)
@@ -128,14 +135,14 @@ def _jagged_mx_kernel(
 
 
 def chunk_width(head_dim: int) -> int:
-    """Features per inner step: 64 when it divides D (128-byte bf16 rows), else 32."""
-    return 64 if head_dim % 64 == 0 else 32
+    """Features per inner step: the largest of 128, 64, 32 that divides D."""
+    return next(w for w in (128, 64, 32) if head_dim % w == 0)
 
 
 def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
            tile_seq: torch.Tensor, padded_total: int, payloads: dict[str, torch.Tensor],
            scales: dict[str, torch.Tensor], rceil: bool, *,
-           chunk_d: int | None = None, num_warps: int = 4) -> None:
+           chunk_d: int | None = None, rows: int | None = None, num_warps: int = 4) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -145,8 +152,10 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         payloads: orientation -> `[T, H, D]` float8_e4m3fn (contiguous) for each requested orientation.
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
-        chunk_d, num_warps: launch tuning (features per inner step, a multiple of 32 dividing D;
-            warps per program); the defaults are `chunk_width(D)` and 4.
+        chunk_d, rows, num_warps: launch tuning: features per step (a multiple of 32 dividing D; default
+            the largest of 128/64/32 dividing D), tokens per step (32, 64 or 128; default 32 on the GPU,
+            where it keeps registers low, 128 in the interpreter, where fewer steps run faster), warps
+            per program (default 4). The bytes written do not depend on them.
     """
     t, heads, d = values.shape
     num_tiles = padded_total // 128
@@ -161,6 +170,9 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
     chunk_d = chunk_width(d) if chunk_d is None else chunk_d
     if chunk_d % 32 or d % chunk_d:
         raise ValueError(f"chunk_d must be a multiple of 32 dividing D = {d}, got {chunk_d}")
+    rows = (128 if interpreter_enabled() and not values.is_cuda else 32) if rows is None else rows
+    if rows not in (32, 64, 128):
+        raise ValueError(f"rows must be 32, 64 or 128, got {rows}")
     grid = (num_tiles * heads,)
     _jagged_mx_kernel[grid](
         values, offsets, scale_offsets, tile_seq,
@@ -168,7 +180,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         u8(scales.get("hdim")), u8(scales.get("seq")), u8(scales.get("square_hdim")), u8(scales.get("square_seq")),
         values.stride(0), values.stride(1), values.stride(2),
         num_tiles, hdim_bytes, seq_bytes,
-        H=heads, D=d, CHUNK_D=chunk_d,
+        H=heads, D=d, CHUNK_D=chunk_d, ROWS=rows,
         DO_HDIM="hdim" in payloads, DO_SEQ="seq" in payloads, DO_SQUARE="square" in payloads,
         RCEIL=rceil, HW_CAST=values.is_cuda,
         num_warps=num_warps,

@@ -35,7 +35,7 @@ def assert_same_bytes(ours, ref, names=OUTPUTS):
         assert diff.numel() == 0, f"{name}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
 
 
-def triton_into_garbage(values, layout, scaling):
+def triton_into_garbage(values, layout, scaling, **launch_options):
     """Run the kernel into output buffers pre-filled with 0xA5, so that every byte must be written."""
     t, h, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
@@ -43,7 +43,7 @@ def triton_into_garbage(values, layout, scaling):
     scales = {n: torch.full((h, nb), 0xA5, dtype=torch.uint8) for n, nb in
               (("hdim", hdim_bytes), ("seq", seq_bytes), ("square_hdim", hdim_bytes), ("square_seq", seq_bytes))}
     launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
-           scaling == "rceil")
+           scaling == "rceil", **launch_options)
     ref = quantize_jagged_reference(values, layout, ALL, scaling)
     out = type(ref)(layout, scaling, values.dtype, h, d, payloads["hdim"], payloads["seq"], payloads["square"],
                     scales["hdim"], scales["seq"], scales["square_hdim"], scales["square_seq"])
@@ -68,6 +68,24 @@ def test_triton_other_dtype_scaling_pairs(mixed_batch, dtype, scaling):
     values, offsets = mixed_batch(4, 128, dtype)
     ours, ref = triton_into_garbage(values, JaggedLayout.from_offsets(offsets, values), scaling)
     assert_same_bytes(ours, ref)
+
+
+@pytest.mark.parametrize("rows,chunk_d,num_warps", [(32, 32, 4), (64, 64, 8), (32, 128, 2)])
+def test_launch_options_give_the_same_bytes(mixed_batch, rows, chunk_d, num_warps):
+    """The GPU's default (32 tokens per step) and other tunings, in the interpreter (which defaults to 128)."""
+    values, offsets = mixed_batch(1, 128, torch.bfloat16)
+    layout = JaggedLayout.from_offsets(offsets, values)
+    ours, ref = triton_into_garbage(values, layout, "rceil", rows=rows, chunk_d=chunk_d, num_warps=num_warps)
+    assert_same_bytes(ours, ref)
+
+
+def test_launch_option_errors(mixed_batch):
+    values, offsets = mixed_batch(1, 96)
+    layout = JaggedLayout.from_offsets(offsets, values)
+    with pytest.raises(ValueError, match="chunk_d must be a multiple of 32 dividing D = 96, got 64"):
+        triton_into_garbage(values, layout, "rceil", chunk_d=64)
+    with pytest.raises(ValueError, match="rows must be 32, 64 or 128, got 16"):
+        triton_into_garbage(values, layout, "rceil", rows=16)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
