@@ -53,6 +53,16 @@ def test_design_workload_bit_identical(scaling):
 @pytest.mark.parametrize("scaling", ["rceil", "floor"])
 @pytest.mark.parametrize("heads,dim", [(4, 128), (1, 32), (2, 96), (3, 64)])
 def test_mixed_batch_every_byte(mixed_batch, dtype, scaling, heads, dim):
+    _check_every_byte(mixed_batch, dtype, scaling, heads, dim)
+
+
+@pytest.mark.parametrize("rows,chunk_d,num_warps", [(32, 128, 8), (32, 64, 4), (64, 128, 4), (64, 128, 8),
+                                                    (128, 128, 8)])
+def test_launch_options_every_byte(mixed_batch, rows, chunk_d, num_warps):
+    _check_every_byte(mixed_batch, torch.bfloat16, "rceil", 4, 128, rows=rows, chunk_d=chunk_d, num_warps=num_warps)
+
+
+def _check_every_byte(mixed_batch, dtype, scaling, heads, dim, **launch_options):
     values, offsets = mixed_batch(heads, dim, dtype)
     values, offsets = values.cuda(), offsets.cuda()
     layout = JaggedLayout.from_offsets(offsets, values)
@@ -62,7 +72,7 @@ def test_mixed_batch_every_byte(mixed_batch, dtype, scaling, heads, dim):
     scales = {n: torch.full((h, nb), 0xA5, dtype=torch.uint8, device="cuda") for n, nb in
               (("hdim", hdim_bytes), ("seq", seq_bytes), ("square_hdim", hdim_bytes), ("square_seq", seq_bytes))}
     launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
-           scaling == "rceil")
+           scaling == "rceil", **launch_options)
     ref = quantize_jagged(values, layout, ALL, scaling=scaling, backend="reference")
     ours = type(ref)(layout, scaling, values.dtype, h, d, payloads["hdim"], payloads["seq"], payloads["square"],
                      scales["hdim"], scales["seq"], scales["square_hdim"], scales["square_seq"])
