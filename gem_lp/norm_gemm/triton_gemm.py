@@ -64,7 +64,7 @@ INTERPRETER_CONFIG = GemmConfig(32, 32, 64, 2, 1, 1)
 
 
 @triton.jit
-def _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld, k0, Kc, n_kb,
+def _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld, k0, Kc, n_kb, stride_ak, stride_bk,
             OPERANDS: tl.constexpr, A_BLOCKED: tl.constexpr, B_BLOCKED: tl.constexpr, EVEN_K: tl.constexpr,
             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
     """One BLOCK_K step of the contraction: A rows `a_rows [BM, 1]`, B rows as columns `b_cols [1, BN]`."""
@@ -100,17 +100,19 @@ def _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n
         nan_n = tl.maximum(nan_n, tl.max((sb == 255).to(tl.int32), axis=1))
     else:  # exact BF16 (or FP32) operands
         kk = k0 + tl.arange(0, BLOCK_K)
+        a_ptrs = a_rows + kk[None, :] * stride_ak
+        b_ptrs = b_cols + kk[:, None] * stride_bk
         if INTERPRET:  # the interpreter's bf16 arithmetic is not exact: widen by bits, dot in FP32
-            a = load_f32(a_rows + kk[None, :], kk[None, :] < Kc)
-            b = load_f32(b_cols + kk[:, None], kk[:, None] < Kc)
+            a = load_f32(a_ptrs, kk[None, :] < Kc)
+            b = load_f32(b_ptrs, kk[:, None] < Kc)
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             if EVEN_K:
-                a = tl.load(a_rows + kk[None, :])
-                b = tl.load(b_cols + kk[:, None])
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
             else:
-                a = tl.load(a_rows + kk[None, :], mask=kk[None, :] < Kc, other=0.0)
-                b = tl.load(b_cols + kk[:, None], mask=kk[:, None] < Kc, other=0.0)
+                a = tl.load(a_ptrs, mask=kk[None, :] < Kc, other=0.0)
+                b = tl.load(b_ptrs, mask=kk[:, None] < Kc, other=0.0)
             acc = tl.dot(a, b, acc)
     return acc, nan_m, nan_n
 
@@ -162,7 +164,7 @@ def _epilogue(acc, nan_m, nan_n, pid_m, pid_n, M, N, bias_ptr, y_ptr, yr_data_pt
 @triton.jit
 def _mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, y_ptr, yr_data_ptr, yr_scale_ptr, yc_data_ptr, yc_scale_ptr,
-    M, N, Kc, stride_am, stride_bn,
+    M, N, Kc, stride_am, stride_ak, stride_bn, stride_bk,
     OPERANDS: tl.constexpr, A_BLOCKED: tl.constexpr, B_BLOCKED: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, OUT_PLAIN: tl.constexpr, OUT_ROW_MX: tl.constexpr, OUT_COL_MX: tl.constexpr,
     BLOCKED_OUT: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
@@ -190,12 +192,12 @@ def _mx_gemm_kernel(
         k0 = 0
         while k0 < Kc:
             acc, nan_m, nan_n = _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld,
-                                        k0, Kc, n_kb, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
+                                        k0, Kc, n_kb, stride_ak, stride_bk, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
             k0 += BLOCK_K
     else:
         for k0 in range(0, Kc, BLOCK_K):
             acc, nan_m, nan_n = _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld,
-                                        k0, Kc, n_kb, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
+                                        k0, Kc, n_kb, stride_ak, stride_bk, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
     _epilogue(acc, nan_m, nan_n, pid_m, pid_n, M, N, bias_ptr, y_ptr, yr_data_ptr, yr_scale_ptr,
               yc_data_ptr, yc_scale_ptr, OPERANDS, HAS_BIAS, OUT_PLAIN, OUT_ROW_MX, OUT_COL_MX, BLOCKED_OUT,
               RCEIL, HW_CAST, BLOCK_M, BLOCK_N)
@@ -313,15 +315,13 @@ def _launch(a, a_scale, b, b_scale, a_blocked, b_blocked, operands, M, N, Kc, *,
         shape = (blocked_size(N, n_mb),) if blocked_out else (N, n_mb)
         col = (torch.empty(N, M, dtype=PAYLOAD_DTYPE, device=dev),
                (torch.zeros if blocked_out else torch.empty)(shape, dtype=SCALE_DTYPE, device=dev))
-    if M > 0 and N > 0:
-        if Kc == 0:
-            raise ValueError("the contraction dim of a and b is empty")
+    if M > 0 and N > 0:  # Kc == 0 runs no k step: Y = bias (or 0)
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
         _mx_gemm_kernel[grid](
             a, a_scale, b, b_scale, bias, y,
             row[0].view(torch.uint8) if row else None, row[1] if row else None,
             col[0].view(torch.uint8) if col else None, col[1] if col else None,
-            M, N, Kc, a.stride(0), b.stride(0),
+            M, N, Kc, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             OPERANDS=operands, A_BLOCKED=a_blocked, B_BLOCKED=b_blocked, EVEN_K=Kc % cfg.block_k == 0,
             HAS_BIAS=bias is not None, OUT_PLAIN=y is not None, OUT_ROW_MX=row_mx, OUT_COL_MX=col_mx,
             BLOCKED_OUT=blocked_out, RCEIL=scaling == "rceil", HW_CAST=hw_cast, INTERPRET=interpreter_enabled(),
@@ -359,7 +359,8 @@ def gemm_operands(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None
     """Triton `Y = a b^T (+ bias)` on plain operands (exact MX values in bf16/fp32), with the MX epilogue.
 
     Args:
-        a: `[M, Kc]`, b: `[N, Kc]`, same dtype (bfloat16, float16 or float32), contiguous last dim.
+        a: `[M, Kc]`, b: `[N, Kc]`, same dtype (bfloat16, float16 or float32), any strides (a transposed
+            view reads a `[Kc, M]` tensor in place).
         bias: `[N]` or None; out_dtype: dtype of Y, or None for MX outputs only.
         rowwise / colwise: write Y's rowwise MX cast (N a multiple of 32) / Y^T's colwise MX cast.
         scaling, blocked_scales: rule and scale layout of the MX outputs.
@@ -367,8 +368,6 @@ def gemm_operands(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in OUT_DTYPES:
             raise ValueError(f"{name} must be a 2-D bfloat16/float16/float32 tensor")
-        if t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
         _check_runnable(t, name)
     if a.dtype != b.dtype or a.shape[1] != b.shape[1] or a.device != b.device:
         raise ValueError(f"a [M, Kc] and b [N, Kc] must share dtype, Kc and device, got {a.dtype} "
@@ -385,10 +384,10 @@ def _mm_dtype_out(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) ->
     """`a @ b_t` (cuBLAS on CUDA) with the product accumulated in FP32 and rounded once to `out_dtype`."""
     if a.dtype == out_dtype:
         return torch.mm(a, b_t)
-    if a.is_cuda and out_dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         try:
-            return torch.mm(a, b_t, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
+            return torch.mm(a, b_t, out_dtype=torch.float32).to(out_dtype)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype
             pass
     return torch.mm(a.float(), b_t.float()).to(out_dtype)
 
@@ -456,3 +455,236 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, variant: str = "fp8", bias: torch.Tenso
         row = MXTensor(next(it), next(it), "1d", 1, scaling, orig, layout) if rowwise else None
         col = MXTensor(next(it), next(it), "1d", 1, scaling, orig, layout) if colwise else None
     return GemmOutput(None if out_dtype is None else y.to(out_dtype), row, col)
+
+
+# ----------------------------------------------------------------------------- MXLinear Triton path
+#
+# Same recipe as `reference.MXLinearFunction` / `RMSNormMXLinearFunction`: every GEMM contracts operands
+# quantized 1x32 along its own contraction dim and accumulates in FP32. What the GEMMs read depends on `gemm`:
+#
+# * "cublas" / "triton_bf16": the producer passes write MX-exact BF16 (FP32 for FP32 inputs) operands and
+#   a BF16 GEMM consumes them (cuBLAS `torch.mm`, or our Triton GEMM);
+# * "fp8" / "dot_scaled": the producers write MX payloads + blocked scales and `mx_gemm` consumes them.
+#
+# Saved for the backward: X's colwise MX tensor (payload `[K, M]` + scales, half of a BF16 X). W's two
+# quantizations (along K for Y, along N for dX) are cached per weight until `weight._version` (or its
+# storage) changes, i.e. once per optimizer step. dY is quantized once, in both layouts, by one dual pass.
+
+import weakref  # noqa: E402
+
+LINEAR_GEMMS = ("cublas", "triton_bf16", "fp8", "dot_scaled")
+_MX_GEMMS = ("fp8", "dot_scaled")
+
+
+def check_linear_gemm(gemm: str) -> None:
+    if gemm not in LINEAR_GEMMS:
+        raise ValueError(f"gemm must be one of {LINEAR_GEMMS}, got {gemm!r}")
+
+
+def operand_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the MX-exact GEMM operands for activations of `dtype`: FP32 for FP32, else BF16."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+@dataclasses.dataclass
+class WeightOperands:
+    """W `[N, K]`'s two quantizations: `row` along K (forward), `col` along N (dX); None until made.
+
+    For the dequantized GEMMs both are `[N, K]` tensors of exact MX values; for the MX GEMMs `row` is the MX
+    tensor `[N, K]` and `col` the MX tensor of `W^T`, `[K, N]`, both with blocked scales.
+    """
+
+    version: int
+    data_ptr: int
+    row: object
+    col: object
+
+
+_WEIGHT_CACHE: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+
+
+def clear_weight_cache() -> None:
+    """Forget every cached weight quantization (needed only after writes through `weight.data`)."""
+    _WEIGHT_CACHE.clear()
+
+
+def weight_operands(weight: torch.Tensor, scaling: str, gemm: str, operand_dtype: torch.dtype,
+                    need_col: bool) -> WeightOperands:
+    """W's cached quantizations, remade when the weight changed (`_version` or storage) since they were made."""
+    key = (scaling, gemm in _MX_GEMMS, operand_dtype)
+    per_weight = _WEIGHT_CACHE.setdefault(weight, {})
+    entry = per_weight.get(key)
+    fresh = entry is not None and entry.version == weight._version and entry.data_ptr == weight.data_ptr()
+    if fresh and (entry.col is not None or not need_col):
+        return entry
+    w = weight.detach()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    from .triton_norm import rms_norm_mx
+
+    if gemm in _MX_GEMMS:
+        out = rms_norm_mx(w, None, scaling=scaling, rowwise=True, colwise=need_col)
+        row, col = out.rowwise, out.colwise
+    else:
+        out = rms_norm_mx(w, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
+                          col_operand=need_col, operand_dtype=operand_dtype)
+        row, col = out.row_operand, out.col_operand
+    entry = WeightOperands(weight._version, weight.data_ptr(), row, col)
+    per_weight[key] = entry
+    return entry
+
+
+def _gemm_nt(a, b, gemm: str, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`a b^T (+ bias)` for operands of the route: `a [M, Kc]`, `b [N, Kc]` (MX tensors or exact values).
+
+    cuBLAS adds a bias in Y's dtype (the bias is rounded to it first); the Triton routes add it in FP32.
+    """
+    if gemm in _MX_GEMMS:
+        return mx_gemm(a, b, variant=gemm, bias=bias, out_dtype=out_dtype).y
+    if gemm == "triton_bf16":
+        return gemm_operands(a, b, bias=bias, out_dtype=out_dtype).y
+    if bias is not None and a.dtype == out_dtype:
+        return torch.addmm(bias.to(out_dtype), a, b.t())
+    y = _mm_dtype_out(a, b.t(), out_dtype)
+    return y if bias is None else (y.float() + bias.float()).to(out_dtype)
+
+
+def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str):
+    """dY `[M, N]` quantized along N (for dX) and along M (for dW), from one pass over dY.
+
+    Returns `(row, col_t)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[M, N]` and the
+    `[N, M]` transposed view of the colwise values.
+    """
+    from .triton_norm import rms_norm_mx
+
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    if gemm in _MX_GEMMS:
+        out = rms_norm_mx(dy, None, scaling=scaling, rowwise=True, colwise=True)
+        return out.rowwise, out.colwise
+    out = rms_norm_mx(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True, col_operand=True,
+                      operand_dtype=operand_dtype_for(dy.dtype))
+    return out.row_operand, out.col_operand.t()
+
+
+def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype):
+    """The saved colwise MX tensor of X (`X^T [K, M]` along M) as the dW GEMM's B operand."""
+    mx = MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked")
+    return mx if gemm in _MX_GEMMS else mx_dequantize_operand(mx, operand_dtype_for(dtype))
+
+
+def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b):
+    """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`."""
+    scaling, gemm = ctx.scaling, ctx.gemm
+    dy_row, dy_col_t = _dy_operands(dy, scaling, gemm)
+    d_in = d_w = d_b = None
+    if need_in:
+        if gemm in _MX_GEMMS:  # B = W^T quantized along N, [K, N]
+            d_in = _gemm_nt(dy_row, w_ops.col, gemm, d_in_dtype)
+        else:  # B^T = the colwise values of W, [N, K]: B = their transposed view
+            d_in = _gemm_nt(dy_row, w_ops.col.t(), gemm, d_in_dtype)
+    if need_w:
+        d_w = _gemm_nt(dy_col_t, x_col, gemm, dw_dtype)
+    if need_b:
+        d_b = dy.to(torch.float32).sum(0)
+    return d_in, d_w, d_b
+
+
+class MXLinearTritonFunction(torch.autograd.Function):
+    """`Y [M, N] = X [M, K] W^T + b` by the MXLinear recipe on the Triton path (see the section comment)."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, scaling: str, gemm: str):
+        from .triton_norm import rms_norm_mx
+
+        check_linear_gemm(gemm)
+        opd = operand_dtype_for(x2.dtype)
+        x = x2.detach()
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        mx_ops = gemm in _MX_GEMMS
+        need_w = ctx.needs_input_grad[1]  # only dW reads X's colwise cast
+        out = rms_norm_mx(x, None, scaling=scaling, rowwise=mx_ops, colwise=need_w, row_operand=not mx_ops,
+                          operand_dtype=opd)
+        w_ops = weight_operands(weight, scaling, gemm, opd, need_col=ctx.needs_input_grad[0])
+        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, bias)
+        col = out.colwise
+        ctx.save_for_backward(col.data if need_w else None, col.scale if need_w else None, weight)
+        ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
+        ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_data, x_scale, weight = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
+            if need_x and ctx.w_ops.col is None else ctx.w_ops
+        x_col = _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype) if need_w else None
+        dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b)
+        return dx, dw, None if db is None else db.to(b_dtype), None, None
+
+
+class RMSNormMXLinearTritonFunction(torch.autograd.Function):
+    """`Y = RMSNorm(X) W^T + b` on the Triton path: the fused norm kernel produces the forward operand and
+    the saved colwise MX tensor; the backward runs the MXLinear GEMMs (dYn in FP32) and the norm backward kernel.
+    """
+
+    @staticmethod
+    def forward(ctx, x2, norm_weight, weight, bias, eps: float, scaling: str, gemm: str):
+        from .triton_norm import rms_norm_mx
+
+        check_linear_gemm(gemm)
+        opd = operand_dtype_for(x2.dtype)
+        x = x2.detach()
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        mx_ops = gemm in _MX_GEMMS
+        need_w = ctx.needs_input_grad[2]  # only dW reads the colwise cast of the normalized activation
+        out = rms_norm_mx(x, norm_weight.detach(), eps, scaling=scaling, rowwise=mx_ops, colwise=need_w,
+                          row_operand=not mx_ops, operand_dtype=opd)
+        need_dyn = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_dyn)
+        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, bias)
+        col = out.colwise
+        ctx.save_for_backward(x, norm_weight, out.rstd, col.data if need_w else None,
+                              col.scale if need_w else None, weight)
+        ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
+        ctx.dtypes = (x2.dtype, norm_weight.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .triton_norm import rms_norm_backward
+
+        x, norm_weight, rstd, yn_data, yn_scale, weight = ctx.saved_tensors
+        x_dtype, g_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_g, need_w, need_b = ctx.needs_input_grad[:4]
+        need_dyn = need_x or need_g
+        w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
+            if need_dyn and ctx.w_ops.col is None else ctx.w_ops
+        yn_col = _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype) if need_w else None
+        dyn, dw, db = _linear_backward(ctx, dy, w_ops, yn_col, torch.float32, w_dtype, need_dyn, need_w, need_b)
+        dx = dg = None
+        if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
+            dx, dg = rms_norm_backward(x, norm_weight.detach(), rstd, dyn)
+            dg = dg.to(g_dtype)
+        return dx, dg, dw, None if db is None else db.to(b_dtype), None, None, None
+
+
+def mx_linear_triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     scaling: str = "rceil", gemm: str = "cublas") -> torch.Tensor:
+    """`x2 [M, K] @ weight [N, K]^T + bias` by the MXLinear recipe on the Triton path (differentiable).
+
+    K and N multiples of 32; x2 on CUDA (or CPU under TRITON_INTERPRET=1). Output `[M, N]` in x2's dtype.
+    `gemm`: one of `LINEAR_GEMMS`.
+    """
+    check_scaling(scaling)
+    check_linear_gemm(gemm)
+    return MXLinearTritonFunction.apply(x2, weight, bias, scaling, gemm)
+
+
+def rms_norm_mx_linear_triton(x2: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None = None, eps: float = 1e-6, scaling: str = "rceil",
+                              gemm: str = "cublas") -> torch.Tensor:
+    """`RMSNorm(x2) @ weight^T + bias` with the fused norm+quantize kernel (differentiable), `[M, N]`."""
+    check_scaling(scaling)
+    check_linear_gemm(gemm)
+    return RMSNormMXLinearTritonFunction.apply(x2, norm_weight, weight, bias, float(eps), scaling, gemm)
