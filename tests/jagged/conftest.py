@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+# Triton tests run on the GPU when there is one (hardware E4M3 cast), else in the interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # every boundary of the 32-token blocks and 128-row tiles, a zero-length sequence, and a multi-tile one
 MIXED_LENGTHS = (0, 1, 31, 32, 33, 127, 128, 129, 300)
 
@@ -48,9 +50,10 @@ def mixed_lengths():
 
 @pytest.fixture
 def mixed_batch():
-    """Factory: `(values [T, H, D], offsets [B+1])` of the MIXED_LENGTHS batch."""
+    """Factory: `(values [T, H, D], offsets [B+1])` of the MIXED_LENGTHS batch, on the test device."""
     def make(heads: int, dim: int, dtype=torch.float32, offsets_dtype=torch.int64, lengths=MIXED_LENGTHS,
-             specials: bool = True):
-        return make_values(lengths, heads, dim, dtype, specials=specials), offsets_of(lengths, offsets_dtype)
+             specials: bool = True, device=DEVICE):
+        values = make_values(lengths, heads, dim, dtype, specials=specials)
+        return values.to(device), offsets_of(lengths, offsets_dtype).to(device)
 
     return make

@@ -15,6 +15,7 @@ from gem_lp.mx.reference import dequantize, quantize_reference
 # NaN/Inf inputs make numpy warn inside the Triton interpreter; the bytes are what is checked
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the mixed_batch fixture
 ALL = ("hdim", "seq", "square")
 OUTPUTS = ("payload_hdim", "payload_seq", "payload_square", "scale_hdim", "scale_seq", "scale_square_hdim",
            "scale_square_seq")
@@ -39,8 +40,9 @@ def triton_into_garbage(values, layout, scaling, **launch_options):
     """Run the kernel into output buffers pre-filled with 0xA5, so that every byte must be written."""
     t, h, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
-    payloads = {o: torch.full((t, h, d), 0xA5, dtype=torch.uint8).view(PAYLOAD_DTYPE) for o in ALL}
-    scales = {n: torch.full((h, nb), 0xA5, dtype=torch.uint8) for n, nb in
+    dev = values.device
+    payloads = {o: torch.full((t, h, d), 0xA5, dtype=torch.uint8, device=dev).view(PAYLOAD_DTYPE) for o in ALL}
+    scales = {n: torch.full((h, nb), 0xA5, dtype=torch.uint8, device=dev) for n, nb in
               (("hdim", hdim_bytes), ("seq", seq_bytes), ("square_hdim", hdim_bytes), ("square_seq", seq_bytes))}
     launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
            scaling == "rceil", **launch_options)
@@ -97,6 +99,7 @@ def test_triton_random_batches(seed):
     heads, dim = int(torch.randint(1, 4, (1,), generator=g)), 32 * int(torch.randint(1, 6, (1,), generator=g))
     magnitude = 10.0 ** float(torch.randint(-3, 4, (1,), generator=g))
     values = torch.randn(int(lengths.sum()), heads, dim, generator=g) * magnitude
+    values, offsets = values.to(DEVICE), offsets.to(DEVICE)
     ours, ref = triton_into_garbage(values, JaggedLayout.from_offsets(offsets, values), "rceil")
     assert_same_bytes(ours, ref)
 
@@ -156,8 +159,8 @@ def _dense_oracle_check(values, offsets, lengths, scaling):
         assert torch.equal(sq_plain[:, row0 // BLOCK:row0 // BLOCK + nb], sq.scale[b, :, :nb])
         start += n
     # every byte outside the sequences' real rows/blocks is 0
-    real_rows = torch.zeros(jmx.layout.padded_total, dtype=torch.bool)
-    real_blocks = torch.zeros(jmx.layout.padded_total // BLOCK, dtype=torch.bool)
+    real_rows = torch.zeros(jmx.layout.padded_total, dtype=torch.bool, device=values.device)
+    real_blocks = torch.zeros(jmx.layout.padded_total // BLOCK, dtype=torch.bool, device=values.device)
     for b, n in enumerate(lengths):
         real_rows[so[b]:so[b] + n] = True
         real_blocks[so[b] // BLOCK:so[b] // BLOCK + math.ceil(n / BLOCK)] = True
@@ -253,8 +256,8 @@ def test_square_is_transpose_invariant(mixed_batch, mixed_lengths, scaling):
 @pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [[], [0, 0, 0]], ids=["empty_batch", "all_zero_lengths"])
 def test_no_tokens(backend, offsets_dtype, lengths):
-    offsets = torch.zeros(len(lengths) + 1, dtype=offsets_dtype)
-    values = torch.empty(0, 3, 64, dtype=torch.bfloat16)
+    offsets = torch.zeros(len(lengths) + 1, dtype=offsets_dtype, device=DEVICE)
+    values = torch.empty(0, 3, 64, dtype=torch.bfloat16, device=DEVICE)
     jmx = quantize_jagged(values, offsets, ALL, backend=backend)
     assert jmx.layout.total == jmx.layout.padded_total == jmx.layout.max_len == 0
     assert jmx.layout.batch_size == len(lengths)
@@ -311,8 +314,8 @@ def test_layout_reuse_and_missing_orientation(mixed_batch):
 
 def test_custom_op_opcheck():
     lengths = [3, 0, 40]
-    values = torch.randn(43, 2, 32)
-    layout = JaggedLayout.from_offsets(torch.tensor([0, 3, 3, 43]), values)
+    values = torch.randn(43, 2, 32, device=DEVICE)
+    layout = JaggedLayout.from_offsets(torch.tensor([0, 3, 3, 43], device=DEVICE), values)
     args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, True, True, True, True)
     torch.library.opcheck(torch.ops.gem_lp.jagged_mx_quantize.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

@@ -64,6 +64,8 @@ def test_embedding_output_quantizes(mixed_lengths):
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.randint(0, 100, (int(lengths.sum()),)),
                                               lengths=lengths)
     values, offsets = from_jagged_tensor(ec(kjt)["f"], heads=2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: compiled on a GPU, else interpreted
+    values, offsets = values.to(device), offsets.to(device)
     ref = quantize_jagged(values, offsets, ("hdim", "seq"), backend="reference")
     ours = quantize_jagged(values, offsets, ("hdim", "seq"), backend="triton")
     for name in ("payload_hdim", "payload_seq", "scale_hdim", "scale_seq"):
