@@ -63,13 +63,15 @@ class JaggedLayout:
         total: int | None = None,
         max_len: int | None = None,
         padded_total: int | None = None,
-        validate: bool = True,
+        validate: bool | None = None,
     ) -> "JaggedLayout":
         """Build and check the layout of `offsets` (and of `values [T, ...]` when given).
 
         At most one host sync for the whole batch: it reads max_len, Tp and the values that the checks
-        need in a single transfer. Pass `max_len`, `padded_total` (and `total` when `values` is None)
-        with `validate=False` to build the layout with no sync at all (the caller vouches for them).
+        need in a single transfer. Pass `max_len` and `padded_total` (and `total` when `values` is None)
+        to build the layout with no sync at all: the contents of `offsets` are then not checked (the
+        caller vouches for them and for the ints) unless `validate=True`, which spends the sync on
+        checking them all. `validate=None` (default) checks whenever the sync happens anyway.
 
         Raises:
             TypeError / ValueError naming `offsets` (or `values`, `max_len`, `padded_total`, `total`)
@@ -85,6 +87,8 @@ class JaggedLayout:
         padded = (lengths.to(torch.int64) + (SCALE_ROW_TILE - 1)) // SCALE_ROW_TILE * SCALE_ROW_TILE
         scale_offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
 
+        if validate is None:
+            validate = max_len is None or padded_total is None or total is None
         if validate or max_len is None or padded_total is None or total is None:
             total, max_len, padded_total = _check_and_read(
                 offsets, lengths, scale_offsets, values is not None,

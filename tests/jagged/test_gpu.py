@@ -113,8 +113,7 @@ def test_host_syncs(mixed_batch):
     assert len(syncs) == 1, [str(w.message) for w in syncs]  # 0 would mean the check saw nothing
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fast = JaggedLayout.from_offsets(offsets, values, max_len=layout.max_len,
-                                         padded_total=layout.padded_total, validate=False)
+        fast = JaggedLayout.from_offsets(offsets, values, max_len=layout.max_len, padded_total=layout.padded_total)
         jmx = quantize_jagged(values, fast, ALL)
         for o in ALL:
             dequantize_jagged(jmx, o)

@@ -49,8 +49,12 @@ def test_one_host_sync_and_none_with_precomputed(monkeypatch, mixed_lengths):
     assert len(calls) == 1
     calls.clear()
     fast = JaggedLayout.from_offsets(offsets, total=layout.total, max_len=layout.max_len,
-                                     padded_total=layout.padded_total, validate=False)
+                                     padded_total=layout.padded_total)
     assert calls == [] and fast.padded_total == layout.padded_total and fast.max_len == layout.max_len
+    assert torch.equal(fast.scale_offsets, layout.scale_offsets) and torch.equal(fast.tile_seq, layout.tile_seq)
+    JaggedLayout.from_offsets(offsets, total=layout.total, max_len=layout.max_len,
+                              padded_total=layout.padded_total, validate=True)
+    assert len(calls) == 1
 
 
 def test_empty_batch():
@@ -94,7 +98,9 @@ def test_precomputed_value_errors():
     with pytest.raises(ValueError, match="total=9 disagrees with values.shape\\[0\\]=203"):
         JaggedLayout.from_offsets(offsets, torch.zeros(203, 1, 32), total=9)
     with pytest.raises(ValueError, match="max_len must be a non-negative int"):
-        JaggedLayout.from_offsets(offsets, total=203, max_len=-1, padded_total=384, validate=False)
+        JaggedLayout.from_offsets(offsets, total=203, max_len=-1, padded_total=384)
+    with pytest.raises(ValueError, match="padded_total=256 disagrees with the offsets, which give 384"):
+        JaggedLayout.from_offsets(offsets, total=203, max_len=200, padded_total=256, validate=True)
 
 
 def test_quantize_argument_errors():
