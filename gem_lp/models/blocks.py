@@ -1,0 +1,130 @@
+"""Transformer pieces over jagged sequences, built only from gem_lp ops (recipe and backend passed in)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem_lp.attention import jagged_attention
+from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+class OpSettings:
+    """What every op of the model is told: precision recipe, backend and the P quantization mode."""
+
+    def __init__(self, recipe: str, backend: str, p_quant: str, eps: float):
+        self.recipe = recipe
+        self.backend = backend
+        self.p_quant = p_quant
+        self.eps = eps
+
+    def linear(self, in_features: int, out_features: int, bias: bool = True) -> MXLinear:
+        return MXLinear(in_features, out_features, bias, recipe=self.recipe, backend=self.backend)
+
+    def norm_linear(self, in_features: int, out_features: int, bias: bool = True) -> RMSNormMXLinear:
+        return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend)
+
+    def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, broadcast_q=False):
+        return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
+                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant)
+
+
+class FeedForward(nn.Module):
+    """Pre-norm MLP: RMSNorm+Linear (fused) -> activation -> Linear. `[N, d] -> [N, d]`."""
+
+    def __init__(self, ops: OpSettings, dim: int, hidden: int, activation: str):
+        super().__init__()
+        self.up = ops.norm_linear(dim, hidden)
+        self.act = _ACTIVATIONS[activation]
+        self.down = ops.linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class JaggedSelfAttentionBlock(nn.Module):
+    """Pre-norm transformer block over packed jagged sequences.
+
+    x + Out(Attn(QKV(RMSNorm(x)))) then x + MLP(RMSNorm(x)); attention stays within each sequence.
+    Input and output `[T, d_model]` in the compute dtype; offsets int64 `[B + 1]`.
+    """
+
+    def __init__(self, ops: OpSettings, d_model: int, num_heads: int, head_dim: int, mlp_hidden: int,
+                 activation: str, causal: bool):
+        super().__init__()
+        self.ops = ops
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.causal = causal
+        self.qkv = ops.norm_linear(d_model, 3 * num_heads * head_dim)
+        self.out = ops.linear(num_heads * head_dim, d_model)
+        self.mlp = FeedForward(ops, d_model, mlp_hidden, activation)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
+        q, k, v = (qkv[:, i].contiguous() for i in range(3))
+        attn = self.ops.attention(q, k, v, offsets, causal=self.causal)
+        x = x + self.out(attn.reshape(t, self.num_heads * self.head_dim))
+        return x + self.mlp(x)
+
+
+class SequenceReadout(nn.Module):
+    """Summarizes each encoded sequence with K learned query tokens and with its target (candidate).
+
+    * query tokens: K learned queries `[K, d_model]` attend over every sequence (`broadcast_q`),
+      giving `[B, K, d_model]`;
+    * target attention: each candidate embedding `[B, d_target]` attends over its own sequence
+      (one query per sequence), giving `[B, d_model]`.
+    Keys and values come from one fused RMSNorm+projection of the encoded tokens.
+    """
+
+    def __init__(self, ops: OpSettings, d_model: int, d_target: int, num_heads: int, head_dim: int,
+                 num_query_tokens: int):
+        super().__init__()
+        self.ops = ops
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        width = num_heads * head_dim
+        self.query_tokens = nn.Parameter(torch.randn(num_query_tokens, d_model) * d_model**-0.5)
+        self.query_proj = ops.linear(d_model, width)
+        self.target_proj = ops.norm_linear(d_target, width)
+        self.kv = ops.norm_linear(d_model, 2 * width)
+        self.query_out = ops.linear(width, d_model)
+        self.target_out = ops.linear(width, d_model)
+
+    def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor):
+        """tokens `[T, d_model]`, offsets int64 `[B + 1]`, target `[B, d_target]` ->
+        (`[B, K, d_model]`, `[B, d_model]`) in the compute dtype."""
+        t, b = tokens.shape[0], target.shape[0]
+        h, d = self.num_heads, self.head_dim
+        kv = self.kv(tokens).view(t, 2, h, d)
+        k, v = kv[:, 0].contiguous(), kv[:, 1].contiguous()
+
+        n_query = self.query_tokens.shape[0]
+        q = self.query_proj(self.query_tokens.to(tokens.dtype)).view(n_query, h, d)
+        query_offsets = torch.tensor([0, n_query], dtype=torch.int64, device=tokens.device)
+        read = self.ops.attention(q, k, v, query_offsets, offsets, broadcast_q=True)  # [B*K, h, d]
+        query_summary = self.query_out(read.reshape(b * n_query, h * d)).view(b, n_query, -1)
+
+        q_target = self.target_proj(target).view(b, h, d)
+        target_offsets = torch.arange(b + 1, dtype=torch.int64, device=tokens.device)
+        read = self.ops.attention(q_target, k, v, target_offsets, offsets)  # [B, h, d]
+        target_summary = self.target_out(read.reshape(b, h * d))
+        return query_summary, target_summary
+
+
+class CrossNetwork(nn.Module):
+    """DCN-v2 cross layers: x_{l+1} = x_0 * W_l(x_l) + x_l, `[B, F] -> [B, F]`."""
+
+    def __init__(self, ops: OpSettings, width: int, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(ops.linear(width, width) for _ in range(num_layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for layer in self.layers:
+            x = x0 * layer(x) + x
+        return x

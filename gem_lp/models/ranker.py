@@ -1,0 +1,135 @@
+"""GEM-like CTR ranking model (after GEM / InterFormer) on TorchRec KJT batches.
+
+Data flow for a batch of B users (shapes for the sequence part are jagged, T = sum of history lengths):
+
+1. Embeddings. `EmbeddingCollection` looks up the history (item, action, time-gap bucket; summed
+   per event, `[T, e]`) and the candidate item through the same item table (`[B, e]`).
+   `EmbeddingBagCollection` mean-pools each non-sequence id feature (`[B, F_sparse * e]`); dense
+   features go through an MLP (`[B, dense_hidden]`).
+2. Interaction -> sequence: the pooled + dense features become K_sum summary tokens per user,
+   prepended to the user's history: `[B*K_sum + T, d_model]`, jagged.
+3. Sequence encoder: N pre-norm blocks of jagged self-attention (causal or not) and MLP.
+4. Sequence -> interaction: the encoded summary tokens, K learned query tokens that attend over
+   every user's encoded sequence, and the candidate's target attention over its user's sequence.
+5. Interaction: concat(summaries, pooled sparse, dense, candidate) -> RMSNorm -> DCN cross layers
+   -> 2-layer MLP -> logit.
+
+Every projection is an `MXLinear` / `RMSNormMXLinear` and every attention is `jagged_attention`,
+with the recipe and backend of the config. The dense input layer (16 raw features, not a multiple
+of 32) and the final 1-wide logit layer stay ordinary float32 `nn.Linear`s, as low-precision
+training recipes keep the first and last layers in high precision.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.modules.embedding_configs import PoolingType
+
+from gem_lp.data.batch import RecBatch
+from gem_lp.data.config import CAND_ITEM, HIST_ACTION, HIST_GAP, HIST_ITEM, SyntheticDataConfig
+from gem_lp.norm_gemm import RMSNorm
+
+from .blocks import _ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
+from .config import GemModelConfig
+from .packing import prefix_rows, prepend_tokens
+
+ITEM_TABLE = "item"
+
+
+class GemRanker(nn.Module):
+    """CTR model; `forward(batch) -> float32 logits [B]`."""
+
+    def __init__(self, cfg: GemModelConfig, data: SyntheticDataConfig):
+        super().__init__()
+        self.cfg = cfg
+        ops = OpSettings(cfg.precision, cfg.backend, cfg.p_quant, cfg.norm_eps)
+        e, d = cfg.embedding_dim, cfg.d_model
+        self.sequence_embeddings = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name=ITEM_TABLE, embedding_dim=e, num_embeddings=data.num_items,
+                                feature_names=[HIST_ITEM, CAND_ITEM]),
+                EmbeddingConfig(name="action", embedding_dim=e, num_embeddings=data.num_actions,
+                                feature_names=[HIST_ACTION]),
+                EmbeddingConfig(name="time_gap", embedding_dim=e, num_embeddings=data.num_time_buckets,
+                                feature_names=[HIST_GAP]),
+            ],
+            device=torch.device("cpu"),
+        )
+        self.pooled_embeddings = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name=f"pooled_{f.name}", embedding_dim=e, num_embeddings=f.num_embeddings,
+                                   feature_names=[f.name], pooling=PoolingType.MEAN)
+                for f in data.sparse_features
+            ],
+            device=torch.device("cpu"),
+        )
+        self.num_dense = data.num_dense
+        self.dense_input = nn.Linear(data.num_dense, cfg.dense_hidden)  # float32: 16 raw inputs, no MX blocks
+        self.dense_act = _ACTIVATIONS[cfg.activation]
+        self.dense_mlp = ops.linear(cfg.dense_hidden, cfg.dense_hidden)
+
+        non_sequence = len(data.sparse_features) * e + cfg.dense_hidden
+        k_sum = cfg.num_summary_tokens
+        self.summary_base = nn.Parameter(torch.randn(k_sum, d) * d**-0.5)
+        self.summary_proj = ops.norm_linear(non_sequence, k_sum * d)
+        self.history_proj = ops.linear(e, d) if e != d else None
+        self.encoder = nn.ModuleList(
+            JaggedSelfAttentionBlock(ops, d, cfg.num_heads, cfg.head_dim, cfg.mlp_hidden, cfg.activation, cfg.causal)
+            for _ in range(cfg.num_blocks)
+        )
+        self.readout = SequenceReadout(ops, d, e, cfg.num_heads, cfg.head_dim, cfg.num_query_tokens)
+
+        width = d * (k_sum + cfg.num_query_tokens + 1) + non_sequence + e
+        self.interaction_width = width
+        self.interaction_norm = RMSNorm(width, eps=cfg.norm_eps)
+        self.cross = CrossNetwork(ops, width, cfg.num_cross_layers)
+        self.head_in = ops.norm_linear(width, cfg.head_hidden)
+        self.head_act = _ACTIVATIONS[cfg.activation]
+        self.head_mid = ops.linear(cfg.head_hidden, cfg.head_hidden)
+        self.logit = nn.Linear(cfg.head_hidden, 1)  # float32 output layer
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The TorchRec table weights (optimized with row-wise Adagrad)."""
+        return list(self.sequence_embeddings.parameters()) + list(self.pooled_embeddings.parameters())
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Everything else (optimized with AdamW)."""
+        table_ids = {id(p) for p in self.embedding_parameters()}
+        return [p for p in self.parameters() if id(p) not in table_ids]
+
+    def forward(self, batch: RecBatch) -> torch.Tensor:
+        cfg = self.cfg
+        dtype = cfg.compute_dtype
+        b = batch.batch_size
+        if batch.dense_features.shape != (b, self.num_dense):
+            raise ValueError(f"batch.dense_features must be [B, {self.num_dense}] = [{b}, {self.num_dense}], "
+                             f"got {tuple(batch.dense_features.shape)}")
+
+        seq = self.sequence_embeddings(batch.sequence_features)
+        history = (seq[HIST_ITEM].values() + seq[HIST_ACTION].values() + seq[HIST_GAP].values()).to(dtype)
+        lengths = seq[HIST_ITEM].lengths()
+        candidate = seq[CAND_ITEM].values().to(dtype)  # [B, e]
+        if candidate.shape[0] != b:
+            raise ValueError(f"sequence_features[{CAND_ITEM!r}] must hold exactly one id per sample, "
+                             f"got {candidate.shape[0]} ids for {b} samples")
+        pooled = self.pooled_embeddings(batch.sparse_features).values().to(dtype)  # [B, F_sparse * e]
+        dense = self.dense_act(self.dense_input(batch.dense_features.float())).to(dtype)
+        dense = self.dense_act(self.dense_mlp(dense))
+        non_sequence = torch.cat([pooled, dense], dim=1)
+
+        k_sum = cfg.num_summary_tokens
+        summary = self.summary_proj(non_sequence).view(b, k_sum, cfg.d_model) + self.summary_base.to(dtype)
+        if self.history_proj is not None:
+            history = self.history_proj(history)
+        tokens, offsets, _ = prepend_tokens(summary, history, lengths)
+        for block in self.encoder:
+            tokens = block(tokens, offsets)
+
+        encoded_summary = tokens[prefix_rows(offsets, k_sum)]  # [B, K_sum, d]
+        query_summary, target_summary = self.readout(tokens, offsets, candidate)
+        features = torch.cat([encoded_summary.reshape(b, -1), query_summary.reshape(b, -1), target_summary,
+                              non_sequence, candidate], dim=1)
+        x = self.cross(self.interaction_norm(features))
+        x = self.head_act(self.head_mid(self.head_act(self.head_in(x))))
+        return self.logit(x.float()).squeeze(1)

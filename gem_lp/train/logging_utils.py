@@ -1,0 +1,86 @@
+"""Progress bar and TensorBoard writer that degrade to plain output when tqdm / tensorboard are missing."""
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+
+class Progress:
+    """tqdm bar over training steps (postfix: loss, samples/s); a line every `log_every` steps without tqdm."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, log_every: int):
+        self.bar = None
+        self.log_every = max(1, log_every)
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                                file=sys.stderr, mininterval=0.5)
+            except ImportError:
+                self.bar = None
+
+    def update(self, step: int, loss: float, samples_per_s: float, lr: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if step % self.log_every == 0:
+                self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:,.0f}", lr=f"{lr:.2e}",
+                                     refresh=False)
+        elif self.enabled and step % self.log_every == 0:
+            print(f"step {step}  loss {loss:.4f}  samples/s {samples_per_s:,.0f}  lr {lr:.2e}", flush=True)
+
+    def write(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Scalars:
+    """`torch.utils.tensorboard.SummaryWriter` scalars, or nothing (with one warning) when unavailable."""
+
+    def __init__(self, log_dir: str, enabled: bool):
+        self.writer = None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir)
+        except ImportError as err:
+            warnings.warn(f"TensorBoard logging disabled ({err}); install `tensorboard` to enable it")
+
+    def add(self, tag: str, value: float, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+class Stopwatch:
+    """Accumulates wall time of the training steps only (eval and checkpoints excluded)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.samples = 0
+        self._start = None
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self, samples: int) -> None:
+        self.seconds += time.perf_counter() - self._start
+        self.samples += samples
+
+    @property
+    def rate(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0

@@ -1,0 +1,21 @@
+"""Train the GEM-like ranking model: `python train.py [model=gem_mxfp8] [trainer=gpu] [key=value ...]`.
+
+Writes `metrics.json`, `checkpoint.pt` and TensorBoard events into the Hydra run directory.
+"""
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="configs", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    from gem_lp.train import train  # imported here so `--help` and config errors stay fast
+
+    metrics = train(cfg, HydraConfig.get().runtime.output_dir)
+    print(f"done: {metrics['steps']} steps, eval AUC {metrics['eval_auc']:.4f} (teacher {metrics['teacher_auc']:.4f}), "
+          f"eval NE {metrics['eval_ne']:.4f}, {metrics['samples_per_s']:,.0f} samples/s")
+    return metrics["eval_ne"]
+
+
+if __name__ == "__main__":
+    main()
