@@ -50,11 +50,13 @@ class GemmConfig:
     num_stages: int = 3
 
 
-# Defaults per operand route (sm_90); `benchmarks/bench_norm_gemm.py` measures alternatives.
+# Defaults per operand route on sm_90, the largest tiles that ptxas builds without (or with few) spills
+# (FP8: 255 registers, ~180 spill bytes; dot_scaled: ~100-400; plain BF16: 240-251, none, MX epilogue
+# included); `benchmarks/bench_norm_gemm.py` measures alternatives.
 DEFAULT_CONFIGS = {
-    _OPERANDS_FP8: GemmConfig(128, 128, 128, 8, 8, 3),
-    _OPERANDS_SCALED: GemmConfig(128, 128, 128, 8, 8, 3),
-    _OPERANDS_PLAIN: GemmConfig(128, 256, 64, 8, 8, 3),
+    _OPERANDS_FP8: GemmConfig(128, 128, 32, 8, 8, 3),
+    _OPERANDS_SCALED: GemmConfig(128, 128, 64, 8, 8, 3),
+    _OPERANDS_PLAIN: GemmConfig(128, 128, 64, 8, 8, 3),
 }
 # Under the interpreter the cost is per program and per op: small tiles keep the masks exercised.
 INTERPRETER_CONFIG = GemmConfig(32, 32, 64, 2, 1, 1)

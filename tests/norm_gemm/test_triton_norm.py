@@ -1,0 +1,348 @@
+"""Fused RMSNorm + MX quantize Triton kernel and its backward, against the reference.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py) on tiny shapes; on a CUDA machine the
+same tests run the compiled kernels, and the `gpu` tests add large shapes.
+
+Bit-identity is checked two ways. (1) On inputs whose FP32 sum of squares is exact (small integers times a
+power of two per row), the sum has no order, so rstd and every byte must equal `rms_norm_quantize_reference`.
+(2) On generic inputs, rstd must be within 2 ulp of the reference, and every byte must equal the reference
+quantization of `y = (fp32(x) * rstd) * fp32(w)` computed with the kernel's rstd: everything after the sum
+of squares is the reference's arithmetic.
+"""
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gem_lp.mx import dequantize, quantize_reference, to_blocked
+from gem_lp.norm_gemm.reference import rms_norm_fp32, rms_norm_quantize_reference
+from gem_lp.norm_gemm.triton_norm import rms_norm_backward, rms_norm_mx, rms_norm_quantize_triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MS = (1, 31, 33, 100, 129)
+KS = (32, 64, 96)
+# NaN/Inf inputs make numpy (the interpreter) warn about the invalid products it is asked to compute.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:divide by zero encountered:RuntimeWarning")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def exact_sum_input(M, K, dtype, seed):
+    """Integers in [-15, 15] times 2^e per row (e in [-8, 8]): every partial sum of squares is exact in FP32."""
+    g = _gen(seed)
+    ints = torch.randint(-15, 16, (M, K), generator=g).double()
+    e = torch.randint(-8, 9, (M, 1), generator=g).double()
+    return (ints * torch.exp2(e)).to(dtype).to(DEVICE)
+
+
+def generic_input(M, K, dtype, seed):
+    """randn rows at magnitudes 2^-20..2^20 (fp16: 2^-6..2^6) with a few large outliers."""
+    g = _gen(seed)
+    span = 6 if dtype == torch.float16 else 20
+    x = torch.randn(M, K, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-span, span + 1, (M, 1), generator=g).double())
+    idx = torch.randint(0, M * K, (max(1, M * K // 200),), generator=g)
+    x.view(-1)[idx] *= 50.0
+    return x.to(dtype).to(DEVICE)
+
+
+def norm_weight(K, dtype, seed):
+    g = _gen(seed + 1)
+    return ((torch.rand(K, generator=g) + 0.5) * torch.where(torch.rand(K, generator=g) < 0.1, -1.0, 1.0)).to(
+        dtype).to(DEVICE)
+
+
+def u8(t):
+    return t.view(torch.uint8)
+
+
+def assert_same_bytes(actual, expected, what):
+    a, e = u8(actual), u8(expected)
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    bad = (a != e).nonzero()
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {a.numel()} bytes differ, first at "
+                              f"{tuple(bad[0].tolist())}: {a[tuple(bad[0])].item()} vs {e[tuple(bad[0])].item()}")
+
+
+def assert_same_values(actual, expected, what):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=what)
+
+
+def check_outputs(out, x, w, eps, scaling, blocked, rstd, operand_dtype, tag):
+    """Every output of `rms_norm_mx` equals the reference quantization of y computed with `rstd`."""
+    y = x.float() * rstd[:, None] * w.float()  # the reference's formula
+    row = quantize_reference(y, axis=1, scaling=scaling)
+    col = quantize_reference(y.t(), axis=1, scaling=scaling, allow_partial=True)
+    assert_same_bytes(out.rowwise.data, row.data, f"row payload {tag}")
+    assert_same_bytes(out.rowwise.scale, to_blocked(row.scale) if blocked else row.scale, f"row scale {tag}")
+    assert_same_bytes(out.colwise.data, col.data, f"col payload {tag}")
+    assert_same_bytes(out.colwise.scale, to_blocked(col.scale) if blocked else col.scale, f"col scale {tag}")
+    assert (out.rowwise.scale_layout, out.colwise.scale_layout) == (("blocked",) * 2 if blocked else ("plain",) * 2)
+    if out.row_operand is not None:
+        assert_same_values(out.row_operand, dequantize(row).to(operand_dtype), f"row operand {tag}")
+    if out.col_operand is not None:
+        assert_same_values(out.col_operand, dequantize(col).t().to(operand_dtype), f"col operand {tag}")
+
+
+# (dtype, scaling, blocked scales, operand dtype) rotated over the shapes; each shape runs the default
+# configuration and a multi-pass one (BLOCK_K=32: the second sweep re-reads x chunk by chunk).
+COMBOS = list(itertools.product(DTYPES, ("rceil", "floor"), (True, False)))
+CONFIGS = (dict(), dict(block_k=32), dict(block_m=64, block_k=32))
+CASES = [(M, K, COMBOS[(3 * i) % len(COMBOS)], CONFIGS[i % len(CONFIGS)], 10 * i)
+         for i, (M, K) in enumerate(itertools.product(MS, KS))]
+
+
+@pytest.mark.parametrize("M,K,combo,cfg,seed", CASES,
+                         ids=[f"{c[0]}x{c[1]}-{c[2][0]}-{c[2][1]}-{'blk' if c[2][2] else 'plain'}-{c[3]}" for c in CASES])
+def test_exact_sum_inputs_match_reference_bit_for_bit(M, K, combo, cfg, seed):
+    dtype, scaling, blocked = combo
+    x, w = exact_sum_input(M, K, dtype, seed), norm_weight(K, torch.float32, seed)
+    op_dtype = torch.bfloat16 if seed % 20 else torch.float32
+    out = rms_norm_mx(x, w, 1e-5, scaling=scaling, blocked_scales=blocked, row_operand=True, col_operand=True,
+                      operand_dtype=op_dtype, **cfg)
+    ref = rms_norm_quantize_reference(x, w, 1e-5, scaling)
+    assert_same_values(out.rstd, ref.rstd, "rstd")
+    check_outputs(out, x, w, 1e-5, scaling, blocked, ref.rstd, op_dtype, f"seed={seed}")
+    # and directly against the reference object
+    assert_same_bytes(out.rowwise.data, ref.rowwise.data, "row payload vs reference")
+    assert_same_bytes(out.colwise.plain_scale(), ref.colwise.scale, "col scale vs reference")
+
+
+@pytest.mark.parametrize("M,K,combo,cfg,seed", CASES[::2],
+                         ids=[f"{c[0]}x{c[1]}-{c[2][0]}-{c[3]}" for c in CASES[::2]])
+def test_generic_inputs_match_reference_given_rstd(M, K, combo, cfg, seed):
+    dtype, scaling, blocked = combo
+    x, w = generic_input(M, K, dtype, seed + 1), norm_weight(K, dtype, seed)
+    out = rms_norm_mx(x, w, 1e-6, scaling=scaling, blocked_scales=blocked, row_operand=True, **cfg)
+    ref = rms_norm_quantize_reference(x, w, 1e-6, scaling)
+    ulp = torch.finfo(torch.float32).eps * ref.rstd.abs()
+    assert bool(((out.rstd - ref.rstd).abs() <= 2 * ulp).all()), "rstd more than 2 ulp from the reference"
+    check_outputs(out, x, w, 1e-6, scaling, blocked, out.rstd, torch.bfloat16, f"seed={seed}")
+
+
+def _tie_weight(x_row, rstd, seed):
+    """A weight `w [K]` for which `(x * rstd) * w` lands exactly on E4M3 rounding ties (at scale 1) in many
+    places where `x * (rstd * w)` does not: there the payload depends on the operation order."""
+    f32 = np.float32
+    rng = np.random.default_rng(seed)
+    up, down = f32(np.inf), f32(-np.inf)
+    w = np.empty(x_row.shape[0], np.float32)
+    for j, xj in enumerate(x_row.astype(np.float32)):
+        a = xj * f32(rstd)
+        if a == 0:
+            w[j] = 1.0
+            continue
+        if j % 32 == 0:  # the block max: y ~ 300 gives the rceil scale byte 127 (scale 1)
+            w[j] = f32(300.0 / float(a))
+            continue
+        tie = f32(1.0 + (2 * rng.integers(0, 8) + 1) / 16.0)  # midpoint of two E4M3 values in [1, 2)
+        w[j] = cand = f32(float(tie) / float(a))
+        for direction in (up, down):
+            c = cand
+            for _ in range(4):
+                if a * c == tie and xj * (f32(rstd) * c) != tie:
+                    w[j] = c
+                    break
+                c = np.nextafter(c, direction)
+    return torch.from_numpy(w)
+
+
+def test_operation_order_of_y_is_the_references():
+    """Payload bytes at E4M3 ties reveal the order of `x * rstd * w`; the kernel's must be `(x * rstd) * w`."""
+    x = exact_sum_input(1, 256, torch.float32, 9).cpu()
+    rstd = rms_norm_quantize_reference(x, torch.ones(256), 1e-6, "rceil").rstd
+    w = _tie_weight(x[0].numpy(), rstd.item(), 9)
+    y_ref_order = (x * rstd[:, None]) * w
+    y_other_order = x * (rstd[:, None] * w)
+    ref = quantize_reference(y_ref_order, axis=1)
+    n_differ = int((u8(ref.data) != u8(quantize_reference(y_other_order, axis=1).data)).sum())
+    assert n_differ >= 4, "the constructed input must make the operation order visible"
+    x, w = x.to(DEVICE), w.to(DEVICE)
+    for cfg in (dict(), dict(block_k=64)):
+        out = rms_norm_mx(x, w, 1e-6, blocked_scales=False, **cfg)
+        assert_same_values(out.rstd, rstd.to(DEVICE), "rstd")
+        assert_same_bytes(out.rowwise.data, ref.data, f"row payload {cfg}")
+        assert_same_bytes(out.rowwise.scale, ref.scale, f"row scale {cfg}")
+
+
+def test_special_rows_match_reference():
+    """NaN, Inf, all-zero rows (eps > 0 and eps = 0), huge values: the reference's NaN propagation exactly."""
+    x = exact_sum_input(70, 96, torch.float32, 5)
+    x[3, 7] = math.nan
+    x[10, 40] = math.inf
+    x[11] = -math.inf
+    x[20] = 0.0
+    x[40, :32] = 0.0
+    x[50, 5] = 3.0e38
+    w = norm_weight(96, torch.float32, 5)
+    for eps in (1e-6, 0.0):
+        out = rms_norm_mx(x, w, eps, row_operand=True, col_operand=True, operand_dtype=torch.float32)
+        ref = rms_norm_quantize_reference(x, w, eps, "rceil")
+        assert_same_values(out.rstd, ref.rstd, f"rstd eps={eps}")
+        check_outputs(out, x, w, eps, "rceil", True, ref.rstd, torch.float32, f"eps={eps}")
+        assert bool(out.row_operand[3].isnan().all()) and u8(out.rowwise.data)[3].eq(0x7F).all()
+
+
+def test_without_weight_is_the_dual_cast():
+    x = generic_input(100, 96, torch.bfloat16, 3)
+    x[7, 3] = math.nan
+    out = rms_norm_mx(x, None, row_operand=True, col_operand=True, blocked_scales=False, block_k=32)
+    assert out.rstd is None
+    for scaling in ("rceil", "floor"):
+        out = rms_norm_mx(x, None, scaling=scaling, row_operand=True, col_operand=True, blocked_scales=False)
+        row = quantize_reference(x, axis=1, scaling=scaling)
+        col = quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True)
+        for got, want, what in ((out.rowwise.data, row.data, "row"), (out.rowwise.scale, row.scale, "row scale"),
+                                (out.colwise.data, col.data, "col"), (out.colwise.scale, col.scale, "col scale")):
+            assert_same_bytes(got, want, f"{what} {scaling}")
+        assert_same_values(out.col_operand, dequantize(col).t().bfloat16(), "col operand")
+
+
+def test_only_the_requested_outputs_and_public_wrapper():
+    x, w = exact_sum_input(33, 64, torch.bfloat16, 8), norm_weight(64, torch.bfloat16, 8)
+    out = rms_norm_mx(x, w, rowwise=False, colwise=False, row_operand=True)
+    assert out.rowwise is None and out.colwise is None and out.col_operand is None
+    ref = rms_norm_quantize_reference(x, w, 1e-6, "rceil")
+    assert_same_values(out.row_operand, dequantize(ref.rowwise).bfloat16(), "row operand alone")
+    got = rms_norm_quantize_triton(x, w, 1e-6, "rceil")  # plain scales, as the reference returns them
+    for a, b in ((got.rowwise, ref.rowwise), (got.colwise, ref.colwise)):
+        assert a.shape == b.shape and a.scale_layout == "plain" and (a.block, a.axis) == ("1d", 1)
+        assert_same_bytes(a.data, b.data, "payload")
+        assert_same_bytes(a.scale, b.scale, "scale")
+    assert_same_values(got.rstd, ref.rstd, "rstd")
+
+
+def test_empty_and_strided_rows():
+    w = norm_weight(64, torch.float32, 0)
+    out = rms_norm_mx(torch.empty(0, 64, device=DEVICE), w, row_operand=True)
+    assert out.rowwise.shape == (0, 64) and out.colwise.shape == (64, 0) and out.rstd.shape == (0,)
+    assert out.colwise.scale.numel() == 0 and out.row_operand.shape == (0, 64)
+    base = exact_sum_input(40, 128, torch.float32, 4)
+    x = base[:, 32:96]  # row stride 128
+    out = rms_norm_mx(x, w, blocked_scales=False)
+    ref = rms_norm_quantize_reference(x.contiguous(), w, 1e-6, "rceil")
+    assert_same_values(out.rstd, ref.rstd, "strided rstd")
+    assert_same_bytes(out.colwise.data, ref.colwise.data, "strided col payload")
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def reference_backward(x, w, eps, dy):
+    xr = x.detach().float().requires_grad_()
+    wr = w.detach().float().requires_grad_()
+    y, rstd = rms_norm_fp32(xr, wr, eps)
+    y.backward(dy.float())
+    return xr.grad, wr.grad, rstd.detach()
+
+
+@pytest.mark.parametrize("M,K,dtype,cfg", [
+    (1, 32, torch.float32, dict()), (31, 96, torch.bfloat16, dict()), (33, 64, torch.float32, dict(block_k=32)),
+    (100, 96, torch.float16, dict(block_k=32, block_m=8)), (129, 32, torch.bfloat16, dict(block_m=32)),
+])
+def test_backward_matches_reference(M, K, dtype, cfg):
+    x, w = generic_input(M, K, dtype, M + K), norm_weight(K, dtype, M)
+    dy = torch.randn(M, K, generator=_gen(M * K)).to(DEVICE)
+    dx_ref, dw_ref, rstd = reference_backward(x, w, 1e-6, dy)
+    dx, dw = rms_norm_backward(x, w, rstd, dy, **cfg)
+    assert dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == (K,)
+    # FP32 math in another order: a few FP32 ulps of the terms, then the rounding to x's dtype
+    tol = 8 * K * torch.finfo(torch.float32).eps
+    scale = dx_ref.abs().amax(dim=1, keepdim=True)
+    assert bool(((dx.float() - dx_ref).abs() <= tol * scale + torch.finfo(dtype).eps * dx_ref.abs()).all())
+    dw_scale = (dy.float() * x.float() * rstd[:, None]).abs().sum(0)
+    assert bool(((dw - dw_ref).abs() <= tol * dw_scale + 1e-30).all())
+
+
+def test_backward_empty():
+    w = norm_weight(32, torch.float32, 0)
+    dx, dw = rms_norm_backward(torch.empty(0, 32, device=DEVICE), w, torch.empty(0, device=DEVICE),
+                               torch.empty(0, 32, device=DEVICE))
+    assert dx.shape == (0, 32) and torch.equal(dw, torch.zeros(32, device=DEVICE))
+
+
+def test_errors():
+    x, w = torch.randn(8, 64, device=DEVICE), torch.randn(64, device=DEVICE)
+    with pytest.raises(ValueError, match="K must be a multiple of 32, got K=40"):
+        rms_norm_mx(torch.randn(8, 40, device=DEVICE), torch.randn(40, device=DEVICE))
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got torch.float64"):
+        rms_norm_mx(x.double(), w)
+    with pytest.raises(ValueError, match=r"x must be 2-D \[M, K\]"):
+        rms_norm_mx(x.reshape(2, 4, 64), w)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rms_norm_mx(torch.randn(64, 8, device=DEVICE).t(), w)
+    with pytest.raises(ValueError, match=r"weight must be a contiguous \[K=64\] tensor"):
+        rms_norm_mx(x, torch.randn(32, device=DEVICE))
+    with pytest.raises(ValueError, match="at least one of rowwise"):
+        rms_norm_mx(x, w, rowwise=False, colwise=False)
+    with pytest.raises(ValueError, match="operand_dtype must be one of"):
+        rms_norm_mx(x, w, row_operand=True, operand_dtype=torch.float16)
+    with pytest.raises(ValueError, match="block_m must be 32 or 64, got 16"):
+        rms_norm_mx(x, w, block_m=16)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 32, got 48"):
+        rms_norm_mx(x, w, block_k=48)
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        rms_norm_mx(x, w, scaling="round")
+    with pytest.raises(ValueError, match=r"rstd must be a contiguous float32 \[M=8\]"):
+        rms_norm_backward(x, w, torch.ones(8, dtype=torch.float64, device=DEVICE), x)
+    with pytest.raises(ValueError, match=r"dy must be \[M=8, K=64\]"):
+        rms_norm_backward(x, w, torch.ones(8, device=DEVICE), x[:4])
+
+
+def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        rms_norm_mx(torch.randn(32, 32), torch.randn(32))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K", [(32768, 1024), (5000, 4096), (1000, 8192), (4097, 96)])
+def test_gpu_large_shapes_match_reference_given_rstd(M, K):
+    x = generic_input(M, K, torch.bfloat16, M)
+    w = norm_weight(K, torch.float32, K)
+    out = rms_norm_mx(x, w, 1e-6, row_operand=True, col_operand=True)
+    ref = rms_norm_quantize_reference(x, w, 1e-6, "rceil")
+    ulp = torch.finfo(torch.float32).eps * ref.rstd.abs()
+    assert bool(((out.rstd - ref.rstd).abs() <= 4 * ulp).all())
+    check_outputs(out, x, w, 1e-6, "rceil", True, out.rstd, torch.bfloat16, f"{M}x{K}")
+    exact = exact_sum_input(M, K, torch.bfloat16, K)
+    out = rms_norm_mx(exact, w, 1e-6)
+    ref = rms_norm_quantize_reference(exact, w, 1e-6, "rceil")
+    assert_same_values(out.rstd, ref.rstd, "exact-sum rstd")
+    check_outputs(out, exact, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"exact {M}x{K}")
+
+
+@pytest.mark.gpu
+def test_gpu_hardware_and_integer_conversions_agree():
+    x, w = generic_input(4096, 2048, torch.bfloat16, 1), norm_weight(2048, torch.bfloat16, 1)
+    x[5, 9] = math.nan
+    kw = dict(row_operand=True, col_operand=True)
+    hw = rms_norm_mx(x, w, hw_cast=True, **kw)
+    sw = rms_norm_mx(x, w, hw_cast=False, **kw)
+    for name in ("rowwise", "colwise"):
+        assert_same_bytes(getattr(hw, name).data, getattr(sw, name).data, name)
+        assert_same_bytes(getattr(hw, name).scale, getattr(sw, name).scale, name)
+    assert_same_values(hw.row_operand, sw.row_operand, "row operand")
+    assert_same_values(hw.col_operand, sw.col_operand, "col operand")
+
+
+@pytest.mark.gpu
+def test_gpu_backward_large():
+    M, K = 8192, 4096
+    x, w = generic_input(M, K, torch.bfloat16, 2), norm_weight(K, torch.bfloat16, 2)
+    dy = torch.randn(M, K, device="cuda")
+    dx_ref, dw_ref, rstd = reference_backward(x, w, 1e-6, dy)
+    dx, dw = rms_norm_backward(x, w, rstd, dy)
+    torch.testing.assert_close(dx.float(), dx_ref, rtol=1e-2, atol=1e-2 * dx_ref.abs().max().item())
+    torch.testing.assert_close(dw, dw_ref, rtol=1e-4, atol=1e-4 * dw_ref.abs().max().item())
