@@ -67,20 +67,36 @@ class Scalars:
 
 
 class Stopwatch:
-    """Accumulates wall time of the training steps only (eval and checkpoints excluded)."""
+    """Wall time and samples of the training steps only (eval and checkpoints excluded).
 
-    def __init__(self):
-        self.seconds = 0.0
+    `rate` leaves out the first `warmup` steps timed in this process (allocator and cache warm-up)
+    unless there are no others.
+    """
+
+    def __init__(self, warmup: int = 5):
+        self.warmup = warmup
+        self.seconds = 0.0  # steady-state steps
         self.samples = 0
-        self._start = None
+        self.warmup_seconds = 0.0
+        self.warmup_samples = 0
+        self._steps_this_process = 0
+        self._start = 0.0
 
     def start(self) -> None:
         self._start = time.perf_counter()
 
     def stop(self, samples: int) -> None:
-        self.seconds += time.perf_counter() - self._start
-        self.samples += samples
+        elapsed = time.perf_counter() - self._start
+        if self._steps_this_process < self.warmup:
+            self.warmup_seconds += elapsed
+            self.warmup_samples += samples
+        else:
+            self.seconds += elapsed
+            self.samples += samples
+        self._steps_this_process += 1
 
     @property
     def rate(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
+        if self.seconds > 0:
+            return self.samples / self.seconds
+        return self.warmup_samples / self.warmup_seconds if self.warmup_seconds > 0 else 0.0

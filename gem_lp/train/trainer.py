@@ -21,7 +21,6 @@ from .logging_utils import Progress, Scalars, Stopwatch
 from .metrics import mean_bce, normalized_entropy, roc_auc
 from .optim import RowWiseAdagrad, warmup_decay_lambda
 
-_TIMING_WARMUP_STEPS = 5  # first steps of a process (allocator, caches) are left out of samples/s
 _TRAIN_LOSS_WINDOW = 50  # `train_loss` in metrics.json: mean over the last this many steps
 
 
@@ -101,7 +100,7 @@ class Trainer:
             "rng": rng_states(),
             "losses": list(self.losses),
             "evals": list(self.evals),
-            "stopwatch": (self.stopwatch.seconds, self.stopwatch.samples),
+            "stopwatch": (self.stopwatch.seconds, self.stopwatch.samples),  # steady-state steps only
             "model_config": OmegaConf.to_container(self.cfg.model, resolve=True),
             "data_config": OmegaConf.to_container(self.cfg.data, resolve=True),
             "seed": self.seed,
@@ -213,21 +212,16 @@ class Trainer:
                        f"parameters; teacher eval AUC {self.teacher_metrics['teacher_auc']:.4f}")
         self.model.train()
         started = time.perf_counter()
-        steps_this_process = 0
         try:
             loader = iter(self._train_loader())
             while self.step < stop:
-                timed = steps_this_process >= _TIMING_WARMUP_STEPS
-                if timed:
-                    self.stopwatch.start()
+                self.stopwatch.start()
                 batch = next(loader)
                 loss = self.train_step(batch, self.step + 1)
-                if timed:
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    self.stopwatch.stop(batch.batch_size)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.stopwatch.stop(batch.batch_size)
                 self.step += 1
-                steps_this_process += 1
                 self.losses.append(loss)
                 lr = self.dense_scheduler.get_last_lr()[0]
                 progress.update(self.step, loss, self.stopwatch.rate, lr)

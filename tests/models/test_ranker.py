@@ -1,0 +1,159 @@
+"""GEM-like ranker: jagged packing against a loop, forward/backward on every recipe, and config plumbing."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gem_lp.attention import jagged_attention
+from gem_lp.data import CAND_ITEM, HIST_ITEM, PlantedTeacher, SparseFeatureSpec, SyntheticDataConfig, make_batch
+from gem_lp.models import GemModelConfig, GemRanker, lengths_to_offsets, prefix_rows, prepend_tokens
+from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear
+
+DATA = SyntheticDataConfig(batch_size=12, num_items=200, history_mean=9.0, history_min=0, history_max=40,
+                           sparse_features=(SparseFeatureSpec("a", 40, 1), SparseFeatureSpec("b", 60, 3)))
+SMALL = dict(embedding_dim=32, d_model=64, num_heads=2, head_dim=32, num_blocks=2, mlp_hidden=64,
+             dense_hidden=32, head_hidden=64)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch(DATA, PlantedTeacher(DATA), 0, "train", 0)
+
+
+def test_prepend_tokens_matches_a_loop():
+    lengths = torch.tensor([3, 0, 5, 1, 0, 7])
+    b, k, d = lengths.numel(), 2, 4
+    prefix = torch.randn(b, k, d, requires_grad=True)
+    values = torch.randn(int(lengths.sum()), d, requires_grad=True)
+    packed, offsets, value_rows = prepend_tokens(prefix, values, lengths)
+    offs = lengths_to_offsets(lengths)
+    expect = torch.cat([torch.cat([prefix[i], values[offs[i]:offs[i + 1]]]) for i in range(b)])
+    assert torch.equal(packed, expect)
+    assert torch.equal(offsets, lengths_to_offsets(lengths + k))
+    assert torch.equal(packed[value_rows], values)
+    assert torch.equal(packed[prefix_rows(offsets, k)], prefix)
+    g = torch.randn_like(packed)
+    (packed * g).sum().backward()
+    gp, gv = torch.autograd.grad((expect * g).sum(), (prefix, values))
+    assert torch.equal(prefix.grad, gp) and torch.equal(values.grad, gv)
+
+
+def test_prepend_tokens_errors():
+    with pytest.raises(ValueError, match="lengths"):
+        prepend_tokens(torch.zeros(2, 1, 4), torch.zeros(3, 4), torch.tensor([3]))
+    with pytest.raises(ValueError, match="prefix must be"):
+        prepend_tokens(torch.zeros(2, 4), torch.zeros(3, 4), torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="dtype"):
+        prepend_tokens(torch.zeros(2, 1, 4, dtype=torch.bfloat16), torch.zeros(3, 4), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_backward(batch, precision, causal):
+    torch.manual_seed(0)
+    model = GemRanker(GemModelConfig(precision=precision, causal=causal, **SMALL), DATA)
+    logits = model(batch)
+    assert logits.shape == (DATA.batch_size,) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"parameters without a gradient: {missing}"
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
+    assert not bad, f"non-finite gradients: {bad}"
+    assert all(float(p.grad.abs().sum()) > 0 for p in model.dense_parameters())
+
+
+def test_recipes_agree_on_the_same_weights(batch):
+    """MXFP8 and BF16 recipes compute the same function up to their rounding (logits and gradients)."""
+    torch.manual_seed(0)
+    ref = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA)
+    out = {}
+    for precision in ("fp32", "bf16", "mxfp8"):
+        model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA)
+        model.load_state_dict(ref.state_dict())
+        logits = model(batch)
+        F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        out[precision] = (logits.detach(), grads)
+    for precision in ("bf16", "mxfp8"):
+        logits, grads = out[precision]
+        assert (logits - out["fp32"][0]).abs().max() < 0.03, precision
+        cos = F.cosine_similarity(grads, out["fp32"][1], dim=0)
+        assert cos > 0.98, (precision, float(cos))
+
+
+def test_ops_get_the_configured_recipe_and_backend():
+    model = GemRanker(GemModelConfig(precision="mxfp8", backend="reference", **SMALL), DATA)
+    linears = [m for m in model.modules() if isinstance(m, (MXLinear, RMSNormMXLinear))]
+    assert len(linears) >= 10
+    assert all(m.recipe == "mxfp8" and m.backend == "reference" for m in linears)
+    block = model.encoder[0]
+    assert block.ops.recipe == "mxfp8" and block.ops.backend == "reference"
+
+
+def test_attention_calls_are_jagged_and_broadcast(batch, monkeypatch):
+    """The encoder attends within [K_sum summary ⊕ history] per user; the readout uses broadcast_q and
+    one target query per user."""
+    calls = []
+    import gem_lp.models.blocks as blocks
+
+    def spy(q, k, v, q_offsets, kv_offsets=None, **kw):
+        calls.append((q.shape, k.shape, q_offsets, kv_offsets, kw))
+        return jagged_attention(q, k, v, q_offsets, kv_offsets, **kw)
+
+    monkeypatch.setattr(blocks, "jagged_attention", spy)
+    cfg = GemModelConfig(precision="bf16", num_summary_tokens=3, num_query_tokens=4, **{**SMALL, "num_blocks": 1})
+    GemRanker(cfg, DATA)(batch)
+    lengths = batch.sequence_features.to_dict()[HIST_ITEM].lengths()
+    seq_offsets = lengths_to_offsets(lengths + 3)
+    (enc_q, enc_k, enc_qo, enc_kvo, enc_kw), (bq_q, _, bq_qo, bq_kvo, bq_kw), (t_q, _, t_qo, t_kvo, t_kw) = calls
+    assert enc_q[0] == int(seq_offsets[-1]) and torch.equal(enc_qo, seq_offsets) and enc_kvo is None
+    assert enc_kw["causal"] is False and enc_kw["precision"] == "bf16"
+    assert bq_kw["broadcast_q"] is True and bq_q[0] == 4 and torch.equal(bq_kvo, seq_offsets)
+    assert t_q[0] == DATA.batch_size and torch.equal(t_qo, torch.arange(DATA.batch_size + 1))
+    assert torch.equal(t_kvo, seq_offsets)
+
+
+def test_candidate_shares_the_item_table():
+    model = GemRanker(GemModelConfig(**SMALL), DATA)
+    tables = {c.name: c.feature_names for c in model.sequence_embeddings.embedding_configs()}
+    assert tables["item"] == [HIST_ITEM, CAND_ITEM]
+    assert {id(p) for p in model.embedding_parameters()}.isdisjoint({id(p) for p in model.dense_parameters()})
+    assert len(model.embedding_parameters()) + len(model.dense_parameters()) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(head_dim=48), "head_dim"),
+    (dict(precision="fp8"), "precision"),
+    (dict(num_heads=0), "num_heads"),
+    (dict(activation="tanh"), "activation"),
+])
+def test_config_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(GemModelConfig(), **bad)
+    with pytest.raises(ValueError, match="unknown model config keys"):
+        GemModelConfig.from_mapping({"hidden": 64})
+
+
+def test_bad_dense_features(batch):
+    model = GemRanker(GemModelConfig(**SMALL), DATA)
+    wrong = dataclasses.replace(batch, dense_features=batch.dense_features[:, :5])
+    with pytest.raises(ValueError, match="dense_features"):
+        model(wrong)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_forward_backward_on_cuda(batch, precision):
+    """KJTs built on the CPU, moved with .to(); embeddings, packing and ops run on the GPU."""
+    torch.manual_seed(0)
+    model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA).cuda()
+    b = batch.to("cuda")
+    logits = model(b)
+    assert logits.is_cuda and logits.shape == (DATA.batch_size,)
+    F.binary_cross_entropy_with_logits(logits, b.labels).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    cpu_model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA)
+    cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    assert (cpu_model(batch) - logits.detach().cpu()).abs().max() < 0.05

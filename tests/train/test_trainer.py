@@ -1,0 +1,94 @@
+"""Trainer: smoke run through the Hydra config, exact resume, NaN/Inf guard, atomic checkpoints."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from gem_lp.train import NonFiniteError, Trainer, load_checkpoint, save_atomic
+
+METRIC_KEYS = {"precision", "steps", "train_loss", "eval_loss", "eval_auc", "eval_ne", "samples_per_s",
+               "peak_mem_bytes", "device", "teacher_auc", "eval_history", "train_loss_history"}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_smoke_20_steps(tiny_config, tmp_path, precision):
+    cfg = tiny_config(f"model=gem_{precision}", "trainer.tensorboard=true")
+    metrics = Trainer(cfg, tmp_path).fit()
+    on_disk = json.loads((tmp_path / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    assert METRIC_KEYS <= set(on_disk)
+    assert on_disk["precision"] == precision and on_disk["steps"] == 20 and on_disk["device"] == "cpu"
+    assert len(on_disk["train_loss_history"]) == 20
+    assert [p["step"] for p in on_disk["eval_history"]] == [10, 20]
+    for key in ("train_loss", "eval_loss", "eval_auc", "eval_ne", "teacher_auc", "samples_per_s"):
+        assert math.isfinite(on_disk[key]) and on_disk[key] > 0, key
+    assert on_disk["peak_mem_bytes"] > 0
+    assert 0.5 < on_disk["teacher_auc"] <= 1.0
+    assert (tmp_path / "checkpoint.pt").is_file()
+    assert any((tmp_path / "tensorboard").iterdir())
+    # training moves the loss: the last steps beat the first ones
+    losses = on_disk["train_loss_history"]
+    assert sum(losses[-5:]) < sum(losses[:5])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_resume_continues_exactly(tiny_config, tmp_path, precision):
+    common = [f"model=gem_{precision}", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.checkpoint_every=4"]
+    straight = Trainer(tiny_config(*common), tmp_path / "straight").fit()
+
+    first = Trainer(tiny_config(*common, "trainer.stop_after=4"), tmp_path / "resumed").fit()
+    assert first["steps"] == 4
+    resumed = Trainer(tiny_config(*common, "resume=true"), tmp_path / "resumed").fit()
+
+    assert resumed["steps"] == 8
+    assert resumed["train_loss_history"] == straight["train_loss_history"]  # bit-identical trajectory
+    assert resumed["eval_history"] == straight["eval_history"]
+    a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "resumed" / "checkpoint.pt")
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert a["dense_scheduler"]["last_epoch"] == b["dense_scheduler"]["last_epoch"] == 8
+
+
+def test_resume_errors(tiny_config, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Trainer(tiny_config("resume=true"), tmp_path / "empty")
+    Trainer(tiny_config("trainer.max_steps=4", "trainer.stop_after=2"), tmp_path / "run").fit()
+    with pytest.raises(ValueError, match="model config differs"):
+        Trainer(tiny_config("trainer.max_steps=4", "resume=true", "model.num_blocks=2"), tmp_path / "run")
+
+
+def test_nan_loss_stops_naming_the_step(tiny_config, tmp_path):
+    trainer = Trainer(tiny_config(), tmp_path)
+    calls = {"n": 0}
+
+    def poison(module, args, output):  # the third training forward produces NaN
+        calls["n"] += 1
+        return output * math.nan if calls["n"] == 3 else output
+
+    trainer.model.dense_input.register_forward_hook(poison)
+    with pytest.raises(NonFiniteError, match=r"step 3: training loss is nan"):
+        trainer.fit()
+    assert trainer.step == 2
+
+
+def test_nan_gradient_stops_before_the_update(tiny_config, tmp_path):
+    trainer = Trainer(tiny_config(), tmp_path)
+    weight = trainer.model.logit.weight
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    weight.register_hook(lambda g: g * math.inf)
+    with pytest.raises(NonFiniteError, match=r"step 1: non-finite gradients in \['logit.weight'\]"):
+        trainer.fit()
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_save_atomic_replaces_whole_files_only(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_atomic({"a": torch.arange(3)}, path)
+    with pytest.raises(Exception):
+        save_atomic({"a": lambda: None}, path)  # not picklable: the old file must survive intact
+    assert torch.equal(torch.load(path)["a"], torch.arange(3))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
