@@ -472,7 +472,7 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, variant: str = "fp8", bias: torch.Tenso
 # quantizations (along K for Y, along N for dX) are cached per weight until `weight._version` (or its
 # storage) changes, i.e. once per optimizer step. dY is quantized once, in both layouts, by one dual pass.
 
-import weakref  # noqa: E402
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 LINEAR_GEMMS = ("cublas", "triton_bf16", "fp8", "dot_scaled")
 _MX_GEMMS = ("fp8", "dot_scaled")
@@ -502,7 +502,7 @@ class WeightOperands:
     col: object
 
 
-_WEIGHT_CACHE: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+_WEIGHT_CACHE = WeakIdKeyDictionary()  # keyed by tensor identity, entries die with the weight
 
 
 def clear_weight_cache() -> None:
