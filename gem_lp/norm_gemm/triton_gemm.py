@@ -194,12 +194,14 @@ def _mx_gemm_kernel(
         k0 = 0
         while k0 < Kc:
             acc, nan_m, nan_n = _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld,
-                                        k0, Kc, n_kb, stride_ak, stride_bk, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
+                                        k0, Kc, n_kb, stride_ak, stride_bk, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K,
+                                        BLOCK_K, INTERPRET)
             k0 += BLOCK_K
     else:
         for k0 in range(0, Kc, BLOCK_K):
             acc, nan_m, nan_n = _k_step(acc, nan_m, nan_n, a_rows, b_cols, a_scale_ptr, b_scale_ptr, m_ld, n_ld,
-                                        k0, Kc, n_kb, stride_ak, stride_bk, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K, BLOCK_K, INTERPRET)
+                                        k0, Kc, n_kb, stride_ak, stride_bk, OPERANDS, A_BLOCKED, B_BLOCKED, EVEN_K,
+                                        BLOCK_K, INTERPRET)
     _epilogue(acc, nan_m, nan_n, pid_m, pid_n, M, N, bias_ptr, y_ptr, yr_data_ptr, yr_scale_ptr,
               yc_data_ptr, yc_scale_ptr, OPERANDS, HAS_BIAS, OUT_PLAIN, OUT_ROW_MX, OUT_COL_MX, BLOCKED_OUT,
               RCEIL, HW_CAST, BLOCK_M, BLOCK_N)

@@ -101,7 +101,8 @@ CASES = [(M, K, COMBOS[(3 * i) % len(COMBOS)], CONFIGS[i % len(CONFIGS)], 10 * i
 
 
 @pytest.mark.parametrize("M,K,combo,cfg,seed", CASES,
-                         ids=[f"{c[0]}x{c[1]}-{c[2][0]}-{c[2][1]}-{'blk' if c[2][2] else 'plain'}-{c[3]}" for c in CASES])
+                         ids=[f"{c[0]}x{c[1]}-{c[2][0]}-{c[2][1]}-{'blk' if c[2][2] else 'plain'}-{c[3]}"
+                              for c in CASES])
 def test_exact_sum_inputs_match_reference_bit_for_bit(M, K, combo, cfg, seed):
     dtype, scaling, blocked = combo
     x, w = exact_sum_input(M, K, dtype, seed), norm_weight(K, torch.float32, seed)

@@ -1,0 +1,385 @@
+"""Fused RMSNorm+MX quantize, exact MX GEMM routes and the MXLinear Triton path beside their peers (GPU).
+
+Run from the project root: `python -m benchmarks.bench_norm_gemm` (JSON under $OUT, else ./.bench_out).
+Sections (each one guarded: a failing variant or peer is recorded, the rest still runs):
+
+* norm: `rms_norm_mx` (rowwise + colwise MX, blocked scales, rstd) per tile configuration, bytes checked
+  against the reference; peers: `torch.compile` of RMSNorm + torchao `to_mx` in both layouts (or, without
+  torchao, of our reference RMSNorm + dual cast) and a copy of x. Effective bytes = x read once + every
+  payload, scale and rstd byte written.
+* gemm: `mx_gemm` per route from MX operands (the dequantize pass of the dequant routes included) beside
+  cuBLAS BF16 `torch.mm` and cuBLAS FP8 rowwise `torch._scaled_mm`; every route's Y checked against the
+  FP32 reference within the accumulation bound.
+* linear: `mx_linear_triton` forward+backward per GEMM route beside `nn.Linear` in BF16, with the bytes
+  each saves for the backward and the SQNR of Y, dX, dW against FP32.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a script: make the project root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import Bench  # noqa: E402
+from gem_lp.mx import dequantize, quantize_reference, to_blocked  # noqa: E402
+from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
+from gem_lp.norm_gemm.reference import rms_norm_quantize_reference  # noqa: E402
+from gem_lp.norm_gemm.triton_gemm import GemmConfig, mx_gemm, mx_linear_triton, rms_norm_mx_linear_triton  # noqa: E402
+from gem_lp.norm_gemm.triton_norm import rms_norm_mx  # noqa: E402
+from gem_lp.numerics import sqnr_db  # noqa: E402
+
+EPS = 1e-6
+NORM_SHAPES = ((32768, 1024), (32768, 4096))
+# (BLOCK_M, BLOCK_K, num_warps) per K; the default configuration is always run first
+NORM_CONFIGS = {
+    1024: ((32, 1024, 16), (32, 1024, 8), (32, 256, 8), (32, 128, 4), (64, 256, 8)),
+    4096: ((32, 256, 8), (32, 512, 16), (32, 128, 4), (64, 128, 8), (32, 4096, 16)),
+}
+# (M, N, K): Y [M, N] = A [M, K] B [N, K]^T
+GEMM_SHAPES = ((8192, 8192, 8192), (32768, 3072, 1024), (32768, 4096, 1024), (32768, 1024, 4096),
+               (32768, 1536, 512))
+GEMM_SWEEP = {  # tried at 8192^3 beside the defaults
+    "fp8": (GemmConfig(128, 128, 32, 8, 8, 4), GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 256, 64, 8, 8, 3),
+            GemmConfig(128, 128, 128, 8, 8, 3)),
+    "dot_scaled": (GemmConfig(128, 128, 128, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3)),
+    "dequant_triton": (GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4)),
+}
+LINEAR_SHAPES = tuple((m, k, n) for m, n, k in GEMM_SHAPES[1:])  # (M, K, N)
+
+
+def _fail(bench: Bench, group: str, name: str, e: Exception) -> None:
+    msg = f"{type(e).__name__}: {str(e)[:300]}"
+    print(f"  [{group}] {name}: FAILED {msg}", flush=True)
+    traceback.print_exc(limit=3)
+    bench.rows.append(dict(group=group, name=name, error=msg))
+
+
+def _free() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- norm
+
+
+def _norm_bytes(M: int, K: int, out) -> int:
+    written = sum(t.numel() * t.element_size() for t in
+                  (out.rowwise.data, out.rowwise.scale, out.colwise.data, out.colwise.scale, out.rstd))
+    if out.row_operand is not None:
+        written += out.row_operand.numel() * 2
+    return M * K * 2 + written
+
+
+def _norm_matches_reference(out, x, w) -> bool:
+    """Bytes equal the reference quantization of y computed with the kernel's rstd; rstd within 4 ulp."""
+    ref = rms_norm_quantize_reference(x, w, EPS, "rceil")
+    ok = bool(((out.rstd - ref.rstd).abs() <= 4 * torch.finfo(torch.float32).eps * ref.rstd.abs()).all())
+    del ref
+    y = x.float() * out.rstd[:, None] * w.float()
+    row = quantize_reference(y, axis=1)
+    ok &= torch.equal(out.rowwise.data.view(torch.uint8), row.data.view(torch.uint8))
+    ok &= torch.equal(out.rowwise.scale, to_blocked(row.scale))
+    del row
+    col = quantize_reference(y.t(), axis=1, allow_partial=True)
+    ok &= torch.equal(out.colwise.data.view(torch.uint8), col.data.view(torch.uint8))
+    ok &= torch.equal(out.colwise.scale, to_blocked(col.scale))
+    return bool(ok)
+
+
+def _compiled_norm_peers(w: torch.Tensor):
+    """(name, fn) pairs of the unfused pipeline under torch.compile."""
+    peers = []
+
+    def ours_reference(x):
+        q = rms_norm_quantize_reference(x, w, EPS, "rceil")
+        return q.rowwise.data, q.rowwise.scale, q.colwise.data, q.colwise.scale, q.rstd
+
+    peers.append(("torch.compile(reference RMSNorm + dual cast)", torch.compile(ours_reference, dynamic=False)))
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+        def torchao_pipeline(x):
+            y = F.rms_norm(x.float(), (x.shape[1],), w.float(), EPS)
+            s_row, d_row = to_mx(y, torch.float8_e4m3fn, 32)
+            s_col, d_col = to_mx(y.t().contiguous(), torch.float8_e4m3fn, 32)
+            return d_row, s_row, d_col, s_col
+
+        peers.insert(0, ("torch.compile(F.rms_norm + torchao to_mx rowwise + colwise)",
+                         torch.compile(torchao_pipeline, dynamic=False)))
+    except Exception as e:  # torchao is optional on the GPU host
+        print(f"  torchao unavailable ({type(e).__name__}: {e}); the compiled reference is the peer", flush=True)
+    return peers
+
+
+def bench_norm(bench: Bench, checks: dict) -> None:
+    for M, K in NORM_SHAPES:
+        group = f"norm {M}x{K}"
+        g = torch.Generator(device="cuda").manual_seed(M + K)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.rand(K, device="cuda", generator=g) + 0.5
+        x_bytes = M * K * 2
+        best = None
+        for cfg in (None, *NORM_CONFIGS[K]):
+            kw = {} if cfg is None else dict(block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2])
+            name = "ours rms_norm_mx " + ("default" if cfg is None else "%dx%d w%d" % cfg)
+            try:
+                out = rms_norm_mx(x, w, EPS, **kw)
+                ok = _norm_matches_reference(out, x, w)
+                nbytes = _norm_bytes(M, K, out)
+                del out
+            except Exception as e:
+                _fail(bench, group, name, e)
+                continue
+            checks[f"{group} {name}"] = ok
+            ms = bench.time(group, name, lambda: rms_norm_mx(x, w, EPS, **kw), nbytes=nbytes, config=cfg,
+                            bit_identical=ok)
+            if ms is not None and ok and (best is None or ms < best[0]):
+                best = (ms, kw)
+        if best is not None:
+            kw = best[1]
+            try:
+                nbytes = _norm_bytes(M, K, rms_norm_mx(x, w, EPS, row_operand=True, **kw))
+                bench.time(group, f"ours + bf16 row operand {kw or 'default'}",
+                           lambda: rms_norm_mx(x, w, EPS, row_operand=True, **kw), nbytes=nbytes)
+            except Exception as e:
+                _fail(bench, group, "ours + bf16 row operand", e)
+        y = torch.empty_like(x)
+        bench.time(group, "copy x (read + write)", lambda: y.copy_(x), nbytes=2 * x_bytes, peer=True)
+        del y
+        ref_bytes = _norm_bytes(M, K, rms_norm_mx(x, w, EPS))  # the same useful bytes for the peers
+        for name, fn in _compiled_norm_peers(w):
+            try:
+                fn(x)
+            except Exception as e:
+                _fail(bench, group, name, e)
+                continue
+            bench.time(group, name, lambda fn=fn: fn(x), nbytes=ref_bytes, peer=True)
+        del x, w
+        _free()
+
+
+# ----------------------------------------------------------------------------- gemm
+
+
+def _mx_operand(rows: int, cols: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hp = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=g)
+    return hp, rms_norm_mx(hp, None, rowwise=True, colwise=False).rowwise
+
+
+def _scaled_mm_rowwise(a: torch.Tensor, b: torch.Tensor):
+    """cuBLAS FP8 (E4M3) GEMM with rowwise FP32 scales, operands prepared once outside the timing."""
+    sa = a.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    sb = b.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    a8 = (a.float() / sa).to(torch.float8_e4m3fn)
+    b8 = (b.float() / sb).to(torch.float8_e4m3fn)
+    sbt = sb.t().contiguous()
+    return lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sbt, out_dtype=torch.bfloat16)
+
+
+def _gemm_ok(y: torch.Tensor, A, B, K: int) -> bool:
+    """Y within the FP32 accumulation bound (plus bf16 output rounding) of the reference product."""
+    da, db = dequantize(A), dequantize(B)
+    ref = da @ db.t()
+    bound = K * torch.finfo(torch.float32).eps * (da.abs() @ db.abs().t()) + ref.abs() * 2.0**-8
+    ok = bool(((y.float() - ref).abs() <= bound).all())
+    del da, db, ref, bound
+    return ok
+
+
+def bench_gemm(bench: Bench, checks: dict) -> None:
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the FP32 reference product of the checks
+    for M, N, K in GEMM_SHAPES:
+        group = f"gemm {M}x{N}x{K}"
+        flop = 2.0 * M * N * K
+        a, A = _mx_operand(M, K, 1)
+        b, B = _mx_operand(N, K, 2)
+        bench.time(group, "cuBLAS BF16 torch.mm", lambda: torch.mm(a, b.t()), flop=flop, peer=True)
+        try:
+            bench.time(group, "cuBLAS FP8 rowwise torch._scaled_mm (no block scales)", _scaled_mm_rowwise(a, b),
+                       flop=flop, peer=True)
+        except Exception as e:
+            _fail(bench, group, "cuBLAS FP8 rowwise", e)
+        check = M * N * K <= 8192**3
+        for variant in tg.GEMM_VARIANTS:
+            configs = (None, *GEMM_SWEEP.get(variant, ())) if (M, N, K) == GEMM_SHAPES[0] else (None,)
+            for cfg in configs:
+                tile = "" if cfg is None else (f" {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
+                                               f" s{cfg.num_stages}")
+                name = f"ours {variant}{tile}"
+                if variant == "dequant_cublas" and cfg is not None:
+                    continue
+
+                def run(variant=variant, cfg=cfg):
+                    return mx_gemm(A, B, variant=variant, out_dtype=torch.bfloat16, config=cfg).y
+
+                try:
+                    y = run()
+                    ok = _gemm_ok(y, A, B, K) if check else None
+                    del y
+                except Exception as e:
+                    _fail(bench, group, name, e)
+                    continue
+                if ok is not None:
+                    checks[f"{group} {name}"] = ok
+                bench.time(group, name, run, flop=flop, within_bound=ok)
+        # the quantizing epilogue: Y written as MX in both layouts instead of BF16
+        for variant in ("fp8", "dequant_triton"):
+            name = f"ours {variant} -> MX rowwise + colwise epilogue"
+            try:
+                bench.time(group, name, lambda variant=variant: mx_gemm(A, B, variant=variant, out_dtype=None,
+                                                                        rowwise=True, colwise=True), flop=flop)
+            except Exception as e:
+                _fail(bench, group, name, e)
+        del a, b, A, B
+        _free()
+    torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+def _saved_bytes(fn, params) -> int:
+    """Bytes of the distinct storages autograd saves for the backward, parameters excluded."""
+    seen, total = set(), 0
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t):
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and ptr not in param_ptrs:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return total
+
+
+def bench_linear(bench: Bench, accuracy: dict) -> None:
+    for M, K, N in LINEAR_SHAPES:
+        group = f"linear fwd+bwd {M}x{K}->{N}"
+        flop = 3 * 2.0 * M * N * K
+        g = torch.Generator(device="cuda").manual_seed(M + K + N)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).requires_grad_()
+        bias = torch.randn(N, device="cuda", generator=g).requires_grad_()
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+        w16, b16 = w.detach().bfloat16().requires_grad_(), bias.detach().bfloat16().requires_grad_()
+
+        def bf16_step():
+            y = F.linear(x, w16, b16)
+            return torch.autograd.grad(y, (x, w16, b16), dy)
+
+        bench.time(group, "nn.Linear bf16 (cuBLAS)", bf16_step, flop=flop, peer=True)
+        bench.time(group.replace("fwd+bwd", "fwd"), "nn.Linear bf16 (cuBLAS)", lambda: F.linear(x, w16, b16),
+                   flop=flop / 3, peer=True)
+        saved_bf16 = _saved_bytes(lambda: F.linear(x, w16, b16), (w16, b16))
+        # FP32 reference for the accuracy figures
+        with torch.no_grad():
+            x32, w32 = x.detach().float(), w.detach()
+            y32 = torch.addmm(bias.detach(), x32, w32.t())
+            dx32, dw32 = dy.float() @ w32, dy.float().t() @ x32
+        y16, (dx16, dw16, _) = F.linear(x, w16, b16), bf16_step()
+        accuracy[f"{M}x{K}->{N} bf16"] = dict(Y=sqnr_db(y16, y32), dX=sqnr_db(dx16, dx32), dW=sqnr_db(dw16, dw32),
+                                             saved_bytes=saved_bf16)
+        del y16, dx16, dw16
+        for gemm in tg.LINEAR_GEMMS:
+            name = f"ours MXLinear gemm={gemm}"
+
+            def step(gemm=gemm):
+                y = mx_linear_triton(x, w, bias, "rceil", gemm)
+                return torch.autograd.grad(y, (x, w, bias), dy)
+
+            def step_new_weight(gemm=gemm):  # the first step after an optimizer update: W is re-quantized
+                tg.clear_weight_cache()
+                return step(gemm)
+
+            try:
+                y = mx_linear_triton(x, w, bias, "rceil", gemm)
+                dx, dw, _ = torch.autograd.grad(y, (x, w, bias), dy)
+                saved = _saved_bytes(lambda: mx_linear_triton(x, w, bias, "rceil", gemm), (w, bias))
+                accuracy[f"{M}x{K}->{N} mxfp8 {gemm}"] = dict(
+                    Y=sqnr_db(y, y32), dX=sqnr_db(dx, dx32), dW=sqnr_db(dw, dw32), saved_bytes=saved,
+                    saved_vs_bf16=saved / max(saved_bf16, 1))
+                del y, dx, dw
+            except Exception as e:
+                _fail(bench, group, name, e)
+                continue
+            bench.time(group, name, step, flop=flop, saved_bytes=saved)
+            bench.time(group, name + " (W re-quantized)", step_new_weight, flop=flop)
+            bench.time(group.replace("fwd+bwd", "fwd"), name, lambda gemm=gemm: mx_linear_triton(
+                x, w, bias, "rceil", gemm), flop=flop / 3)
+        if (M, K, N) == LINEAR_SHAPES[0]:  # the fused RMSNorm + linear once
+            gw = torch.ones(K, device="cuda", requires_grad=True)
+            gw16 = gw.detach().bfloat16().requires_grad_()
+            ngroup = f"rmsnorm+linear fwd+bwd {M}x{K}->{N}"
+
+            def bf16_norm_step():
+                y = F.linear(F.rms_norm(x, (K,), gw16, EPS), w16, b16)
+                return torch.autograd.grad(y, (x, gw16, w16, b16), dy)
+
+            bench.time(ngroup, "F.rms_norm + nn.Linear bf16 (eager)", bf16_norm_step, flop=flop, peer=True)
+            try:
+                compiled = torch.compile(bf16_norm_step)
+                compiled()
+                bench.time(ngroup, "F.rms_norm + nn.Linear bf16 (torch.compile)", compiled, flop=flop, peer=True)
+            except Exception as e:
+                _fail(bench, ngroup, "compiled bf16 peer", e)
+            for gemm in ("cublas", "triton_bf16"):
+                def norm_step(gemm=gemm):
+                    y = rms_norm_mx_linear_triton(x, gw, w, bias, EPS, "rceil", gemm)
+                    return torch.autograd.grad(y, (x, gw, w, bias), dy)
+
+                try:
+                    norm_step()
+                except Exception as e:
+                    _fail(bench, ngroup, f"ours gemm={gemm}", e)
+                    continue
+                bench.time(ngroup, f"ours RMSNormMXLinear gemm={gemm}", norm_step, flop=flop)
+        del x, w, bias, dy, w16, b16
+        tg.clear_weight_cache()
+        _free()
+
+
+def main() -> None:
+    t0 = time.time()
+    bench = Bench("bench_norm_gemm")
+    bench.copy_bandwidth()
+    checks: dict[str, bool] = {}
+    accuracy: dict[str, dict] = {}
+    for section in (bench_norm, bench_gemm):
+        try:
+            section(bench, checks)
+        except Exception as e:
+            _fail(bench, section.__name__, "section", e)
+        _free()
+    try:
+        bench_linear(bench, accuracy)
+    except Exception as e:
+        _fail(bench, "bench_linear", "section", e)
+    bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy, wall_s=time.time() - t0)
+    n_fail = sum(not ok for ok in checks.values())
+    print(f"\nchecks vs reference: {len(checks) - n_fail} PASS, {n_fail} FAIL"
+          + "".join(f"\n  FAIL {k}" for k, ok in checks.items() if not ok))
+    print("SQNR vs FP32 (dB) and bytes saved for the backward:")
+    for k, v in accuracy.items():
+        print(f"  {k:40s} Y {v['Y']:6.2f}  dX {v['dX']:6.2f}  dW {v['dW']:6.2f}  "
+              f"saved {v['saved_bytes'] / 2**20:8.1f} MiB"
+              + (f" ({v['saved_vs_bf16']:.2f}x bf16)" if "saved_vs_bf16" in v else ""))
+    bench.finish()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("bench_norm_gemm needs a CUDA device")
+    main()
