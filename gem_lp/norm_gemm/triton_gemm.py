@@ -5,7 +5,12 @@ block is allowed, as for the colwise casts contracted over tokens). The exact pr
 `Y = deq(A) deq(B)^T` with FP32 accumulation; the routes differ only in the order of the FP32 sums:
 
 * `"fp8"`: FP8 `tl.dot` per 32-wide k chunk (one E4M3 MMA), each chunk result promoted into the FP32
-  accumulator by the product of its two E8M0 scales: `acc += (dot * sa) * sb`.
+  accumulator by the product of its two E8M0 scales: `acc += (dot * sa) * sb`. Hopper's FP8 MMA sums the
+  32 products of a chunk with a limited alignment (about 14 bits below the largest product, as measured
+  by others on H800), so on sm_90 each chunk may differ from the exact sum by ~2^-13 of its magnitude:
+  exact when the chunk's sum fits those bits (e.g. small-integer payloads), not in general. Scaling after
+  the dot also keeps finite a product whose dequantized operand alone would overflow FP32 (never written
+  by a cast).
 * `"dot_scaled"`: `tl.dot_scaled` per BLOCK_K (native block-scaled MMA on sm_100; on sm_90 Triton
   decomposes it into a BF16 upcast and a BF16 dot). A NaN scale byte (255) is applied by the kernel itself
   (sm_90 builds of Triton 3.6 do not decode it as NaN); Triton 3.6 on sm_90 decodes byte 0 as 0 instead
