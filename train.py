@@ -2,9 +2,15 @@
 
 Writes `metrics.json`, `checkpoint.pt` and TensorBoard events into the Hydra run directory.
 """
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+import os
+
+# Jagged batches give every GEMM a new shape; oneDNN's per-shape primitive cache would then grow to
+# gigabytes on the CPU (bfloat16) without ever hitting. Read when torch initializes oneDNN.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
