@@ -647,7 +647,7 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         x = x if x.stride(-1) == 1 else x.contiguous()
         mx_ops = gemm in _MX_GEMMS
         need_w = ctx.needs_input_grad[2]  # only dW reads the colwise cast of the normalized activation
-        out = rms_norm_mx(x, norm_weight.detach(), eps, scaling=scaling, rowwise=mx_ops, colwise=need_w,
+        out = rms_norm_mx(x, norm_weight.detach().contiguous(), eps, scaling=scaling, rowwise=mx_ops, colwise=need_w,
                           row_operand=not mx_ops, operand_dtype=opd)
         need_dyn = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_dyn)
@@ -673,7 +673,7 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         dyn, dw, db = _linear_backward(ctx, dy, w_ops, yn_col, torch.float32, w_dtype, need_dyn, need_w, need_b)
         dx = dg = None
         if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
-            dx, dg = rms_norm_backward(x, norm_weight.detach(), rstd, dyn)
+            dx, dg = rms_norm_backward(x, norm_weight.detach().contiguous(), rstd, dyn)
             dg = dg.to(g_dtype)
         return dx, dg, dw, None if db is None else db.to(b_dtype), None, None, None
 

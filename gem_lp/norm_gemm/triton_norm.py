@@ -38,8 +38,9 @@ from .reference import RMSNormQuantized
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 # Largest K whose rows a program keeps whole in registers (one sweep over HBM); beyond it, chunks of
-# `MULTI_PASS_BLOCK_K` are read twice, the second time mostly from L2.
-ONE_PASS_MAX_K = 1024
+# `MULTI_PASS_BLOCK_K` are read twice, the second time mostly from L2. Chosen from sm_90 builds (ptxas):
+# 32x512 with 16 warps and 32x256 with 8 warps need no spills; 32x1024 with 16 warps spills ~800 bytes.
+ONE_PASS_MAX_K = 512
 MULTI_PASS_BLOCK_K = 256
 _INT32_SPAN = 2**31
 
@@ -277,7 +278,7 @@ def default_config(K: int) -> tuple[int, int, int]:
         return 32, min(_pow2_at_least(K, BLOCK), 128), 1
     if K <= ONE_PASS_MAX_K:
         bk = _pow2_at_least(K, BLOCK)
-        return 32, bk, max(4, min(16, bk // 64))
+        return 32, bk, max(4, bk // 32)
     return 32, MULTI_PASS_BLOCK_K, 8
 
 
@@ -397,9 +398,10 @@ def rms_norm_mx(
             LARGE_OFFSETS=span >= _INT32_SPAN, num_warps=num_warps,
         )
     layout = "blocked" if blocked_scales else "plain"
+    orig = x.dtype if weight is None else torch.float32  # the normalized y is FP32, as in the reference
     return NormMXOutputs(
-        rowwise=None if row is None else MXTensor(row[0], row[1], "1d", 1, scaling, x.dtype, layout),
-        colwise=None if col is None else MXTensor(col[0], col[1], "1d", 1, scaling, x.dtype, layout),
+        rowwise=None if row is None else MXTensor(row[0], row[1], "1d", 1, scaling, orig, layout),
+        colwise=None if col is None else MXTensor(col[0], col[1], "1d", 1, scaling, orig, layout),
         rstd=rstd, row_operand=row_op, col_operand=col_op,
     )
 
@@ -408,9 +410,12 @@ def rms_norm_quantize_triton(x2: torch.Tensor, weight: torch.Tensor, eps: float,
                              blocked_scales: bool = False) -> RMSNormQuantized:
     """`rms_norm_quantize_reference`'s result from the fused kernel: rowwise, colwise and rstd.
 
-    With `blocked_scales=False` the scales are plain `[M, K/32]` / `[K, ceil(M/32)]` matrices, as the
-    reference returns them; with True they are in the 128x4 blocked layout (`scale_layout="blocked"`).
+    `x2 [M, K]` and `weight [K]` in any layout (copied to a contiguous last dim when needed). With
+    `blocked_scales=False` the scales are plain `[M, K/32]` / `[K, ceil(M/32)]` matrices, as the reference
+    returns them; with True they are in the 128x4 blocked layout (`scale_layout="blocked"`).
     """
+    x2 = x2 if x2.dim() != 2 or x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
+    weight = weight if weight.dim() != 1 or weight.stride(0) == 1 else weight.contiguous()
     out = rms_norm_mx(x2, weight, eps, scaling=scaling, blocked_scales=blocked_scales)
     return RMSNormQuantized(out.rowwise, out.colwise, out.rstd)
 

@@ -222,7 +222,8 @@ def test_only_the_requested_outputs_and_public_wrapper():
     assert_same_values(out.row_operand, dequantize(ref.rowwise).bfloat16(), "row operand alone")
     got = rms_norm_quantize_triton(x, w, 1e-6, "rceil")  # plain scales, as the reference returns them
     for a, b in ((got.rowwise, ref.rowwise), (got.colwise, ref.colwise)):
-        assert a.shape == b.shape and a.scale_layout == "plain" and (a.block, a.axis) == ("1d", 1)
+        assert a.shape == b.shape and a.scale_layout == b.scale_layout == "plain"
+        assert (a.block, a.axis, a.scaling, a.orig_dtype) == (b.block, b.axis, b.scaling, b.orig_dtype)
         assert_same_bytes(a.data, b.data, "payload")
         assert_same_bytes(a.scale, b.scale, "scale")
     assert_same_values(got.rstd, ref.rstd, "rstd")
