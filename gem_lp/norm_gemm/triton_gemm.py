@@ -6,8 +6,8 @@ block is allowed, as for the colwise casts contracted over tokens). The exact pr
 
 * `"fp8"`: FP8 `tl.dot` per 32-wide k chunk (one E4M3 MMA), each chunk result promoted into the FP32
   accumulator by the product of its two E8M0 scales: `acc += (dot * sa) * sb`. Hopper's FP8 MMA sums the
-  32 products of a chunk with a limited alignment (about 14 bits below the largest product, as measured
-  by others on H800), so on sm_90 each chunk may differ from the exact sum by ~2^-13 of its magnitude:
+  32 products of a chunk with a limited alignment (about 14 bits below the largest product, as the
+  DeepSeek-V3 report measured on H800), so on sm_90 each chunk may differ from the exact sum by ~2^-13 of its magnitude:
   exact when the chunk's sum fits those bits (e.g. small-integer payloads), not in general. Scaling after
   the dot also keeps finite a product whose dequantized operand alone would overflow FP32 (never written
   by a cast).
@@ -23,6 +23,9 @@ Epilogue (every Triton route): `+ bias` in FP32, then any of: Y in bf16/fp16/fp3
 (1x32 along N, payload `[M, N]`); Y's colwise MX cast (32x1 along M, payload of `Y^T`, `[N, M]`, partial last
 block allowed). The MX bytes come from the FP32 accumulator by `gem_lp.mx.triton_numerics`, so they equal
 `quantize_reference` of the FP32 Y that the same launch writes.
+
+The last section of this file is the MXLinear Triton path (`mx_linear_triton`, `rms_norm_mx_linear_triton`
+and their autograd Functions), built on these GEMMs and on `triton_norm`'s producer passes.
 """
 from __future__ import annotations
 
