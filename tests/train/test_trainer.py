@@ -92,3 +92,18 @@ def test_save_atomic_replaces_whole_files_only(tmp_path):
         save_atomic({"a": lambda: None}, path)  # not picklable: the old file must survive intact
     assert torch.equal(torch.load(path)["a"], torch.arange(3))
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_gpu_training_with_loader_workers(tiny_config, tmp_path, precision):
+    """trainer=gpu end to end at small sizes: KJTs built in worker processes, pinned, moved with .to()."""
+    cfg = tiny_config("trainer=gpu", f"model=gem_{precision}", "trainer.max_steps=12", "trainer.eval_every=6",
+                      "trainer.eval_batches=2", "trainer.num_workers=2", "trainer.progress=false",
+                      "trainer.tensorboard=false", "trainer.warmup_steps=2", "data.batch_size=64",
+                      "data.num_items=1000", "data.history_mean=16", "data.history_max=100")
+    metrics = Trainer(cfg, tmp_path).fit()
+    assert metrics["device"] == torch.cuda.get_device_name() and metrics["steps"] == 12
+    assert all(math.isfinite(x) for x in metrics["train_loss_history"])
+    assert math.isfinite(metrics["eval_ne"]) and metrics["peak_mem_bytes"] > 0
+    assert (tmp_path / "checkpoint.pt").is_file()
