@@ -90,10 +90,13 @@ def sample_raw(cfg: SyntheticDataConfig, batch_size: int, generator: torch.Gener
     gaps = torch.log2(age * jitter).floor().clamp(0, cfg.num_time_buckets - 1).to(torch.int64)
 
     # Candidate: with probability `candidate_from_history`, one of the user's own history items.
-    from_history = (torch.rand(batch_size, generator=g) < cfg.candidate_from_history) & (lengths > 0)
+    has_history = lengths > 0
+    from_history = (torch.rand(batch_size, generator=g) < cfg.candidate_from_history) & has_history
     pick = (torch.rand(batch_size, generator=g, dtype=torch.float64) * lengths).floor().to(torch.int64)
     fresh = zipf_ids(batch_size, cfg.num_items, cfg.zipf_exponent, g)
-    repeated = items[(offsets[:-1] + pick).clamp(max=max(total - 1, 0))] if total > 0 else fresh
+    # An empty history has no position to repeat (its start may equal T); such samples take `fresh`.
+    position = torch.where(has_history, offsets[:-1] + pick, torch.zeros_like(pick))
+    repeated = items[position] if total > 0 else fresh
     candidates = torch.where(from_history, repeated, fresh)
 
     sparse_lengths, sparse_ids = [], []

@@ -171,3 +171,14 @@ def test_bad_split_and_start(teacher):
         SyntheticRecDataset(CFG, seed=0, split="test", teacher=teacher)
     with pytest.raises(ValueError, match="start"):
         SyntheticRecDataset(CFG, seed=0, start=-1, teacher=teacher)
+
+
+def test_candidate_from_history():
+    cfg = dataclasses.replace(CFG, candidate_from_history=1.0)
+    raw = sample_raw(cfg, 300, torch.Generator().manual_seed(3))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), raw.hist_lengths.cumsum(0)])
+    assert int((raw.hist_lengths == 0).sum()) > 0  # history_min=0: empty histories take a fresh candidate
+    for i in range(300):
+        history = raw.hist_items[offsets[i]:offsets[i + 1]]
+        if history.numel():
+            assert bool((history == raw.candidates[i]).any()), i
