@@ -65,11 +65,6 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _check_same_device(x, weight=weight, bias=bias)
 
 
-def _reference_backend(backend: str, *tensors: torch.Tensor) -> None:
-    """Resolve `backend`; every resolution runs the reference until the Triton kernels plug in here."""
-    resolve_backend(backend, *tensors)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim in FP32, `x [..., K]`, `weight [K]`; output in x's dtype (autograd)."""
     _check_norm(x, weight, eps)
@@ -89,7 +84,10 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"rms_norm_quantize needs x's last dim K to be a multiple of {BLOCK}, got K={k}")
-    _reference_backend(backend, x, weight)
+    if resolve_backend(backend, x, weight) == "triton":
+        from .triton_norm import rms_norm_quantize_triton
+
+        return rms_norm_quantize_triton(x.reshape(-1, k), weight, eps, scaling)
     return rms_norm_quantize_reference(x.reshape(-1, k), weight, eps, scaling)
 
 
@@ -101,9 +99,13 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     """
     _check_linear(x, weight, bias)
     check_scaling(scaling)
-    _reference_backend(backend, x, weight)
     k = x.shape[-1]
-    y = MXLinearFunction.apply(x.reshape(-1, k), weight, bias, scaling)
+    if resolve_backend(backend, x, weight) == "triton":
+        from .triton_gemm import MXLinearTritonFunction
+
+        y = MXLinearTritonFunction.apply(x.reshape(-1, k), weight, bias, scaling, "cublas")
+    else:
+        y = MXLinearFunction.apply(x.reshape(-1, k), weight, bias, scaling)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -118,7 +120,12 @@ def rms_norm_mx_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch
     _check_norm(x, norm_weight, eps, "norm_weight")
     _check_linear(x, weight, bias)
     check_scaling(scaling)
-    _reference_backend(backend, x, weight)
     k = x.shape[-1]
-    y = RMSNormMXLinearFunction.apply(x.reshape(-1, k), norm_weight, weight, bias, float(eps), scaling)
+    if resolve_backend(backend, x, weight) == "triton":
+        from .triton_gemm import RMSNormMXLinearTritonFunction
+
+        y = RMSNormMXLinearTritonFunction.apply(x.reshape(-1, k), norm_weight, weight, bias, float(eps), scaling,
+                                                "cublas")
+    else:
+        y = RMSNormMXLinearFunction.apply(x.reshape(-1, k), norm_weight, weight, bias, float(eps), scaling)
     return y.reshape(*x.shape[:-1], weight.shape[0])
