@@ -174,7 +174,7 @@ def test_bad_split_and_start(teacher):
 
 
 def test_candidate_from_history():
-    cfg = dataclasses.replace(CFG, candidate_from_history=1.0)
+    cfg = dataclasses.replace(CFG, candidate_from_history=1.0, history_mean=1.5, history_sigma=1.0)
     raw = sample_raw(cfg, 300, torch.Generator().manual_seed(3))
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), raw.hist_lengths.cumsum(0)])
     assert int((raw.hist_lengths == 0).sum()) > 0  # history_min=0: empty histories take a fresh candidate
