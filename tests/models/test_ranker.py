@@ -157,3 +157,17 @@ def test_forward_backward_on_cuda(batch, precision):
     cpu_model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA)
     cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     assert (cpu_model(batch) - logits.detach().cpu()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_users_without_history(precision):
+    """An empty history still gives a sequence (its summary tokens), so every op sees Lk > 0."""
+    data = dataclasses.replace(DATA, history_mean=1.2, history_sigma=1.0)
+    batch = make_batch(data, PlantedTeacher(data), 0, "train", 1)
+    lengths = batch.sequence_features.to_dict()[HIST_ITEM].lengths()
+    assert int((lengths == 0).sum()) > 0
+    model = GemRanker(GemModelConfig(precision=precision, **SMALL), data)
+    logits = model(batch)
+    F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+    assert torch.isfinite(logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
