@@ -170,11 +170,16 @@ class Trainer:
             norms.append(dense_norm.detach())
         else:
             norms += [p.grad.detach().norm() for p in self.model.dense_parameters() if p.grad is not None]
-        if norms and not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all()):
+        if norms and not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # one sync
             bad = [name for name, p in self.model.named_parameters()
                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
             raise NonFiniteError(f"step {step}: non-finite gradients in {bad[:5]}{' ...' if len(bad) > 5 else ''}; "
-                                 f"stopping before the optimizer step (last checkpoint: {self.checkpoint_path})")
+                                 f"stopping before the optimizer step{self._last_checkpoint_note()}")
+
+    def _last_checkpoint_note(self) -> str:
+        if self.checkpoint_path.is_file():
+            return f" (last checkpoint: {self.checkpoint_path})"
+        return " (no checkpoint written yet)"
 
     def train_step(self, batch: RecBatch, step: int) -> float:
         """One optimizer step on `batch`; `step` is its 1-based number (for messages). Returns the loss."""
@@ -184,7 +189,7 @@ class Trainer:
         value = float(loss.detach())
         if not math.isfinite(value):
             raise NonFiniteError(f"step {step}: training loss is {value} (non-finite); stopping before the "
-                                 f"optimizer step (last checkpoint: {self.checkpoint_path})")
+                                 f"optimizer step{self._last_checkpoint_note()}")
         loss.backward()
         dense_norm = None
         if self.tcfg.grad_clip is not None:
