@@ -54,6 +54,7 @@ LN2 = 0.6931471805599453
 PRECISIONS = ("bf16", "mxfp8")
 P_QUANTS = ("const_p", "dynamic")
 VARIANTS = ("producer", "dequant_in_loop", "fp8_qk")
+BWD_VARIANTS = ("split", "atomic")
 DQ_ACCUMS = ("fp32", "fp16")
 HEAD_DIMS = (64, 128)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -160,6 +161,60 @@ def _mx_round_square(x, R: tl.constexpr, C: tl.constexpr, HW_CAST: tl.constexpr)
 
 
 @triton.jit
+def _grid_round(x, byte):
+    """FP32 `x` rounded to nearest-even on the grid of MX values under E8M0 bytes `byte` (int32,
+    broadcast): the dequantized MX value, exactly, with no conversion instruction.
+
+    In x's binade 2^e the E4M3 step is 2^(e-3), never finer than the subnormal step 2^(byte-136).
+    With C = step * 2^23 > |x|, the sum |x| + C has ulp = step, so `(|x| + C) - C` is |x| rounded to the
+    grid, ties to even, by the FP32 adder (full-rate ALU work, where `cvt` to E4M3 and back runs at a
+    quarter rate beside exp2). Valid for 8 <= byte < 218 (then every MX normal is an FP32 normal, and
+    |x| <= 448 * 2^(byte-127) < 2^100 keeps C finite); callers check. The rceil rule keeps
+    |x| / scale <= 448, so no saturation is needed.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    e = a & 0x7F800000
+    c_normal = tl.where(e == 0, 0, e + (20 << 23))  # FP32 subnormals are MX subnormals when byte >= 8
+    c = tl.maximum(c_normal, (byte + 14) << 23).to(tl.float32, bitcast=True)
+    r = (a.to(tl.float32, bitcast=True) + c) - c
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _fast_ok(amax_bits, byte):
+    """True when `_grid_round` is exact for every block: bytes in [8, 218), all-zero blocks excepted."""
+    bad = ((byte < 8) & (amax_bits != 0)) | (byte >= 218)
+    return tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) == 0
+
+
+@triton.jit
+def _mx_round_rows_fast(x, R: tl.constexpr, C: tl.constexpr, HW_CAST: tl.constexpr):
+    """`_mx_round_rows` (1x32 blocks along dim 1), by `_grid_round` when every block allows it."""
+    xb = tl.reshape(x, [R, C // 32, 32])
+    amax = tl.max(abs_bits(xb), axis=2)
+    byte = scale_byte(amax, True)
+    if _fast_ok(amax, byte):
+        y = _grid_round(xb, byte[:, :, None])
+    else:
+        y = _mx_round(xb, byte[:, :, None], HW_CAST)
+    return tl.reshape(y, [R, C])
+
+
+@triton.jit
+def _mx_round_square_fast(x, R: tl.constexpr, C: tl.constexpr, HW_CAST: tl.constexpr):
+    """`_mx_round_square` (32x32 blocks), by `_grid_round` when every block allows it."""
+    xb = tl.reshape(x, [R // 32, 32, C // 32, 32])
+    amax = tl.max(tl.max(abs_bits(xb), axis=3), axis=1)
+    byte = scale_byte(amax, True)
+    if _fast_ok(amax, byte):
+        y = _grid_round(xb, byte[:, None, :, None])
+    else:
+        y = _mx_round(xb, byte[:, None, :, None], HW_CAST)
+    return tl.reshape(y, [R, C])
+
+
+@triton.jit
 def _hdim_scale_offset(row, col, N_COL_BLOCKS: tl.constexpr):
     """Byte of scale (row, col) in the 128x4 blocked layout of an hdim-form matrix [Tp, D/32]."""
     return ((row // 128) * N_COL_BLOCKS + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
@@ -206,15 +261,16 @@ def _load_fp8_chunk(pay_ptr, s_ptr, tok, srow, mask, h, H, s_head_bytes, c: tl.c
 @triton.jit
 def _round_p(p, BM: tl.constexpr, BN: tl.constexpr, P_QUANT: tl.constexpr, SQUARE: tl.constexpr,
              dtype: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
-    """P as the P.V (or P^T.dO) operand: `const_p` -> e4m3(256 p) (a 256x scaled value), `dynamic` ->
-    MX blocks (1x32 along kv, or 32x32 when SQUARE), none -> rounded to the operand dtype."""
+    """P (in [0, 1]) as the P.V (or P^T.dO) operand, dequantized: `const_p` -> e4m3(256 p) * 2^-8 (byte
+    119, always inside `_grid_round`'s range), `dynamic` -> MX blocks (1x32 along dim 1, or 32x32 when
+    SQUARE; rceil), none -> rounded to `dtype`."""
     if P_QUANT == 1:
-        return _round_e4m3(p * 256.0, HW_CAST).to(dtype)
+        return _grid_round(p, 119).to(dtype)
     elif P_QUANT == 2:
         if SQUARE:
-            return _mx_round_square(p, BM, BN, HW_CAST).to(dtype)
+            return _mx_round_square_fast(p, BM, BN, HW_CAST).to(dtype)
         else:
-            return _mx_round_rows(p, BM, BN, HW_CAST).to(dtype)
+            return _mx_round_rows_fast(p, BM, BN, HW_CAST).to(dtype)
     else:
         return _cast(p, dtype, INTERPRET)
 
@@ -226,42 +282,43 @@ def _round_p(p, BM: tl.constexpr, BN: tl.constexpr, P_QUANT: tl.constexpr, SQUAR
 def _operand_kernel(
     x_ptr, out_ptr, o_ptr, delta_ptr, dlse_ptr,
     blk_seq_ptr, offsets_ptr, blk_offsets_ptr, H,
-    D: tl.constexpr, ORIENT: tl.constexpr, WRITE_OUT: tl.constexpr, DELTA: tl.constexpr,
+    D: tl.constexpr, HG: tl.constexpr, ORIENT: tl.constexpr, WRITE_OUT: tl.constexpr, DELTA: tl.constexpr,
     HAS_DLSE: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One 32-token block (aligned to its sequence's start) of one head: the MX-exact operand, and Δ."""
+    """One 32-token block (aligned to its sequence's start) of HG heads: the MX-exact operand, and Δ."""
     blk = tl.program_id(0)
-    h = tl.program_id(1)
+    hh = tl.program_id(1) * HG + tl.arange(0, HG)
     b = tl.load(blk_seq_ptr + blk)
     if b < 0:
         return
     end = tl.load(offsets_ptr + b + 1)
     tok = tl.load(offsets_ptr + b) + (blk - tl.load(blk_offsets_ptr + b)) * 32 + tl.arange(0, 32)
-    valid = tok < end
+    valid = (tok < end)[:, None] & (hh < H)[None, :]  # [32, HG]
     d = tl.arange(0, D)
-    off = (tok[:, None] * H + h) * D + d[None, :]
-    x = _to_f32(tl.load(x_ptr + off, mask=valid[:, None], other=0.0))
+    off = (tok[:, None, None] * H + hh[None, :, None]) * D + d[None, None, :]  # [32, HG, D]
+    x = _to_f32(tl.load(x_ptr + off, mask=valid[:, :, None], other=0.0))
     if WRITE_OUT:
         if ORIENT == 1:  # hdim: 1x32 along D
-            xb = tl.reshape(x, [32, D // 32, 32])
-            byte = scale_byte(tl.max(abs_bits(xb), axis=2), True)
-            y = tl.reshape(_mx_round(xb, byte[:, :, None], HW_CAST), [32, D])
+            xb = tl.reshape(x, [32, HG, D // 32, 32])
+            byte = scale_byte(tl.max(abs_bits(xb), axis=3), True)
+            y = tl.reshape(_mx_round(xb, byte[:, :, :, None], HW_CAST), [32, HG, D])
         elif ORIENT == 2:  # seq: 32 tokens x 1 feature (padding rows are 0: they never raise the max)
             byte = scale_byte(tl.max(abs_bits(x), axis=0), True)
-            y = _mx_round(x, byte[None, :], HW_CAST)
+            y = _mx_round(x, byte[None, :, :], HW_CAST)
         elif ORIENT == 3:  # square: 32 tokens x 32 features
-            xb = tl.reshape(x, [32, D // 32, 32])
-            byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=2), axis=0), True)
-            y = tl.reshape(_mx_round(xb, byte[None, :, None], HW_CAST), [32, D])
+            xb = tl.reshape(x, [32, HG, D // 32, 32])
+            byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=3), axis=0), True)
+            y = tl.reshape(_mx_round(xb, byte[None, :, :, None], HW_CAST), [32, HG, D])
         else:  # plain rounding to the operand dtype
             y = x
-        tl.store(out_ptr + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid[:, None])
+        tl.store(out_ptr + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid[:, :, None])
     if DELTA:  # x is dO as given
-        o = _to_f32(tl.load(o_ptr + off, mask=valid[:, None], other=0.0))
-        delta = tl.sum(x * o, axis=1)
+        o = _to_f32(tl.load(o_ptr + off, mask=valid[:, :, None], other=0.0))
+        delta = tl.sum(x * o, axis=2)
+        rows = tok[:, None] * H + hh[None, :]
         if HAS_DLSE:
-            delta -= tl.load(dlse_ptr + tok * H + h, mask=valid, other=0.0)
-        tl.store(delta_ptr + tok * H + h, delta, mask=valid)
+            delta -= tl.load(dlse_ptr + rows, mask=valid, other=0.0)
+        tl.store(delta_ptr + rows, delta, mask=valid)
 
 
 # ============================================================================ forward
@@ -418,8 +475,6 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     denom = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(denom)) * 0.6931471805599453)
-    if P_QUANT == 1:
-        denom = denom * 256.0  # const_p accumulated 256 p (an exact power of two)
     o = acc / denom[:, None]
     o_tok = o_row0 + offs_m
     tl.store(o_ptr + (o_tok[:, None] * H + h) * D + d[None, :], _cast(o, o_ptr.dtype.element_ty, INTERPRET),
@@ -428,14 +483,21 @@ def _attn_fwd_kernel(
 
 
 # ============================================================================ backward
+#
+# Non-broadcast: `_attn_bwd_kv_kernel` (one program per BLOCK_N-key tile: dK, dV in registers, computed in
+# the transposed form S^T = K Q^T so that P^T and dS^T are register A-operands of their GEMMs) and
+# `_attn_bwd_q_kernel` (one program per BLOCK_M-query tile: dQ in registers). No atomics, 7 GEMMs per
+# tile pair. broadcast_q (and `bwd_variant="atomic"`): the key-tile kernel also adds dS K into a dQ
+# buffer with atomics (5 GEMMs), since one shared query tile sums over every sequence.
 
 
 @triton.jit
-def _bwd_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq, start_m,
-              offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
-              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
-              DS_MX: tl.constexpr, DQ_FP16: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
-    """One query tile against the program's key tile: returns the updated (dK, dV); adds into dQ."""
+def _bwd_kv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq, start_m,
+                 offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
+                 DS_MX: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_FP16: tl.constexpr, HW_CAST: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """One query tile against the program's key tile: returns the updated (dK, dV) `[BN, D]`."""
     d = tl.arange(0, D)
     offs_m = start_m + tl.arange(0, BM)
     m_mask = offs_m < Lq
@@ -443,43 +505,44 @@ def _bwd_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o
     o_tok = o_row0 + offs_m
     q = tl.load(q_ptr + (q_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
     do = tl.load(do_ptr + (o_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
-    lse = tl.load(lse_ptr + o_tok * H + h, mask=m_mask, other=0.0)
+    lse = tl.load(lse_ptr + o_tok * H + h, mask=m_mask, other=float("inf"))
     delta = tl.load(delta_ptr + o_tok * H + h, mask=m_mask, other=0.0)
-    # P = exp(S * scale - LSE), recomputed; rows without visible keys (LSE = -inf) give 0
+    # P^T = exp(S^T * scale - LSE), recomputed; queries without visible keys (LSE = -inf) give 0
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    s = _dot(q, tl.trans(k), None, INTERPRET) * qk_scale
-    visible = m_mask[:, None] & n_mask[None, :]
+    s_t = _dot(k, tl.trans(q), None, INTERPRET) * qk_scale  # [BN, BM]
+    visible = n_mask[:, None] & m_mask[None, :]
     if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
-    p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
-    dv = _dot(tl.trans(_round_p(p, BM, BN, P_QUANT, True, do.dtype, HW_CAST, INTERPRET)), do, dv, INTERPRET)
-    dp = _dot(do, tl.trans(v), None, INTERPRET)
-    ds = p * (dp - delta[:, None])
-    if DS_MX:
-        ds_op = _mx_round_square(ds, BM, BN, HW_CAST).to(q.dtype)
+        visible = visible & (offs_n[:, None] <= offs_m[None, :] + shift)
+    p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+    dv = _dot(_round_p(p_t, BN, BM, P_QUANT, True, do.dtype, HW_CAST, INTERPRET), do, dv, INTERPRET)
+    dp_t = _dot(v, tl.trans(do), None, INTERPRET)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if DS_MX:  # 32x32 blocks: the same blocks as dS's, transposed
+        ds_op = _mx_round_square_fast(ds_t, BN, BM, HW_CAST).to(q.dtype)
     else:
-        ds_op = _cast(ds, q.dtype, INTERPRET)
-    dk = _dot(tl.trans(ds_op), q, dk, INTERPRET)
-    dq = _dot(ds_op, k, None, INTERPRET) * sm_scale
-    dq_off = (q_tok[:, None] * H + h) * D + d[None, :]
-    if DQ_FP16:
-        tl.atomic_add(dq_ptr + dq_off, (dq * dq_static_scale).to(tl.float16), mask=m_mask[:, None])
-    else:
-        tl.atomic_add(dq_ptr + dq_off, dq, mask=m_mask[:, None])
+        ds_op = _cast(ds_t, q.dtype, INTERPRET)
+    dk = _dot(ds_op, q, dk, INTERPRET)
+    if ATOMIC_DQ:
+        dq = _dot(tl.trans(ds_op), k, None, INTERPRET) * sm_scale
+        dq_off = (q_tok[:, None] * H + h) * D + d[None, :]
+        if DQ_FP16:
+            tl.atomic_add(dq_ptr + dq_off, (dq * dq_static_scale).to(tl.float16), mask=m_mask[:, None])
+        else:
+            tl.atomic_add(dq_ptr + dq_off, dq, mask=m_mask[:, None])
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_kernel(
+def _attn_bwd_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
     dk_pay_ptr, dk_s_hdim_ptr, dk_s_seq_ptr, dv_pay_ptr, dv_s_hdim_ptr, dv_s_seq_ptr,
     q_base_ptr, o_offsets_ptr, kv_offsets_ptr, kv_srow_ptr, tile_seq_ptr, tile_idx_ptr,
     H, qk_scale, sm_scale, dq_static_scale, s_hdim_head, s_seq_head, s_num_col_tiles,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
-    DS_MX: tl.constexpr, DQ_FP16: tl.constexpr, MX_GRADS: tl.constexpr, HW_CAST: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    DS_MX: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_FP16: tl.constexpr, MX_GRADS: tl.constexpr,
+    HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One BN-key tile of one sequence and head: dK, dV in registers over all query tiles; dQ by atomics."""
+    """One BN-key tile of one sequence and head: dK, dV over all query tiles (and dQ by atomics)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_seq_ptr + pid)
@@ -507,18 +570,16 @@ def _attn_bwd_kernel(
     if INTERPRET:  # the interpreter cannot take run-time range bounds; a while loop is the same walk
         start_m = start
         while start_m < Lq:
-            dk, dv = _bwd_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq, start_m,
-                               offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
-                               D, BM, BN, CAUSAL, P_QUANT, DS_MX, DQ_FP16, HW_CAST, INTERPRET)
+            dk, dv = _bwd_kv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq,
+                                  start_m, offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
+                                  D, BM, BN, CAUSAL, P_QUANT, DS_MX, ATOMIC_DQ, DQ_FP16, HW_CAST, INTERPRET)
             start_m += BM
     else:
         for start_m in tl.range(start, Lq, BM):
-            dk, dv = _bwd_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq, start_m,
-                               offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
-                               D, BM, BN, CAUSAL, P_QUANT, DS_MX, DQ_FP16, HW_CAST, INTERPRET)
+            dk, dv = _bwd_kv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0, o_row0, Lq,
+                                  start_m, offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
+                                  D, BM, BN, CAUSAL, P_QUANT, DS_MX, ATOMIC_DQ, DQ_FP16, HW_CAST, INTERPRET)
     dk = dk * sm_scale
-    if P_QUANT == 1:
-        dv = dv * 0.00390625  # const_p accumulated 256 p
     if MX_GRADS:
         _store_square_mx(dk, dk_pay_ptr, dk_s_hdim_ptr, dk_s_seq_ptr, kv_tok, n_mask, kv_srow_ptr, b, kt, Lk, h, H,
                          s_hdim_head, s_seq_head, s_num_col_tiles, D, BN, HW_CAST)
@@ -527,6 +588,89 @@ def _attn_bwd_kernel(
     else:
         tl.store(dk_ptr + kv_off, _cast(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=n_mask[:, None])
         tl.store(dv_ptr + kv_off, _cast(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=n_mask[:, None])
+
+
+@triton.jit
+def _bwd_q_step(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, Lk, start_n, offs_m, shift, h, H, qk_scale,
+                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                DS_MX: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key tile against the program's query tile: returns the updated dQ `[BM, D]` (unscaled)."""
+    offs_n = start_n + tl.arange(0, BN)
+    n_mask = offs_n < Lk
+    d = tl.arange(0, D)
+    kv_off = ((kv_row0 + offs_n)[:, None] * H + h) * D + d[None, :]
+    if MASKED:
+        k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + kv_off)
+        v = tl.load(v_ptr + kv_off)
+    p = tl.math.exp2(_dot(q, tl.trans(k), None, INTERPRET) * qk_scale - lse2[:, None])
+    if MASKED:
+        visible = n_mask[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+        p = tl.where(visible, p, 0.0)
+    dp = _dot(do, tl.trans(v), None, INTERPRET)
+    ds = p * (dp - delta[:, None])
+    if DS_MX:
+        ds_op = _mx_round_square_fast(ds, BM, BN, HW_CAST).to(k.dtype)
+    else:
+        ds_op = _cast(ds, k.dtype, INTERPRET)
+    return _dot(ds_op, k, dq, INTERPRET)
+
+
+@triton.jit
+def _attn_bwd_q_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_base_ptr, o_offsets_ptr, kv_offsets_ptr, tile_seq_ptr, tile_idx_ptr, H, qk_scale, sm_scale,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, DS_MX: tl.constexpr,
+    HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One BM-query tile of one sequence and head: dQ = Σ_kv dS K * scale, in registers."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(tile_seq_ptr + pid)
+    if b < 0:
+        return
+    qt = tl.load(tile_idx_ptr + pid)
+    o_row0 = tl.load(o_offsets_ptr + b)
+    Lq = tl.load(o_offsets_ptr + b + 1) - o_row0
+    kv_row0 = tl.load(kv_offsets_ptr + b)
+    Lk = tl.load(kv_offsets_ptr + b + 1) - kv_row0
+    shift = Lk - Lq
+    offs_m = qt * BM + tl.arange(0, BM)
+    m_mask = offs_m < Lq
+    d = tl.arange(0, D)
+    q_tok = tl.load(q_base_ptr + b) + offs_m
+    o_tok = o_row0 + offs_m
+    q = tl.load(q_ptr + (q_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
+    do = tl.load(do_ptr + (o_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
+    lse = tl.load(lse_ptr + o_tok * H + h, mask=m_mask, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(delta_ptr + o_tok * H + h, mask=m_mask, other=0.0)
+    if CAUSAL:
+        end = tl.minimum(tl.maximum(tl.minimum(qt * BM + BM, Lq) + shift, 0), Lk)
+        full_end = tl.minimum(tl.maximum(qt * BM + shift + 1, 0), Lk) // BN * BN
+    else:
+        end = Lk
+        full_end = Lk // BN * BN
+    dq = tl.zeros([BM, D], dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot take run-time range bounds; a while loop is the same walk
+        start_n = 0
+        while start_n < end:
+            dq = _bwd_q_step(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, Lk, start_n, offs_m, shift, h, H,
+                             qk_scale, D, BM, BN, start_n >= full_end, CAUSAL, DS_MX, HW_CAST, INTERPRET)
+            start_n += BN
+    else:
+        for start_n in tl.range(0, full_end, BN):
+            dq = _bwd_q_step(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, Lk, start_n, offs_m, shift, h, H,
+                             qk_scale, D, BM, BN, False, CAUSAL, DS_MX, HW_CAST, INTERPRET)
+        for start_n in tl.range(full_end, end, BN):
+            dq = _bwd_q_step(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, Lk, start_n, offs_m, shift, h, H,
+                             qk_scale, D, BM, BN, True, CAUSAL, DS_MX, HW_CAST, INTERPRET)
+    tl.store(dq_ptr + (q_tok[:, None] * H + h) * D + d[None, :], _cast(dq * sm_scale, dq_ptr.dtype.element_ty,
+             INTERPRET), mask=m_mask[:, None])
 
 
 @triton.jit
@@ -672,36 +816,46 @@ def _operand(x: torch.Tensor, offsets: torch.Tensor, orient: int, *, hw_cast: bo
         return out, delta
     blk_seq, blk_offsets, upper = _block_map(offsets, rows)
     dummy = x
-    _operand_kernel[(upper, heads)](
+    hg = min(PRODUCER_HEADS, triton.next_power_of_2(heads))
+    _operand_kernel[(upper, triton.cdiv(heads, hg))](
         x, out if out is not None else dummy, o if o is not None else dummy,
         delta if delta is not None else dummy, dlse if dlse is not None else dummy,
         blk_seq, offsets, blk_offsets, heads,
-        D=dim, ORIENT=orient, WRITE_OUT=write_out, DELTA=o is not None, HAS_DLSE=dlse is not None,
-        HW_CAST=hw_cast, INTERPRET=interpreter_enabled(), num_warps=4,
+        D=dim, HG=hg, ORIENT=orient, WRITE_OUT=write_out, DELTA=o is not None, HAS_DLSE=dlse is not None,
+        HW_CAST=hw_cast, INTERPRET=interpreter_enabled(), num_warps=PRODUCER_WARPS,
     )
     return out, delta
 
 
 # ============================================================================ host: launch configs
 
+# Producer programs: one 32-token block of up to PRODUCER_HEADS heads (16 KiB of BF16 at D=128).
+PRODUCER_HEADS = 4
+PRODUCER_WARPS = 8
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim; the GPU benchmark sweeps alternatives.
+# Backward "kv": the key-tile kernel (BLOCK_M = its query step, BLOCK_N = its key tile); "q": the dQ kernel.
 FWD_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
-BWD_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
+BWD_KV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
+BWD_Q_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
 # Under the interpreter cost is per program and per op: small tiles keep tests quick and multi-tile.
-INTERPRETER_FWD = (64, 32, 1, 1)
-INTERPRETER_BWD = (32, 64, 1, 1)
+INTERPRETER_CONFIGS = {"fwd": (64, 32, 1, 1), "bwd_kv": (32, 64, 1, 1), "bwd_q": (64, 32, 1, 1)}
 
 
 def _config(which: str, dim: int, on_gpu: bool, override) -> tuple[int, int, int, int]:
-    base = (FWD_CONFIGS if which == "fwd" else BWD_CONFIGS)[dim] if on_gpu else (
-        INTERPRETER_FWD if which == "fwd" else INTERPRETER_BWD)
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `which`; 0 entries of `override` keep the default."""
+    table = {"fwd": FWD_CONFIGS, "bwd_kv": BWD_KV_CONFIGS, "bwd_q": BWD_Q_CONFIGS}[which]
+    base = table[dim] if on_gpu else INTERPRETER_CONFIGS[which]
     if not override:
         return base
-    cfg = tuple(o if o else b for o, b in zip(tuple(override) + (0,) * (4 - len(override)), base))
-    bm, bn = cfg[0], cfg[1]
-    for name, n in (("block_m", bm), ("block_n", bn)):
+    override = tuple(override)
+    if len(override) > 4:
+        raise ValueError(f"a kernel config has at most 4 entries (BLOCK_M, BLOCK_N, num_warps, num_stages), "
+                         f"got {override}")
+    cfg = tuple(o if o else b for o, b in zip(override + (0,) * (4 - len(override)), base))
+    for name, n in (("BLOCK_M", cfg[0]), ("BLOCK_N", cfg[1])):
         if n % MX_BLOCK or n & (n - 1) or n > 128:
-            raise ValueError(f"{name} must be 32, 64 or 128 (a power of two multiple of {MX_BLOCK}), got {n}")
+            raise ValueError(f"{name} must be 32, 64 or 128 (a power-of-two multiple of {MX_BLOCK}), got {n}")
     return cfg
 
 
@@ -790,21 +944,24 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        lse: torch.Tensor, q_offsets: torch.Tensor | None, kv_offsets: torch.Tensor, *,
                        causal: bool = False, broadcast_q: bool = False, precision: str = "mxfp8",
                        softmax_scale: float | None = None, p_quant: str = "const_p",
-                       dlse: torch.Tensor | None = None, dq_accum: str = "fp32", dq_static_scale: float = 1.0,
-                       grad_format: str = "dense", grad_dtype: torch.dtype | None = None, config=None,
+                       dlse: torch.Tensor | None = None, bwd_variant: str = "split", dq_accum: str = "fp32",
+                       dq_static_scale: float = 1.0, grad_format: str = "dense",
+                       grad_dtype: torch.dtype | None = None, config=None, dq_config=None,
                        hw_cast: bool | None = None):
     """Backward of jagged attention by the recipe (DESIGN.md §3); inputs as for `attention_forward`.
 
     Args:
         do: `[T_out, H, D]` gradient of O (contiguous); o, lse: the forward's outputs.
         dlse: optional `[T_out, H]` FP32 gradient of LSE (folded into Δ).
-        dq_accum: `"fp32"`, or `"fp16"`: dQ partial sums are added atomically into an FP16 buffer
-            holding dQ * dq_static_scale (halves the atomic traffic; pick the scale so that
-            |dQ| * scale stays well inside FP16's range).
+        bwd_variant: `"split"` (a key-tile kernel for dK, dV and a query-tile kernel for dQ, no atomics)
+            or `"atomic"` (one key-tile kernel adding dQ atomically); broadcast_q always runs `"atomic"`.
+        dq_accum: dQ buffer of the atomic variant: `"fp32"`, or `"fp16"` holding dQ * dq_static_scale
+            (halves the atomic traffic; pick the scale so that |dQ| * scale stays inside FP16's range).
         grad_format: `"dense"` (dK, dV tensors) or `"mxfp8"`: dK and dV leave the kernel as
             `gem_lp.jagged.JaggedMXTensor`s with a `square` payload (32x32 blocks, rceil; both blocked
             scale forms), quantized in the kernel's epilogue from the FP32 accumulators.
         grad_dtype: dtype of dQ (and of dense dK, dV); default q's dtype.
+        config, dq_config: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the key-tile and dQ kernels.
 
     Returns:
         (dQ `[Tq, H, D]` (`[Lq, H, D]` with broadcast_q: summed over the batch), dK, dV).
@@ -814,7 +971,9 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     grad_dtype = grad_dtype or q.dtype
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
     hw = _hw_cast(q, hw_cast)
-    bm, bn, warps, stages = _config("bwd", dim, q.is_cuda and not interpreter_enabled(), config)
+    on_gpu = q.is_cuda and not interpreter_enabled()
+    bm, bn, warps, stages = _config("bwd_kv", dim, on_gpu, config)
+    atomic = broadcast_q or bwd_variant == "atomic"
     mx = precision == "mxfp8"
     if mx:
         q_op = _operand(q, g.q_offsets, ORIENT_SQUARE, hw_cast=hw)[0]
@@ -830,7 +989,10 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         q_op, k_op, v_op = q, k, v
         do_op = do
         delta = _operand(do, g.o_offsets, ORIENT_NONE, hw_cast=hw, write_out=False, o=o, dlse=dlse)[1]
-    dq_buf = torch.zeros(q.shape, dtype=torch.float16 if dq_accum == "fp16" else torch.float32, device=q.device)
+    if atomic:
+        dq_buf = torch.zeros(q.shape, dtype=torch.float16 if dq_accum == "fp16" else torch.float32, device=q.device)
+    else:
+        dq_buf = torch.empty(q.shape, dtype=grad_dtype, device=q.device)
     mx_grads = grad_format == "mxfp8"
     dummy_u8 = torch.empty(1, dtype=torch.uint8, device=q.device)
     kv_srow = g.kv_offsets
@@ -857,23 +1019,38 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dk_t = torch.empty(k.shape, dtype=grad_dtype, device=k.device)
         dv_t = torch.empty(v.shape, dtype=grad_dtype, device=v.device)
         dk_mx = dv_mx = (dummy_u8, dummy_u8, dummy_u8)
+    p_code = (PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC) if mx else PQ_NONE
     if g.batch > 0 and g.kv_rows > 0:
         tile_seq, tile_idx, upper = _bwd_tiles(g, bn, causal)
-        _attn_bwd_kernel[(upper, heads)](
+        _attn_bwd_kv_kernel[(upper, heads)](
             q_op, k_op, v_op, do_op, lse, delta, dq_buf, dk_t, dv_t, *dk_mx, *dv_mx,
             g.q_base, g.o_offsets, g.kv_offsets, kv_srow, tile_seq, tile_idx,
             heads, scale * LOG2E, scale, float(dq_static_scale), s_hdim_head, s_seq_head, s_tiles,
-            D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=(PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC) if mx
-            else PQ_NONE, DS_MX=mx, DQ_FP16=dq_accum == "fp16", MX_GRADS=mx_grads, HW_CAST=hw,
-            INTERPRET=interpreter_enabled(), num_warps=warps, num_stages=stages,
+            D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=p_code, DS_MX=mx, ATOMIC_DQ=atomic,
+            DQ_FP16=dq_accum == "fp16", MX_GRADS=mx_grads, HW_CAST=hw, INTERPRET=interpreter_enabled(),
+            num_warps=warps, num_stages=stages,
         )
     elif not mx_grads:
         dk_t.zero_()
         dv_t.zero_()
-    if dq_accum == "fp16":
-        dq = (dq_buf.to(torch.float32) / dq_static_scale).to(grad_dtype)
+    if atomic:
+        if dq_accum == "fp16":
+            dq = (dq_buf.to(torch.float32) / dq_static_scale).to(grad_dtype)
+        else:
+            dq = dq_buf.to(grad_dtype)
     else:
-        dq = dq_buf.to(grad_dtype)
+        dq = dq_buf
+        if g.batch > 0 and g.num_out > 0:
+            qbm, qbn, qwarps, qstages = _config("bwd_q", dim, on_gpu, dq_config)
+            tile_seq, tile_idx, upper = _fwd_tiles(g, qbm, causal)
+            _attn_bwd_q_kernel[(upper, heads)](
+                q_op, k_op, v_op, do_op, lse, delta, dq, g.q_base, g.o_offsets, g.kv_offsets, tile_seq, tile_idx,
+                heads, scale * LOG2E, scale,
+                D=dim, BM=qbm, BN=qbn, CAUSAL=causal, DS_MX=mx, HW_CAST=hw, INTERPRET=interpreter_enabled(),
+                num_warps=qwarps, num_stages=qstages,
+            )
+        else:
+            dq.zero_()
     if mx_grads:
         return dq, grads[0], grads[1]
     return dq, dk_t, dv_t
@@ -907,7 +1084,7 @@ def _check_offsets_form(offsets, name: str, device: torch.device) -> None:
 
 
 def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: str, p_quant: str, variant: str,
-                  dq_accum: str, dq_static_scale: float) -> None:
+                  bwd_variant: str, dq_accum: str, dq_static_scale: float) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
@@ -943,6 +1120,8 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if variant != "producer" and precision != "mxfp8":
         raise ValueError(f"variant={variant!r} is an MXFP8 forward variant; precision={precision!r} takes 'producer'")
+    if bwd_variant not in BWD_VARIANTS:
+        raise ValueError(f"bwd_variant must be one of {BWD_VARIANTS}, got {bwd_variant!r}")
     if dq_accum not in DQ_ACCUMS:
         raise ValueError(f"dq_accum must be one of {DQ_ACCUMS}, got {dq_accum!r}")
     if not (isinstance(dq_static_scale, (int, float)) and math.isfinite(dq_static_scale) and dq_static_scale > 0):
@@ -978,10 +1157,12 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                       kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
                       softmax_scale: float, p_quant: str, variant: str, warp_specialize: bool,
-                      dq_accum: str, dq_static_scale: float, fwd_config: list[int], bwd_config: list[int]
+                      validate_offsets: bool, bwd_variant: str, dq_accum: str, dq_static_scale: float,
+                      fwd_config: list[int], bwd_config: list[int], dq_config: list[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """O and LSE of jagged attention (the backward options ride along for the autograd context)."""
-    _check_offsets_values(q_offsets, kv_offsets, q.shape[0], k.shape[0])
+    if validate_offsets:
+        _check_offsets_values(q_offsets, kv_offsets, q.shape[0], k.shape[0])
     return attention_forward(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
                              precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, variant=variant,
                              warp_specialize=warp_specialize, config=fwd_config)
@@ -989,7 +1170,7 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, variant,
-      warp_specialize, dq_accum, dq_static_scale, fwd_config, bwd_config):
+      warp_specialize, validate_offsets, bwd_variant, dq_accum, dq_static_scale, fwd_config, bwd_config, dq_config):
     num_out = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty(num_out, q.shape[1], q.shape[2]), q.new_empty(num_out, q.shape[1], dtype=torch.float32)
 
@@ -998,37 +1179,40 @@ def _(q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_sc
 def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, dlse: torch.Tensor | None, q_offsets: torch.Tensor,
                       kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
-                      softmax_scale: float, p_quant: str, dq_accum: str, dq_static_scale: float,
-                      bwd_config: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      softmax_scale: float, p_quant: str, bwd_variant: str, dq_accum: str, dq_static_scale: float,
+                      bwd_config: list[int], dq_config: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV of jagged attention by the recipe."""
     return attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
                               precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, dlse=dlse,
-                              dq_accum=dq_accum, dq_static_scale=dq_static_scale, config=bwd_config)
+                              bwd_variant=bwd_variant, dq_accum=dq_accum, dq_static_scale=dq_static_scale,
+                              config=bwd_config, dq_config=dq_config)
 
 
 @_attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant,
-      dq_accum, dq_static_scale, bwd_config):
+      bwd_variant, dq_accum, dq_static_scale, bwd_config, dq_config):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, _variant,
-     _warp_specialize, dq_accum, dq_static_scale, _fwd_config, bwd_config) = inputs
+     _warp_specialize, _validate, bwd_variant, dq_accum, dq_static_scale, _fwd_config, bwd_config, dq_config) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, q_offsets, kv_offsets)
-    ctx.options = (causal, broadcast_q, precision, softmax_scale, p_quant, dq_accum, dq_static_scale, bwd_config)
+    ctx.options = (causal, broadcast_q, precision, softmax_scale, p_quant, bwd_variant, dq_accum, dq_static_scale,
+                   bwd_config, dq_config)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, q_offsets, kv_offsets = ctx.saved_tensors
     if do is None and dlse is None:
-        return (None,) * 16
+        return (None,) * 19
     do = torch.zeros_like(o) if do is None else do.contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, *ctx.options)
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 16
 
 
 torch.library.register_autograd("gem_lp::jagged_attention_fwd", _backward, setup_context=_setup_context)
@@ -1041,8 +1225,9 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             kv_offsets: torch.Tensor | None = None, *, causal: bool = False,
                             broadcast_q: bool = False, precision: str = "bf16", softmax_scale: float | None = None,
                             p_quant: str = "const_p", return_lse: bool = False, variant: str = "producer",
-                            warp_specialize: bool = False, dq_accum: str = "fp32", dq_static_scale: float = 1.0,
-                            fwd_config=None, bwd_config=None
+                            warp_specialize: bool = False, validate_offsets: bool = True,
+                            bwd_variant: str = "split", dq_accum: str = "fp32", dq_static_scale: float = 1.0,
+                            fwd_config=None, bwd_config=None, dq_config=None
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Jagged attention on the Triton kernels, differentiable (semantics of `gem_lp.attention.jagged_attention`).
 
@@ -1057,13 +1242,19 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         return_lse: also return LSE `[T_out, H]` FP32 (natural log; differentiable).
         variant: mxfp8 forward variant, `"producer"` (default), `"dequant_in_loop"`, `"fp8_qk"`.
         warp_specialize: run the forward KV loop with `tl.range(..., warp_specialize=True)` (GPU only).
-        dq_accum, dq_static_scale: dQ accumulation buffer, FP32 or FP16 holding dQ * scale.
-        fwd_config, bwd_config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages), 0 = default.
+        validate_offsets: check the offsets' values (start 0, non-decreasing, end at the rows), one host
+            sync per call; False when the caller has checked them (the sync stalls the launch queue).
+        bwd_variant: `"split"` (dK/dV and dQ kernels, no atomics) or `"atomic"` (dQ by atomic adds);
+            broadcast_q always accumulates dQ atomically.
+        dq_accum, dq_static_scale: the atomic dQ buffer, FP32 or FP16 holding dQ * dq_static_scale.
+        fwd_config, bwd_config, dq_config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) of the
+            forward, backward key-tile and dQ kernels, 0 = default.
 
     Returns:
         O `[T_out, H, D]` in q's dtype (T_out = Tq, or B * Lq with broadcast_q), and LSE with return_lse.
     """
-    _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q, precision, p_quant, variant, dq_accum, dq_static_scale)
+    _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q, precision, p_quant, variant, bwd_variant, dq_accum,
+                  dq_static_scale)
     dim = q.shape[2]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dim)
@@ -1076,6 +1267,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     q_offs = q_offsets.to(device=q.device, dtype=torch.int64)
     kv_offs = kv_offsets.to(device=q.device, dtype=torch.int64)
     o, lse = _attention_fwd_op(q, k, v, q_offs, kv_offs, causal, broadcast_q, precision, float(softmax_scale),
-                               p_quant, variant, warp_specialize, dq_accum, float(dq_static_scale),
-                               list(fwd_config or ()), list(bwd_config or ()))
+                               p_quant, variant, warp_specialize, validate_offsets, bwd_variant, dq_accum,
+                               float(dq_static_scale), list(fwd_config or ()), list(bwd_config or ()),
+                               list(dq_config or ()))
     return (o, lse) if return_lse else o

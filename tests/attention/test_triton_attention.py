@@ -18,15 +18,21 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from gem_lp.attention import jagged_attention
 from gem_lp.attention.reference import mx_hdim, mx_seq
 from gem_lp.attention.triton_attention import (
     FWD_CONFIGS,
+    _grid_round,
+    _mx_round_rows_fast,
+    _mx_round_square_fast,
     attention_backward,
     attention_forward,
     jagged_attention_triton,
 )
+from gem_lp.mx import dequantize, quantize_reference
 from gem_lp.numerics import cosine, sqnr_db
 
 LOG2E = 1.4426950408889634
@@ -35,17 +41,22 @@ FWD_CFG = (64, 32, 1, 1)  # BLOCK_M, BLOCK_N, warps, stages: several tiles per s
 BWD_CFG = (32, 64, 1, 1)
 
 
+# The same tests run the kernels on a GPU when there is one (hardware casts, compiled kernels), else in
+# Triton's interpreter on the CPU.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def offsets_of(lengths) -> torch.Tensor:
     offs = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offs[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    return offs
+    return offs.to(DEV)
 
 
 def randn(rows: int, heads: int, dim: int, dtype=torch.bfloat16, outliers: bool = False) -> torch.Tensor:
     x = torch.randn(rows, heads, dim)
     if outliers:  # a few channels x20, as activations with outlier features have
         x[:, :, torch.randperm(dim)[:3]] *= 20.0
-    return x.to(dtype)
+    return x.to(dtype).to(DEV)
 
 
 def reference(q, k, v, q_offs, kv_offs=None, **kw):
@@ -70,6 +81,7 @@ def _round_p_model(p: torch.Tensor, precision: str, p_quant: str, dtype: torch.d
 
 def tile_model_forward(q, k, v, q_offs, kv_offs, *, causal, broadcast_q, precision, p_quant, block_n):
     """O (FP32) and LSE of the kernel's algorithm in plain PyTorch: per sequence, KV tiles of block_n keys."""
+    q, k, v, q_offs, kv_offs = (None if x is None else x.cpu() for x in (q, k, v, q_offs, kv_offs))
     heads, dim = q.shape[1], q.shape[2]
     c = LOG2E / math.sqrt(dim)
     op16 = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -117,6 +129,8 @@ def tile_model_forward(q, k, v, q_offs, kv_offs, *, causal, broadcast_q, precisi
 
 def output_bound(q, k, v, q_offs, kv_offs, o_ref, o_ker, *, causal, broadcast_q, precision):
     """Per-element bound on |O_kernel - O_reference| of the module docstring."""
+    q, k, v, q_offs, kv_offs, o_ref, o_ker = (None if x is None else x.cpu()
+                                              for x in (q, k, v, q_offs, kv_offs, o_ref, o_ker))
     u, a = (2.0**-4, 2.0**-18) if precision == "mxfp8" else (2.0**-8, 0.0)
     u += 2.0**-20  # FP32 exp2 / summation slack
     dim = q.shape[2]
@@ -165,12 +179,12 @@ def check_forward(q, k, v, q_offs, kv_offs=None, *, causal=False, broadcast_q=Fa
                                             precision=precision, p_quant=p_quant, block_n=config[1])
     # (a P element next to a rounding midpoint may round the other way under another FP32 summation
     # order, moving its row by one rounding step; such rows stay inside the reference bound below)
-    off = (o.float() - o_model).abs() > 2.0**-8 * o_model.abs() + 1e-5
+    off = (o.float().cpu() - o_model).abs() > 2.0**-8 * o_model.abs() + 1e-5
     assert off.float().mean().item() <= 0.01, f"{off.sum().item()} of {off.numel()} elements off the tile model"
-    torch.testing.assert_close(lse[fin], lse_model[fin], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse[fin].cpu(), lse_model[fin.cpu()], rtol=0, atol=1e-5)
     # stated bound against the reference
     bound = output_bound(q, k, v, q_offs, kv, o_ref, o, causal=causal, broadcast_q=broadcast_q, precision=precision)
-    err = (o.float() - o_ref.float()).abs()
+    err = (o.float() - o_ref.float()).abs().cpu()
     assert bool((err <= bound).all()), f"max excess over the bound {(err - bound).max().item()}"
     return o, lse, o_ref, lse_ref
 
@@ -182,8 +196,8 @@ def check_backward(q, k, v, q_offs, kv_offs=None, *, causal=False, broadcast_q=F
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     o_ref, lse_ref = reference(qr, kr, vr, None if broadcast_q else q_offs, kv, causal=causal,
                                broadcast_q=broadcast_q, precision=precision, p_quant=p_quant)
-    do = torch.randn(o_ref.shape).to(q.dtype)
-    dlse = torch.randn(lse_ref.shape) if with_dlse else None
+    do = torch.randn(o_ref.shape).to(q.dtype).to(DEV)
+    dlse = torch.randn(lse_ref.shape).to(DEV) if with_dlse else None
     loss = (o_ref.float() * do.float()).sum()
     if with_dlse:
         loss = loss + torch.where(torch.isfinite(lse_ref), lse_ref * dlse, 0.0).sum()
@@ -303,18 +317,21 @@ def test_backward_head_dim_128_broadcast_q_and_cross():
     check_backward(q, k, v, q_offs, kv_offs, causal=True, config=(64, 32, 1, 1))
 
 
-def test_backward_fp16_dq_accumulation():
-    offs = offsets_of([50, 97])
+def test_backward_variants_and_fp16_dq_accumulation():
+    """dQ by atomics (FP32 buffer) equals the split kernels' dQ up to summation order; the FP16 buffer with a
+    static scale rounds each partial sum to FP16; dK and dV never depend on the dQ variant."""
+    offs = offsets_of([50, 0, 97])
     t = int(offs[-1])
     q, k, v = (randn(t, 2, 64) for _ in range(3))
-    o, lse = attention_forward(q, k, v, offs, offs, precision="mxfp8", config=FWD_CFG)
+    o, lse = attention_forward(q, k, v, offs, offs, causal=True, precision="mxfp8", config=FWD_CFG)
     do = randn(t, 2, 64)
     args = (do, q, k, v, o, lse, offs, offs)
-    dq32, dk32, dv32 = attention_backward(*args, precision="mxfp8", config=BWD_CFG, grad_dtype=torch.float32)
-    dq16, dk16, dv16 = attention_backward(*args, precision="mxfp8", config=BWD_CFG, grad_dtype=torch.float32,
-                                          dq_accum="fp16", dq_static_scale=2.0**6)
-    assert torch.equal(dk16, dk32) and torch.equal(dv16, dv32)
-    # each partial sum rounds to FP16 (2^-11 relative) before it is added
+    kw = dict(causal=True, precision="mxfp8", config=BWD_CFG, grad_dtype=torch.float32)
+    dq, dk, dv = attention_backward(*args, **kw)
+    dq32, dk32, dv32 = attention_backward(*args, bwd_variant="atomic", **kw)
+    dq16, dk16, dv16 = attention_backward(*args, bwd_variant="atomic", dq_accum="fp16", dq_static_scale=2.0**6, **kw)
+    assert torch.equal(dk32, dk) and torch.equal(dv32, dv) and torch.equal(dk16, dk) and torch.equal(dv16, dv)
+    assert rel_err(dq32, dq) < 1e-5
     torch.testing.assert_close(dq16, dq32, rtol=2.0**-8, atol=2.0**-8 * dq32.abs().max().item())
     assert not torch.equal(dq16, dq32)  # the FP16 buffer really is FP16
 
@@ -333,12 +350,69 @@ def test_backward_mxfp8_grad_format_matches_quantize_jagged():
         args = (do, q, k, v, o, lse, offs, offs)
         _, dk, dv = attention_backward(*args, causal=True, config=BWD_CFG, grad_dtype=torch.float32)
         _, dk_mx, dv_mx = attention_backward(*args, causal=True, config=BWD_CFG, grad_format="mxfp8")
+        assert dk_mx.orientations == ("square",)
         layout = JaggedLayout.from_offsets(offs, k)
         for dense, got in ((dk, dk_mx), (dv, dv_mx)):
             want = quantize_jagged_reference(dense, layout, ("square",), "rceil")
             assert torch.equal(got.payload_square.view(torch.uint8), want.payload_square.view(torch.uint8))
             assert torch.equal(got.scale_square_hdim, want.scale_square_hdim)
             assert torch.equal(got.scale_square_seq, want.scale_square_seq)
+
+
+# ----------------------------------------------------------------------------- the in-register MX rounding
+
+
+@triton.jit
+def _grid_round_kernel(x_ptr, byte_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _grid_round(tl.load(x_ptr + i), tl.load(byte_ptr + i)))
+
+
+@triton.jit
+def _block_round_kernel(x_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr, SQUARE: tl.constexpr):
+    i = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    if SQUARE:
+        tl.store(out_ptr + i, _mx_round_square_fast(tl.load(x_ptr + i), R, C, False))
+    else:
+        tl.store(out_ptr + i, _mx_round_rows_fast(tl.load(x_ptr + i), R, C, False))
+
+
+def test_grid_rounding_is_exact_at_every_e4m3_midpoint():
+    """`_grid_round` (magic-number addition) equals the reference's quantize-dequantize on every E4M3 value,
+    every midpoint between neighbours (ties to even), one FP32 ulp either side, and across scales that
+    put the values in the subnormal range; `_mx_round_square_fast` equals the reference on 32x32 blocks."""
+    from gem_lp.mx.reference import encode_payload, scale_f32
+
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2
+    base = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))])
+    base = torch.cat([base, -base])
+    for byte in (8, 9, 20, 119, 127, 140, 217):  # `_grid_round`'s range; the callers fall back outside it
+        x = base * scale_f32(torch.tensor(byte, dtype=torch.uint8))
+        b = torch.full(x.shape, byte, dtype=torch.int32)
+        want = encode_payload(x, b.to(torch.uint8)).float() * scale_f32(b.to(torch.uint8))
+        n = triton.next_power_of_2(x.numel())
+        xp, bp = torch.zeros(n), torch.full((n,), byte, dtype=torch.int32)
+        xp[: x.numel()] = x
+        out = torch.empty(n)
+        xp, bp, out = xp.to(DEV), bp.to(DEV), out.to(DEV)
+        _grid_round_kernel[(1,)](xp, bp, out, N=n)
+        assert torch.equal(out[: x.numel()].cpu(), want), byte
+    # blocks across 60 decades, all-zero blocks, and (one run each) a tiny block (byte < 8), a NaN, a huge
+    # value: the last three take the conversion path for the whole tile
+    x = torch.randn(64, 64) * torch.logspace(-30, 30, 64)[:, None]
+    x[:32, 32:] = 0.0
+    for special in (None, (1e-38, 0.0), (float("nan"), 0.0), (1e35, 0.0)):
+        xs = x.clone()
+        if special is not None:
+            xs[40:, :32] *= 1e-30  # (rows 40.. are large; this keeps them finite)
+            xs[5, 7], xs[6, 7] = special
+        xd = xs.to(DEV)
+        for square in (True, False):
+            out = torch.empty_like(xd)
+            _block_round_kernel[(1,)](xd, out, R=64, C=64, SQUARE=square)
+            want = dequantize(quantize_reference(xs, block="square") if square else quantize_reference(xs, axis=1))
+            assert torch.equal(out.cpu().nan_to_num(7.0), want.nan_to_num(7.0)), (special, square)
 
 
 # ----------------------------------------------------------------------------- autograd, custom op, compile
@@ -352,7 +426,7 @@ def test_autograd_matches_kernels_and_accuracy_table(capsys):
     rows = []
     for outliers in (False, True):
         x = [randn(t, 2, 64, dtype=torch.float32, outliers=outliers) for _ in range(3)]
-        do = torch.randn(t, 2, 64)
+        do = torch.randn(t, 2, 64).to(DEV)
         xr = [a.clone().requires_grad_() for a in x]
         o32 = jagged_attention(*xr, offs, causal=True, precision="fp32", backend="reference")
         o32.backward(do)
@@ -387,8 +461,8 @@ def test_autograd_matches_kernels_and_accuracy_table(capsys):
 def test_custom_op_registration():
     offs = offsets_of([20, 13])
     q, k, v = (randn(33, 1, 64) for _ in range(3))
-    args = (q, k, v, offs, offs, True, False, "mxfp8", 0.125, "const_p", "producer", False, "fp32", 1.0,
-            [64, 32, 1, 1], [32, 64, 1, 1])
+    args = (q, k, v, offs, offs, True, False, "mxfp8", 0.125, "const_p", "producer", False, True, "split", "fp32",
+            1.0, [64, 32, 1, 1], [32, 64, 1, 1], [])
     torch.library.opcheck(torch.ops.gem_lp.jagged_attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -406,6 +480,7 @@ def test_torch_compile_fullgraph():
         return o.float().square().sum()
 
     x = randn(t, 1, 64).squeeze(1)
+    w = w.to(DEV)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
     le, lc = block(xe), compiled(xc)
