@@ -11,6 +11,9 @@ NaN or Inf shows up as an exponent field of 255, so no NaN can hide from a float
 * payload = `x * 2^(127 - byte)` in FP32 (exact: a power-of-two scaling), saturated to +-448 and
   rounded to nearest-even E4M3; -0 stays 0x80.
 * dequantize: `fp32(payload) * 2^(byte - 127)`, exact in FP32 for every byte; byte 255 -> NaN.
+
+One edge of the rules: under `rceil`, a block whose max is at least 248 * 2^120 (within 3% of FP32's largest
+value) gets byte 247 and a payload that rounds up to 256, and 256 * 2^120 = 2^128 dequantizes to inf.
 """
 from __future__ import annotations
 
