@@ -11,6 +11,16 @@ import triton.language as tl
 
 
 @triton.jit
+def exact_f32(x):
+    """FP32 of a float tensor, exactly. bf16 is widened by its bits (<< 16): Triton's interpreter flushes
+    bf16 subnormals to 0 in `.to(tl.float32)`, the GPU does not; the bit form is exact on both (and is
+    what the hardware conversion does anyway). fp16 and fp32 convert as usual."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def abs_bits(x):
     """|x| of an FP32 tensor as int32 bits: ordered like |x|, NaN/Inf >= 0x7F800000."""
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF

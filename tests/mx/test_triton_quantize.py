@@ -25,7 +25,19 @@ KS = (32, 64, 96, 160)
 # NaN/Inf inputs make numpy (the interpreter) warn about the invalid products it is asked to compute.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
-TILES = ((64, 64), (32, 32), (32, 128), (128, 64))
+# Launch configurations (tile, thread strips): each moves the work between lanes and registers
+# differently; thread_rows > 1 with M even takes the paired colwise store.
+TILES = (
+    dict(block_m=64, block_k=64, thread_rows=4),
+    dict(block_m=32, block_k=32, thread_rows=1, row_blocks_in_thread=True),
+    dict(block_m=32, block_k=128, thread_rows=16),
+    dict(block_m=128, block_k=64, thread_rows=8, row_blocks_in_thread=True),
+    dict(block_m=64, block_k=32, thread_rows=32),
+)
+
+
+def tile_id(tile: dict) -> str:
+    return f"{tile['block_m']}x{tile['block_k']}r{tile['thread_rows']}" + ("b" if tile.get("row_blocks_in_thread") else "")
 
 # log2 of the magnitudes drawn per dtype: 1e-30..1e30 where the dtype holds it, fp16's own range otherwise
 _LOG2_RANGE = {torch.float32: (-100.0, 100.0), torch.bfloat16: (-100.0, 100.0), torch.float16: (-24.0, 14.9)}
@@ -115,9 +127,9 @@ def expected_casts(x, scaling, *, rowwise, colwise, square, blocked):
     return out
 
 
-def check_cast(x, scaling, *, rowwise, colwise, square, blocked, tile=(None, None), tag=""):
+def check_cast(x, scaling, *, rowwise, colwise, square, blocked, tile=None, tag="", **options):
     outs = mx_cast_2d(x, rowwise=rowwise, colwise=colwise, square=square, scaling=scaling,
-                      blocked_scales=blocked, block_m=tile[0], block_k=tile[1])
+                      blocked_scales=blocked, **(tile or {}), **options)
     exp = expected_casts(x, scaling, rowwise=rowwise, colwise=colwise, square=square, blocked=blocked)
     names = [n for flag, pair in ((rowwise, ("row payload", "row scale")), (colwise, ("col payload", "col scale")),
                                   (square, ("square payload", "square scale"))) if flag for n in pair]
@@ -134,7 +146,7 @@ CASES = [(M, K, COMBOS[(5 * i + j) % len(COMBOS)], TILES[(i + j) % len(TILES)], 
 
 
 @pytest.mark.parametrize("M,K,combo,tile,seed", CASES,
-                         ids=[f"{c[0]}x{c[1]}-{c[2][0]}-{c[2][1]}-{'blk' if c[2][2] else 'plain'}-{c[3][0]}x{c[3][1]}"
+                         ids=[f"{c[0]}x{c[1]}-{c[2][0]}-{c[2][1]}-{'blk' if c[2][2] else 'plain'}-{tile_id(c[3])}"
                               for c in CASES])
 def test_dual_and_square_match_reference(M, K, combo, tile, seed):
     dtype, scaling, blocked = combo
@@ -305,32 +317,43 @@ def test_torch_compile_fullgraph():
 
 
 _HOPPER_COMPILE = """
-import re, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from gem_lp.mx.triton_quantize import _mx_cast_2d_kernel
-ptrs = ("row_data_ptr", "row_scale_ptr", "col_data_ptr", "col_scale_ptr", "sq_data_ptr", "sq_scale_ptr")
-flags = ("BLOCK_M", "BLOCK_K", "ROWWISE", "COLWISE", "SQUARE", "BLOCKED_SCALES", "RCEIL", "HW_CAST",
-         "LARGE_OFFSETS")
-sig = dict(x_ptr="*bf16", stride_xm="i32", stride_xk="constexpr", M="i32", K="i32",
-           **{n: "*u8" for n in ptrs}, **{n: "constexpr" for n in flags})
-for large in (False, True):
-    consts = dict(stride_xk=1, BLOCK_M=64, BLOCK_K=64, ROWWISE=True, COLWISE=True, SQUARE=True,
-                  BLOCKED_SCALES=True, RCEIL=True, HW_CAST=True, LARGE_OFFSETS=large)
-    kernel = triton.compile(ASTSource(_mx_cast_2d_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4))
-    print("hw cvt:", len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", kernel.asm["ptx"])))
+import json, torch
+from gem_lp.mx.triton_quantize import (DEFAULT_CONFIGS, CastConfig, _mx_cast_2d_kernel, cast_2d_launch,
+                                       compile_for_target, output_specs, ptxas_usage)
+FLAGS = dict(rowwise=(True, False, False), colwise=(False, True, False), dual=(True, True, False),
+             square=(False, False, True), all=(True, True, True))
+builds = [(mode, DEFAULT_CONFIGS[mode], 4096, 2048) for mode in ("rowwise", "colwise", "dual", "square")]
+builds += [("all", CastConfig(64, 64, 2, 8), 4000, 2016),  # partial tiles, masks
+           ("dual", CastConfig(32, 32, 1, 1, True), 1001, 96)]  # odd M: colwise without pairs
+for mode, config, M, K in builds:
+    x = torch.empty(M, K, dtype=torch.bfloat16)
+    flags = FLAGS[mode]
+    outs = [torch.empty(shape, dtype=dtype) for shape, dtype, _ in output_specs(M, K, *flags, True)]
+    grid, args, kwargs = cast_2d_launch(x, outs, *flags, True, True, config, True)
+    ptx = compile_for_target(_mx_cast_2d_kernel, args, kwargs).asm["ptx"]
+    regs, spills = ptxas_usage(ptx)
+    print(json.dumps(dict(mode=mode, config=list(config), M=M, regs=regs, spills=spills,
+                          cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"), st_v4=ptx.count("st.global.v4"),
+                          ld_v4=ptx.count("ld.global.v4"))))
 """
 
 
 def test_kernel_compiles_for_hopper_with_hardware_cast():
-    """The CUDA build (sm_90, no GPU needed) of the dual+square kernel uses the hardware E4M3 conversion."""
+    """The CUDA builds (sm_90, no GPU needed) of the default launch configurations and of the masked and
+    odd-M paths: hardware E4M3 conversion, 16-byte loads, no register spills, and 16-byte stores of the
+    transposed colwise payload (the thread strips at work)."""
+    import json
+
     env = dict(os.environ, TRITON_INTERPRET="0")  # a compiled, not interpreted, kernel object
     done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    n_cvt = [int(n) for n in re.findall(r"hw cvt: (\d+)", done.stdout)]
-    assert len(n_cvt) == 2 and min(n_cvt) > 0, done.stdout
+    builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(builds) == 6, done.stdout
+    for b in builds:
+        assert b["cvt"] > 0 and b["ld_v4"] > 0 and b["spills"] == 0, b
+        if b["mode"] in ("colwise", "dual") and b["M"] == 4096:
+            assert b["st_v4"] > 0, b
 
 
 # ----------------------------------------------------------------------------- GPU
