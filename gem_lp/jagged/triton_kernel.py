@@ -1,12 +1,20 @@
 """One-launch Triton kernel for jagged MX quantization, registered as the custom op `gem_lp::jagged_mx_quantize`.
 
-Grid: Tp/128 padded-row tiles x H heads (flattened, heads fastest). A tile belongs to one sequence (each
-sequence's scale rows are padded to a multiple of 128); the layout finds it on device (`torch.searchsorted`
-on `scale_offsets`). Each program reads its tile's `[128, D]` values of one head once (rows past the
-sequence's end masked to 0, so their blocks get scale byte 0 under both rules), in chunks of CHUNK_D
-features, and for every requested orientation stores the payload at the packed token positions and every
-scale byte of its 128 padded rows (hdim form) and of its 4 token-block columns (seq form), padding bytes
-included: the scale buffers need no zero-fill.
+Grid: Tp/ROWS chunks of ROWS padded rows (32, 64 or 128) x H heads, flattened with heads fastest, so that
+programs running together read the neighbouring bytes of the same tokens. A chunk lies inside one 128-row
+tile, which belongs to one sequence (each sequence's scale rows are padded to a multiple of 128); the
+layout finds it on device (`torch.searchsorted` on `scale_offsets`). Each program reads its chunk's
+`[ROWS, D]` values of one head once (rows past the sequence's end masked to 0, so their blocks get scale
+byte 0 under both rules), CHUNK_D features at a time, and for every requested orientation stores the
+payload at the packed token positions and every scale byte of its rows (hdim form) and of its 32-token
+blocks (seq form), padding bytes included: the scale buffers need no zero-fill. A chunk wholly past its
+sequence's end (the padding of the last tile) only writes its zero scale bytes.
+
+The seq payload sits at the same `[T, H, D]` positions as the input: only the direction of the block max
+differs from hdim. Each thread owns THREAD_ROWS consecutive tokens x 8 consecutive features (the strip
+layout of `gem_lp.mx.triton_quantize`), so the 32-token max is mostly a max inside the thread, and both
+payloads leave as 8-byte rows with no layout change. With `row_blocks_in_thread` a thread holds whole
+32-feature blocks instead (the hdim-only cast).
 """
 from __future__ import annotations
 
@@ -16,8 +24,33 @@ import triton.language as tl
 
 from ..backend import interpreter_enabled
 from ..mx.formats import PAYLOAD_DTYPE
-from ..mx.triton_numerics import abs_bits, encode, scale_byte
+from ..mx.triton_numerics import abs_bits, exact_f32
+from ..mx.triton_quantize import (_max_cols_of_blocks, _max_rows_of_blocks, _tile_axes, block_payload,
+                                  block_scale)
 from .tensor import JaggedMXTensor, scale_sizes
+
+# Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
+# (instructions per element, registers without spills); `benchmarks/bench_jagged.py` times them against
+# alternatives on the GPU.
+DEFAULT_LAUNCH = {
+    "hdim": dict(rows=64, thread_rows=1, row_blocks_in_thread=True, num_warps=4),
+    "square": dict(rows=64, thread_rows=2, row_blocks_in_thread=True, num_warps=2),
+    "seq": dict(rows=64, thread_rows=16, row_blocks_in_thread=False, num_warps=2),  # any set with seq
+}
+# The tuning space (D = 128): launch options `benchmarks/bench_jagged.py` times and the GPU tests run,
+# as (rows, thread_rows, row_blocks_in_thread, num_warps); all spill-free on sm_90. A launch keeps its
+# strips in registers when 4 * (32 / thread_rows) * (chunk_d / 32) * (rows / 32) >= 32 * num_warps
+# (row_blocks_in_thread: without the factor 4).
+CANDIDATE_LAUNCHES = {
+    "hdim+seq": ((64, 16, False, 2), (128, 16, False, 4), (32, 16, False, 1), (32, 8, False, 2), (64, 8, False, 4),
+                 (128, 8, False, 8)),
+    "hdim": ((64, 1, True, 4), (32, 1, True, 2), (128, 1, True, 8), (64, 2, True, 2)),
+    "square": ((64, 2, True, 2), (64, 1, True, 4), (64, 16, False, 2)),
+}
+# Under the interpreter the cost is per program and per op: few, large programs.
+INTERPRETER_LAUNCH = dict(rows=128, thread_rows=4, row_blocks_in_thread=False, num_warps=1)
+# Offsets inside a chunk at or above this need int64 arithmetic.
+_INT32_SPAN = 2**31
 
 
 @triton.jit
@@ -33,105 +66,123 @@ def _seq_scale_offset(feature, tile, j, num_tiles):
 
 
 @triton.jit
-def _to_f32(x):
-    """Exact FP32 of a loaded tile. bf16 is widened by its bits (<< 16): Triton's interpreter flushes
-    bf16 subnormals to 0 in `.to(tl.float32)`, the GPU does not; the bit form is exact on both."""
-    if x.dtype == tl.bfloat16:
-        bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _jagged_mx_kernel(
     x_ptr, offsets_ptr, scale_offsets_ptr, tile_seq_ptr,
     p_hdim_ptr, p_seq_ptr, p_square_ptr,
     s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
     stride_t, stride_h, stride_d,
     num_tiles, hdim_head_bytes, seq_head_bytes,
-    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    ROW_BLOCKS_IN_THREAD: tl.constexpr,
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
-    RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
+    RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
 ):
-    # heads fastest: programs running together read neighbouring bytes of the same tokens
     pid = tl.program_id(0)
-    tile = (pid // H).to(tl.int64)
+    chunk = pid // H
     h = pid % H
     NC: tl.constexpr = D // 32  # hdim-form scale columns
     N_COL_BLOCKS: tl.constexpr = (NC + 3) // 4
-    CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per chunk
-    NB: tl.constexpr = ROWS // 32  # 32-token blocks per step
+    CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per feature chunk
+    NB: tl.constexpr = ROWS // 32  # 32-token blocks per program
 
+    row0 = chunk * ROWS  # first padded scale row of this program
+    tile = row0 // 128
     b = tl.load(tile_seq_ptr + tile)
     seq_start = tl.load(offsets_ptr + b).to(tl.int64)
     seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    row0 = tile * 128
-    tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))  # first packed token of this tile
-    i = tl.arange(0, ROWS)
+    tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))  # packed token of row0
+    n_valid = seq_end - tok0  # tokens of the sequence in this chunk (<= 0: a chunk of padding rows)
     hdim_base = h.to(tl.int64) * hdim_head_bytes
     seq_base = h.to(tl.int64) * seq_head_bytes
 
-    # ROWS tokens (whole 32-token blocks) x CHUNK_D features per step: few registers on the GPU
-    for step in range(128 // ROWS):
-        tok = tok0 + step * ROWS + i
-        valid = tok < seq_end
-        rows = row0 + step * ROWS + i  # padded scale rows of this step
-        jb = step * NB + tl.arange(0, NB)  # its 32-token blocks within the tile (seq-form columns 4*tile + jb)
-        x_row = x_ptr + tok * stride_t + h * stride_h
-        p_row = (tok * H + h) * D
+    # token t = mb * 32 + c * THREAD_ROWS + r of the chunk, feature f = cb * 32 + g * 8 + e of a feature chunk
+    g, c, cb, mb, r, e = _tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    t = mb * 32 + c * THREAD_ROWS + r
+    f_in = cb * 32 + g * 8 + e
+    valid = t < n_valid
+    rows = row0 + t  # padded scale rows (hdim form)
+    jb = (row0 % 128) // 32 + mb  # 32-token blocks within the tile (seq-form columns 4 * tile + jb)
+    if LARGE_OFFSETS:  # some offset inside a chunk reaches 2^31
+        t = t.to(tl.int64)
+        f_in = f_in.to(tl.int64)
+    x_chunk = x_ptr + tok0 * stride_t + h.to(tl.int64) * stride_h
+    p_chunk = (tok0 * H + h) * D
+
+    if n_valid > 0:
         for ci in tl.static_range(D // CHUNK_D):
-            d = ci * CHUNK_D + tl.arange(0, CHUNK_D)
-            x = _to_f32(tl.load(x_row[:, None] + d[None, :] * stride_d, mask=valid[:, None], other=0.0))
+            f = ci * CHUNK_D + f_in
+            x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d, mask=valid, other=0.0))
             a = abs_bits(x)  # integer max: NaN/Inf cannot hide
-            p_off = p_row[:, None] + d[None, :]
-            c = ci * CB + tl.arange(0, CB)  # hdim-form scale columns of this chunk
-            hdim_off = _hdim_scale_offset(rows[:, None], c[None, :], N_COL_BLOCKS)  # [ROWS, CB]
-            seq_off = _seq_scale_offset(d[None, :], tile, jb[:, None], num_tiles)  # [NB, CHUNK_D]
-            if DO_HDIM:  # 1x32 along D
-                byte = scale_byte(tl.max(tl.reshape(a, [ROWS, CB, 32]), axis=2), RCEIL)  # [ROWS, CB]
-                q = encode(tl.reshape(x, [ROWS, CB, 32]), byte[:, :, None], HW_CAST)
-                tl.store(p_hdim_ptr + p_off, tl.reshape(q, [ROWS, CHUNK_D]), mask=valid[:, None])
-                tl.store(s_hdim_ptr + hdim_base + hdim_off, byte.to(tl.uint8))
+            p_off = p_chunk + t * (H * D) + f
+            col = ci * CB + cb  # hdim-form scale columns of this feature chunk
+            if DO_HDIM or DO_SQUARE:
+                hdim_amax = _max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
+            if DO_HDIM:
+                byte = block_scale(hdim_amax, RCEIL)
+                tl.store(p_hdim_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                tl.store(s_hdim_ptr + hdim_base + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
             if DO_SEQ:  # 32x1 along tokens
-                byte = scale_byte(tl.max(tl.reshape(a, [NB, 32, CHUNK_D]), axis=1), RCEIL)  # [NB, CHUNK_D]
-                q = encode(tl.reshape(x, [NB, 32, CHUNK_D]), byte[:, None, :], HW_CAST)
-                tl.store(p_seq_ptr + p_off, tl.reshape(q, [ROWS, CHUNK_D]), mask=valid[:, None])
-                tl.store(s_seq_ptr + seq_base + seq_off, byte.to(tl.uint8))
+                byte = block_scale(_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+                tl.store(p_seq_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                tl.store(s_seq_ptr + seq_base + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+                         byte.to(tl.uint8))
             if DO_SQUARE:  # 32x32
-                amax = tl.max(tl.max(tl.reshape(a, [NB, 32, CB, 32]), axis=3), axis=1)  # [NB, CB]
-                byte = scale_byte(amax, RCEIL)
-                q = encode(tl.reshape(x, [NB, 32, CB, 32]), byte[:, None, :, None], HW_CAST)
-                tl.store(p_square_ptr + p_off, tl.reshape(q, [ROWS, CHUNK_D]), mask=valid[:, None])
-                on_rows = tl.reshape(tl.broadcast_to(byte[:, None, :], [NB, 32, CB]), [ROWS, CB])
-                on_rows = tl.where(valid[:, None], on_rows, 0)  # rows past the sequence: padding, 0
-                tl.store(s_sq_hdim_ptr + hdim_base + hdim_off, on_rows.to(tl.uint8))
-                on_features = tl.reshape(tl.broadcast_to(byte[:, :, None], [NB, CB, 32]), [NB, CHUNK_D])
-                tl.store(s_sq_seq_ptr + seq_base + seq_off, on_features.to(tl.uint8))
+                byte = block_scale(_max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
+                tl.store(p_square_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                # the hdim form repeats the byte on each real token row (padding rows: 0), the seq form
+                # on each of the block's 32 features
+                on_rows = tl.where(valid, byte, 0)
+                tl.store(s_sq_hdim_ptr + hdim_base + _hdim_scale_offset(rows, col, N_COL_BLOCKS),
+                         on_rows.to(tl.uint8))
+                tl.store(s_sq_seq_ptr + seq_base + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+                         byte.to(tl.uint8))  # broadcast over the block's features
+    else:  # padding rows only: every scale byte of the chunk is 0
+        for ci in tl.static_range(D // CHUNK_D):
+            col = ci * CB + cb
+            hdim_off = hdim_base + _hdim_scale_offset(rows, col, N_COL_BLOCKS)  # every (row, column) pair
+            seq_off = seq_base + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles)  # (feature, block)
+            if DO_HDIM:
+                tl.store(s_hdim_ptr + hdim_off, tl.zeros(hdim_off.shape, tl.uint8))
+            if DO_SEQ:
+                tl.store(s_seq_ptr + seq_off, tl.zeros(seq_off.shape, tl.uint8))
+            if DO_SQUARE:
+                tl.store(s_sq_hdim_ptr + hdim_off, tl.zeros(hdim_off.shape, tl.uint8))
+                tl.store(s_sq_seq_ptr + seq_off, tl.zeros(seq_off.shape, tl.uint8))
 
     # padding columns of the hdim form (D/32 not a multiple of 4): zeros in the last column block
-    r = tl.arange(0, 128)
+    i = tl.arange(0, ROWS)
     j = tl.arange(0, 4)
     if NC % 4 != 0:
         if DO_HDIM or DO_SQUARE:
-            c = (N_COL_BLOCKS - 1) * 4 + j
-            off = _hdim_scale_offset(row0 + r[:, None], c[None, :], N_COL_BLOCKS)
-            pad = (c[None, :] >= NC) & (r[:, None] >= 0)
-            zero = tl.zeros([128, 4], dtype=tl.uint8)
+            pc = (N_COL_BLOCKS - 1) * 4 + j
+            off = hdim_base + _hdim_scale_offset(row0 + i[:, None], pc[None, :], N_COL_BLOCKS)
+            pad = (pc[None, :] >= NC) & (i[:, None] >= 0)
+            zero = tl.zeros([ROWS, 4], dtype=tl.uint8)
             if DO_HDIM:
-                tl.store(s_hdim_ptr + hdim_base + off, zero, mask=pad)
+                tl.store(s_hdim_ptr + off, zero, mask=pad)
             if DO_SQUARE:
-                tl.store(s_sq_hdim_ptr + hdim_base + off, zero, mask=pad)
+                tl.store(s_sq_hdim_ptr + off, zero, mask=pad)
     # padding rows of the seq form (D not a multiple of 128): zeros in the last row block
     if D % 128 != 0:
         if DO_SEQ or DO_SQUARE:
-            f = ((D + 127) // 128 - 1) * 128 + r
-            off = _seq_scale_offset(f[None, :], tile, j[:, None], num_tiles)  # [4, 128]
-            pad = (f[None, :] >= D) & (j[:, None] >= 0)
-            zero = tl.zeros([4, 128], dtype=tl.uint8)
+            fp = ((D + 127) // 128 - 1) * 128 + tl.arange(0, 128)
+            jp = (row0 % 128) // 32 + tl.arange(0, NB)
+            off = seq_base + _seq_scale_offset(fp[None, :], tile, jp[:, None], num_tiles)  # [NB, 128]
+            pad = (fp[None, :] >= D) & (jp[:, None] >= 0)
+            zero = tl.zeros([NB, 128], dtype=tl.uint8)
             if DO_SEQ:
-                tl.store(s_seq_ptr + seq_base + off, zero, mask=pad)
+                tl.store(s_seq_ptr + off, zero, mask=pad)
             if DO_SQUARE:
-                tl.store(s_sq_seq_ptr + seq_base + off, zero, mask=pad)
+                tl.store(s_sq_seq_ptr + off, zero, mask=pad)
+
+
+def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> dict:
+    """Launch options used when the caller gives none (see `launch`)."""
+    if interpreter_enabled() and not on_cuda:
+        return INTERPRETER_LAUNCH
+    if "seq" in orientations or ("hdim" in orientations and "square" in orientations):
+        return DEFAULT_LAUNCH["seq"]
+    return DEFAULT_LAUNCH["hdim" if "hdim" in orientations else "square"]
 
 
 def chunk_width(head_dim: int) -> int:
@@ -139,10 +190,57 @@ def chunk_width(head_dim: int) -> int:
     return next(w for w in (128, 64, 32) if head_dim % w == 0)
 
 
+def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
+                tile_seq: torch.Tensor, padded_total: int, payloads: dict[str, torch.Tensor],
+                scales: dict[str, torch.Tensor], rceil: bool, *,
+                chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
+                row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
+                hw_cast: bool | None = None):
+    """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA)."""
+    t, heads, d = values.shape
+    hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
+    dummy = torch.empty(1, dtype=torch.uint8, device=values.device)
+
+    def u8(x: torch.Tensor | None) -> torch.Tensor:
+        return dummy if x is None else x.view(torch.uint8)
+
+    chunk_d = chunk_width(d) if chunk_d is None else chunk_d
+    if chunk_d % 32 or d % chunk_d or chunk_d & (chunk_d - 1):
+        raise ValueError(f"chunk_d must be a power-of-two multiple of 32 dividing D = {d}, got {chunk_d}")
+    base = default_launch(tuple(payloads), values.is_cuda)
+    rows = base["rows"] if rows is None else rows
+    thread_rows = base["thread_rows"] if thread_rows is None else thread_rows
+    row_blocks_in_thread = base["row_blocks_in_thread"] if row_blocks_in_thread is None else row_blocks_in_thread
+    num_warps = base["num_warps"] if num_warps is None else num_warps
+    if rows not in (32, 64, 128):
+        raise ValueError(f"rows must be 32, 64 or 128, got {rows}")
+    if thread_rows not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"thread_rows must be 1, 2, 4, 8, 16 or 32, got {thread_rows}")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps}")
+    # Largest offset inside one chunk: its tokens' input rows, or its payload rows (H * D bytes each).
+    span = rows * (abs(values.stride(0)) + heads * d) + d * abs(values.stride(2))
+    grid = (padded_total // rows * heads,)
+    args = (values, offsets, scale_offsets, tile_seq,
+            u8(payloads.get("hdim")), u8(payloads.get("seq")), u8(payloads.get("square")),
+            u8(scales.get("hdim")), u8(scales.get("seq")), u8(scales.get("square_hdim")), u8(scales.get("square_seq")),
+            values.stride(0), values.stride(1), values.stride(2),
+            padded_total // 128, hdim_bytes, seq_bytes)
+    kwargs = dict(
+        H=heads, D=d, CHUNK_D=chunk_d, ROWS=rows, THREAD_ROWS=thread_rows,
+        ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
+        DO_HDIM="hdim" in payloads, DO_SEQ="seq" in payloads, DO_SQUARE="square" in payloads,
+        RCEIL=rceil, HW_CAST=values.is_cuda if hw_cast is None else hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
+        num_warps=num_warps,
+    )
+    return grid, args, kwargs
+
+
 def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
            tile_seq: torch.Tensor, padded_total: int, payloads: dict[str, torch.Tensor],
            scales: dict[str, torch.Tensor], rceil: bool, *,
-           chunk_d: int | None = None, rows: int | None = None, num_warps: int = 4) -> None:
+           chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
+           row_blocks_in_thread: bool | None = None, num_warps: int | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -152,39 +250,18 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         payloads: orientation -> `[T, H, D]` float8_e4m3fn (contiguous) for each requested orientation.
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
-        chunk_d, rows, num_warps: launch tuning: features per step (a multiple of 32 dividing D; default
-            the largest of 128/64/32 dividing D), tokens per step (32, 64 or 128; default 32 on the GPU,
-            where it keeps registers low, 128 in the interpreter, where fewer steps run faster), warps
-            per program (default 4). The bytes written do not depend on them.
+        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps: launch tuning: features per inner
+            step (a power-of-two multiple of 32 dividing D; default the largest of 128/64/32 dividing D),
+            padded rows per program (32, 64 or 128), consecutive tokens per thread (1, 2, 4, 8, 16 or 32),
+            whole 32-feature blocks per thread, and warps per program; defaults in `default_launch`. The
+            bytes written do not depend on them.
     """
-    t, heads, d = values.shape
-    num_tiles = padded_total // 128
-    if num_tiles == 0:
+    if padded_total == 0:
         return
-    hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
-    dummy = torch.empty(1, dtype=torch.uint8, device=values.device)
-
-    def u8(x: torch.Tensor | None) -> torch.Tensor:
-        return dummy if x is None else x.view(torch.uint8)
-
-    chunk_d = chunk_width(d) if chunk_d is None else chunk_d
-    if chunk_d % 32 or d % chunk_d:
-        raise ValueError(f"chunk_d must be a multiple of 32 dividing D = {d}, got {chunk_d}")
-    rows = (128 if interpreter_enabled() and not values.is_cuda else 32) if rows is None else rows
-    if rows not in (32, 64, 128):
-        raise ValueError(f"rows must be 32, 64 or 128, got {rows}")
-    grid = (num_tiles * heads,)
-    _jagged_mx_kernel[grid](
-        values, offsets, scale_offsets, tile_seq,
-        u8(payloads.get("hdim")), u8(payloads.get("seq")), u8(payloads.get("square")),
-        u8(scales.get("hdim")), u8(scales.get("seq")), u8(scales.get("square_hdim")), u8(scales.get("square_seq")),
-        values.stride(0), values.stride(1), values.stride(2),
-        num_tiles, hdim_bytes, seq_bytes,
-        H=heads, D=d, CHUNK_D=chunk_d, ROWS=rows,
-        DO_HDIM="hdim" in payloads, DO_SEQ="seq" in payloads, DO_SQUARE="square" in payloads,
-        RCEIL=rceil, HW_CAST=values.is_cuda,
-        num_warps=num_warps,
-    )
+    grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
+                                     rceil, chunk_d=chunk_d, rows=rows, thread_rows=thread_rows,
+                                     row_blocks_in_thread=row_blocks_in_thread, num_warps=num_warps)
+    _jagged_mx_kernel[grid](*args, **kwargs)
 
 
 def _allocate(values: torch.Tensor, padded_total: int, hdim: bool, seq: bool, square: bool):

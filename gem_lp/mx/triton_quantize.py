@@ -65,7 +65,21 @@ DEFAULT_CONFIGS = {
     "rowwise": CastConfig(64, 128, 4, 1, True),
     "colwise": CastConfig(128, 64, 2, 16),
     "dual": CastConfig(128, 64, 2, 16),
-    "square": CastConfig(64, 128, 4, 8),
+    "square": CastConfig(64, 128, 4, 2, True),
+}
+# The tuning space: configurations `benchmarks/bench_quantize.py` times (each checked byte for byte) and
+# the GPU tests run. All are spill-free on sm_90; a config keeps its strips in registers when
+# 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps (with row_blocks_in_thread:
+# (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps).
+CANDIDATE_CONFIGS = {
+    "rowwise": (CastConfig(64, 128, 4, 1, True), CastConfig(32, 256, 4, 1, True), CastConfig(32, 128, 2, 1, True),
+                CastConfig(128, 128, 4, 2, True), CastConfig(64, 128, 4, 8)),
+    "colwise": (CastConfig(128, 64, 2, 16), CastConfig(128, 128, 4, 16), CastConfig(256, 64, 4, 16),
+                CastConfig(64, 64, 2, 8), CastConfig(128, 64, 4, 8)),
+    "dual": (CastConfig(128, 64, 2, 16), CastConfig(128, 128, 4, 16), CastConfig(64, 64, 1, 16),
+             CastConfig(128, 64, 4, 8), CastConfig(64, 128, 4, 8), CastConfig(128, 128, 8, 8)),
+    "square": (CastConfig(64, 128, 4, 2, True), CastConfig(32, 256, 4, 1, True), CastConfig(128, 128, 4, 4, True),
+               CastConfig(64, 128, 4, 8)),
 }
 # Under the interpreter the cost is per program and per op, not per byte: larger tiles run faster.
 INTERPRETER_CONFIG = CastConfig(64, 64, 1, 4)

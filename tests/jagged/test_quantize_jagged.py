@@ -72,22 +72,43 @@ def test_triton_other_dtype_scaling_pairs(mixed_batch, dtype, scaling):
     assert_same_bytes(ours, ref)
 
 
-@pytest.mark.parametrize("rows,chunk_d,num_warps", [(32, 32, 4), (64, 64, 8), (32, 128, 2)])
-def test_launch_options_give_the_same_bytes(mixed_batch, rows, chunk_d, num_warps):
-    """The GPU's default (32 tokens per step) and other tunings, in the interpreter (which defaults to 128)."""
+@pytest.mark.parametrize("rows,thread_rows,row_blocks,chunk_d,num_warps",
+                         [(32, 16, False, 32, 1), (64, 8, False, 64, 4), (128, 32, False, 128, 2),
+                          (32, 1, True, 128, 2), (64, 2, True, 64, 1)])
+def test_launch_options_give_the_same_bytes(mixed_batch, rows, thread_rows, row_blocks, chunk_d, num_warps):
+    """The GPU's launch shapes (rows per program, thread strips, feature chunks, warps) in the interpreter,
+    whose default is one 128-row program of 4-token strips. Programs past a sequence's end (rows=32, 64)
+    write only zero scales."""
     values, offsets = mixed_batch(1, 128, torch.bfloat16)
     layout = JaggedLayout.from_offsets(offsets, values)
-    ours, ref = triton_into_garbage(values, layout, "rceil", rows=rows, chunk_d=chunk_d, num_warps=num_warps)
+    ours, ref = triton_into_garbage(values, layout, "rceil", rows=rows, thread_rows=thread_rows,
+                                    row_blocks_in_thread=row_blocks, chunk_d=chunk_d, num_warps=num_warps)
+    assert_same_bytes(ours, ref)
+
+
+def test_int64_offsets_give_the_same_bytes(mixed_batch, monkeypatch):
+    """The int64 in-chunk offsets used for huge strides, forced on a small batch (D = 96: padding too)."""
+    import gem_lp.jagged.triton_kernel as tk
+
+    monkeypatch.setattr(tk, "_INT32_SPAN", 0)
+    values, offsets = mixed_batch(2, 96, torch.bfloat16)
+    ours, ref = triton_into_garbage(values, JaggedLayout.from_offsets(offsets, values), "floor", rows=64)
     assert_same_bytes(ours, ref)
 
 
 def test_launch_option_errors(mixed_batch):
     values, offsets = mixed_batch(1, 96)
     layout = JaggedLayout.from_offsets(offsets, values)
-    with pytest.raises(ValueError, match="chunk_d must be a multiple of 32 dividing D = 96, got 64"):
+    with pytest.raises(ValueError, match="chunk_d must be a power-of-two multiple of 32 dividing D = 96, got 64"):
         triton_into_garbage(values, layout, "rceil", chunk_d=64)
+    with pytest.raises(ValueError, match="chunk_d must be a power-of-two multiple of 32 dividing D = 96, got 96"):
+        triton_into_garbage(values, layout, "rceil", chunk_d=96)
     with pytest.raises(ValueError, match="rows must be 32, 64 or 128, got 16"):
         triton_into_garbage(values, layout, "rceil", rows=16)
+    with pytest.raises(ValueError, match="thread_rows must be 1, 2, 4, 8, 16 or 32, got 3"):
+        triton_into_garbage(values, layout, "rceil", thread_rows=3)
+    with pytest.raises(ValueError, match="num_warps must be a power of two >= 1, got 6"):
+        triton_into_garbage(values, layout, "rceil", num_warps=6)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -335,3 +356,49 @@ def test_composes_with_torch_compile(mixed_batch):
     want = quantize_jagged(values * 2.0, layout, ("hdim", "seq"), backend="reference")
     for g, w in zip(got, (want.payload_hdim, want.scale_hdim, want.payload_seq, want.scale_seq)):
         assert torch.equal(u8(g), u8(w))
+
+
+# --- the CUDA build (no GPU needed) -------------------------------------------------------------------
+
+_HOPPER_COMPILE = """
+import json, torch
+from gem_lp.jagged.tensor import scale_sizes
+from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
+from gem_lp.mx.formats import PAYLOAD_DTYPE
+from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+SETS = dict(hs=("hdim", "seq"), h=("hdim",), q=("square",), all=("hdim", "seq", "square"))
+for name, heads, dim in (("hs", 16, 128), ("h", 16, 128), ("q", 4, 128), ("all", 2, 96)):
+    t, tp = 1000, 1280
+    values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
+    offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
+    tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
+    hb, sb = scale_sizes(tp, dim)
+    payloads = {o: torch.empty(t, heads, dim, dtype=PAYLOAD_DTYPE) for o in SETS[name]}
+    scales = {s: torch.empty(heads, hb if s.endswith("hdim") else sb, dtype=torch.uint8)
+              for o in SETS[name] for s in ((o,) if o != "square" else ("square_hdim", "square_seq"))}
+    # the GPU's default launch options (no interpreter here), the hardware cast
+    grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales, True,
+                                     hw_cast=True)
+    ptx = compile_for_target(_jagged_mx_kernel, args, kwargs).asm["ptx"]
+    regs, spills = ptxas_usage(ptx)
+    print(json.dumps(dict(name=name, regs=regs, spills=spills, cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+                          ld_v4=ptx.count("ld.global.v4"))))
+"""
+
+
+def test_kernel_compiles_for_hopper():
+    """sm_90 builds of the default launches (hdim+seq, hdim, square; D = 96 with every padding path):
+    hardware E4M3 conversion, 16-byte loads, no register spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")  # a compiled, not interpreted, kernel object
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [b["name"] for b in builds] == ["hs", "h", "q", "all"], done.stdout
+    for b in builds:
+        assert b["cvt"] > 0 and b["ld_v4"] > 0 and b["spills"] == 0, b
