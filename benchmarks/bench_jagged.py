@@ -10,10 +10,14 @@ Rows per workload:
       permute: that favours the peer).
   "<W> hdim only": ours hdim only, and the peer that needs no padding: the compiled dense cast of the
       packed [T*H, D].
+  "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` (default first) for hdim+seq, hdim and square,
+      launch only, each checked byte for byte against the default launch (PASS/FAIL); the best is printed.
 TB/s is effective: bf16 read once + payloads + scales written (the useful bytes of ours; the padded peer
 is credited with the same useful bytes). Each row's info holds the bytes it moves and stores, the padding
 ratio B*Lmax/T and the speed-up over the peer. Bit-identity against the per-sequence reference is checked
 on a sample of sequences (PASS/FAIL printed). Run: python benchmarks/bench_jagged.py
+`python benchmarks/bench_jagged.py --compile-only` (no GPU needed) builds every launch for sm_90 as the GPU
+run would and prints its registers and spills; it fails if one does not build.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 from benchmarks.common import Bench, lognormal_lengths, offsets_of
 from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import launch
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, default_launch, launch
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
 from gem_lp.mx.layout import from_blocked
 from gem_lp.mx.reference import quantize_reference
@@ -226,32 +230,82 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
             log(f"{name}: {label}: {row['speedup_vs_peer']:.2f}x the peer of its group "
                 f"(padding ratio {padding_ratio:.2f})")
 
-    if name == "A":
-        tune(bench, values, layout)
+    tune(bench, name, values, layout, padding_ratio)
     del values, ours
     torch.cuda.empty_cache()
 
 
-def tune(bench: Bench, values: torch.Tensor, layout: JaggedLayout) -> None:
-    """A few launch configurations of the hdim+seq kernel (default: 32 rows x 128 features, 4 warps)."""
+TUNED_SETS = {"hdim+seq": ("hdim", "seq"), "hdim": ("hdim",), "square": ("square",)}
+
+
+def allocate_outputs(values: torch.Tensor, layout: JaggedLayout, orientations: tuple[str, ...]):
     t, h, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
-    payloads = {o: torch.empty(t, h, d, dtype=PAYLOAD_DTYPE, device="cuda") for o in ("hdim", "seq")}
-    scales = {"hdim": torch.empty(h, hdim_bytes, dtype=torch.uint8, device="cuda"),
-              "seq": torch.empty(h, seq_bytes, dtype=torch.uint8, device="cuda")}
-    nb = useful_bytes(values, 2, h * (hdim_bytes + seq_bytes))
-    for rows, chunk_d, warps in [(32, 128, 4), (32, 128, 8), (32, 64, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8)]:
-        bench.time("A tuning hdim+seq (launch only)", f"rows={rows} chunk_d={chunk_d} num_warps={warps}",
-                   lambda r=rows, c=chunk_d, w=warps: launch(
-                       values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
-                       payloads, scales, True, rows=r, chunk_d=c, num_warps=w),
-                   nbytes=nb)
+    payloads = {o: torch.empty(t, h, d, dtype=PAYLOAD_DTYPE, device=values.device) for o in orientations}
+    names = [n for o in orientations for n in ((o,) if o != "square" else ("square_hdim", "square_seq"))]
+    scales = {n: torch.empty(h, hdim_bytes if n.endswith("hdim") else seq_bytes, dtype=torch.uint8,
+                             device=values.device) for n in names}
+    return payloads, scales
+
+
+def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, padding_ratio: float) -> None:
+    """Every launch of `CANDIDATE_LAUNCHES` (default first) per orientation set, launch only; each one's
+    bytes compared with the default launch's (checked against the reference above and, for every launch,
+    by the GPU tests): PASS/FAIL."""
+    t, h, d = values.shape
+    hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
+    scale_bytes = {"hdim+seq": h * (hdim_bytes + seq_bytes), "hdim": h * hdim_bytes,
+                   "square": h * (hdim_bytes + seq_bytes)}
+    for set_name, orients in TUNED_SETS.items():
+        group = f"{name} tuning {set_name}"
+        base = default_launch(orients, True)
+        default = (base["rows"], base["thread_rows"], base["row_blocks_in_thread"], base["num_warps"])
+        launches = [default] + [c for c in CANDIDATE_LAUNCHES[set_name] if c != default]
+        want_payloads, want_scales = allocate_outputs(values, layout, orients)
+        launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, want_payloads,
+               want_scales, True)
+        nb = useful_bytes(values, 1 if set_name != "hdim+seq" else 2, scale_bytes[set_name])
+        timed = []
+        for rows, thread_rows, row_blocks, warps in launches:
+            label = (f"rows={rows} thread_rows={thread_rows}{' row_blocks' if row_blocks else ''} num_warps={warps}"
+                     + (" (default)" if (rows, thread_rows, row_blocks, warps) == default else ""))
+            payloads, scales = allocate_outputs(values, layout, orients)
+
+            def run(rows=rows, thread_rows=thread_rows, row_blocks=row_blocks, warps=warps):
+                launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
+                       payloads, scales, True, rows=rows, thread_rows=thread_rows, row_blocks_in_thread=row_blocks,
+                       num_warps=warps)
+
+            try:
+                for out in (*payloads.values(), *scales.values()):
+                    out.view(torch.uint8).fill_(0xA5)  # every byte must be written
+                run()
+                ok = all(torch.equal(payloads[o].view(torch.uint8), want_payloads[o].view(torch.uint8))
+                         for o in payloads) and all(torch.equal(scales[n], want_scales[n]) for n in scales)
+            except Exception as e:
+                log(f"{group} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                bench.rows.append(dict(group=group, name=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            bench.extra.setdefault(f"{name}_launch_checks", {})[f"{set_name} {label}"] = ok
+            log(f"{group} {label}: bytes vs the default launch {'PASS' if ok else 'FAIL'}")
+            ms = bench.time(group, label, run, nbytes=nb, launch=[rows, thread_rows, row_blocks, warps],
+                            bit_identical=ok, padding_ratio=padding_ratio)
+            if ms is not None and ok:
+                timed.append((ms, label))
+            del payloads, scales
+        if timed:
+            ms, label = min(timed)
+            bench.extra.setdefault("best_launches", {})[group] = dict(launch=label, ms=ms)
+            log(f"{group}: best {label}: {ms:.4f} ms")
+        del want_payloads, want_scales
+        if values.is_cuda:
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
     bench = Bench("bench_jagged")
     if not torch.cuda.is_available():
-        print("bench_jagged needs a CUDA device", flush=True)
+        print("bench_jagged needs a CUDA device (or --compile-only)", flush=True)
         return
     torch.manual_seed(0)
     bench.copy_bandwidth()
@@ -264,8 +318,55 @@ def main() -> None:
         torch.cuda.empty_cache()
     verdicts = {k: v for k, v in bench.extra.items() if k.endswith("bit_identical")}
     log("bit-identity: " + ", ".join(f"{k}={'PASS' if v is True else 'FAIL'}" for k, v in verdicts.items()))
+    launch_checks = {f"{w} {k}": v for w in WORKLOADS for k, v in bench.extra.get(f"{w}_launch_checks", {}).items()}
+    n_fail = sum(not ok for ok in launch_checks.values())
+    log(f"launches vs the default launch: {len(launch_checks) - n_fail} PASS, {n_fail} FAIL"
+        + "".join(f"\n  FAIL {k}" for k, ok in launch_checks.items() if not ok))
+    for group, b in bench.extra.get("best_launches", {}).items():
+        log(f"best {group}: {b['launch']}  {b['ms']:.4f} ms")
     bench.finish()
 
 
+def compile_only() -> int:
+    """Build every launch the GPU run times, for each workload's (H, D), for sm_90 on this machine (no GPU)."""
+    from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
+    from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+
+    failed = 0
+    for name, cfg in WORKLOADS.items():
+        heads, dim = cfg["heads"], cfg["dim"]
+        t, tp = 1000, 1280  # the build depends on H, D and the launch options, not on the batch
+        values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
+        offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
+        tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
+        hdim_bytes, seq_bytes = scale_sizes(tp, dim)
+        for set_name, orients in TUNED_SETS.items():
+            payloads = {o: torch.empty(t, heads, dim, dtype=PAYLOAD_DTYPE) for o in orients}
+            names = [n for o in orients for n in ((o,) if o != "square" else ("square_hdim", "square_seq"))]
+            scales = {n: torch.empty(heads, hdim_bytes if n.endswith("hdim") else seq_bytes, dtype=torch.uint8)
+                      for n in names}
+            base = default_launch(orients, True)
+            default = (base["rows"], base["thread_rows"], base["row_blocks_in_thread"], base["num_warps"])
+            for rows, thread_rows, row_blocks, warps in [default] + [
+                    c for c in CANDIDATE_LAUNCHES[set_name] if c != default]:
+                label = f"{name} {set_name:8s} rows={rows} thread_rows={thread_rows} row_blocks={row_blocks} w{warps}"
+                try:
+                    grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales,
+                                                     True, rows=rows, thread_rows=thread_rows,
+                                                     row_blocks_in_thread=row_blocks, num_warps=warps, hw_cast=True)
+                    ptx = compile_for_target(_jagged_mx_kernel, args, kwargs).asm["ptx"]
+                    regs, spills = ptxas_usage(ptx)
+                except Exception as e:
+                    failed += 1
+                    print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                print(f"  {label}: registers {regs:3d}  spill bytes {spills}  16-byte loads "
+                      f"{ptx.count('ld.global.v4')}", flush=True)
+    print(f"sm_90 builds: {'all built' if not failed else f'{failed} FAILED'}")
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
+    if "--compile-only" in sys.argv[1:]:
+        sys.exit(compile_only())
     main()

@@ -3,12 +3,19 @@ compiled reference, with the copy ceiling of the same run.
 
 Run from the project root: `python -m benchmarks.bench_quantize` (JSON under $OUT, else ./.bench_out).
 Ours use `rceil`; torchao's `to_mx` uses its default FLOOR rule (the cost of a cast does not depend on it).
-Every variant of ours runs a few tile configurations (BLOCK_M, BLOCK_K, num_warps); the best is printed.
-Effective bytes = the bf16 input read once + every payload and scale byte written. Every output of ours
-is compared byte for byte with the reference (run on the GPU) on the benchmarked tensor: PASS/FAIL.
+Every variant of ours runs the launch configurations of `CANDIDATE_CONFIGS` on the first shape (the
+default first); later shapes run the default and the first shape's best. Effective bytes = the bf16 input
+read once + every payload and scale byte written. The input is randn with NaN, +-Inf, zeros and block
+maxima at the E4M3 boundary sprinkled in, and every output of ours is compared byte for byte with the
+reference (run on the GPU) on it: PASS/FAIL.
+
+`python -m benchmarks.bench_quantize --compile-only` (no GPU needed) builds every configuration for sm_90
+as the GPU run would and prints its registers, spills and vector loads/stores; it fails if one does not build.
 """
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 import traceback
@@ -20,17 +27,22 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
 
 from benchmarks.common import Bench  # noqa: E402
 from gem_lp.mx import quantize_reference, to_blocked  # noqa: E402
-from gem_lp.mx.triton_quantize import mx_cast_2d  # noqa: E402
+from gem_lp.mx.triton_quantize import (CANDIDATE_CONFIGS, DEFAULT_CONFIGS, CastConfig,  # noqa: E402
+                                       mx_cast_2d)
 
 SHAPES = ((65536, 2048), (32768, 4096))
 SCALING = "rceil"
-# (BLOCK_M, BLOCK_K, num_warps) tried per variant.
-CONFIGS = {
-    "rowwise": ((64, 128, 4), (32, 128, 4), (64, 128, 8), (32, 256, 4), (128, 128, 8), (32, 64, 2)),
-    "colwise": ((128, 64, 8), (64, 64, 4), (128, 64, 4), (128, 32, 4), (256, 64, 8), (128, 128, 8)),
-    "dual": ((128, 64, 8), (64, 64, 4), (128, 64, 4), (32, 128, 4), (128, 32, 4), (128, 128, 16)),
-    "square": ((64, 64, 4), (64, 128, 4), (128, 128, 8), (32, 256, 4)),
-}
+
+
+def configs_of(variant: str) -> list[CastConfig]:
+    """The default configuration first, then the other candidates."""
+    default = DEFAULT_CONFIGS[variant]
+    return [default] + [c for c in CANDIDATE_CONFIGS[variant] if c != default]
+
+
+def config_kwargs(config: CastConfig) -> dict:
+    bm, bk, nw, tr, rb = config
+    return dict(block_m=bm, block_k=bk, num_warps=nw, thread_rows=tr, row_blocks_in_thread=rb)
 FLAGS = {
     "rowwise": dict(rowwise=True, colwise=False, square=False, blocked_scales=True),
     "colwise": dict(rowwise=False, colwise=True, square=False, blocked_scales=True),
@@ -60,54 +72,60 @@ def same_bytes(outs, expected) -> bool:
         torch.equal(o.view(torch.uint8), e.view(torch.uint8)) for o, e in zip(outs, expected))
 
 
-def bench_ours(bench: Bench, x: torch.Tensor, tag: str, expected: dict, checks: dict, best: dict) -> None:
-    x_bytes = x.numel() * x.element_size()
-    for variant, configs in CONFIGS.items():
+def bench_config(bench: Bench, x: torch.Tensor, group: str, variant: str, config: CastConfig, expected: dict,
+                 checks: dict, *, hw_cast: bool | None = None) -> float | None:
+    """Check one configuration's bytes against the reference, then time it; None if it failed or differs."""
+    name = f"ours {variant} {config!r}" + ("" if hw_cast is None else f" HW_CAST={hw_cast}")
+
+    def run():
+        return mx_cast_2d(x, scaling=SCALING, hw_cast=hw_cast, **config_kwargs(config), **FLAGS[variant])
+
+    try:
+        outs = run()
+        ok = same_bytes(outs, expected[variant])
+        nbytes = x.numel() * x.element_size() + out_bytes(outs)
+        del outs
+    except Exception as e:
+        print(f"  [{group}] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        traceback.print_exc(limit=2)
+        bench.rows.append(dict(group=group, name=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        return None
+    checks[f"{group} {name}"] = ok
+    print(f"  [{group}] {name}: bytes vs reference {'PASS' if ok else 'FAIL'}", flush=True)
+    ms = bench.time(group, name, run, nbytes=nbytes, config=list(config), bit_identical=ok)
+    return ms if ok else None  # only a bit-identical configuration can be the best
+
+
+def bench_ours(bench: Bench, x: torch.Tensor, tag: str, expected: dict, checks: dict, best: dict,
+               sweep: dict[str, list[CastConfig]]) -> None:
+    for variant, configs in sweep.items():
         group = f"{tag} {variant}"
         timed = []
-        for bm, bk, nw in configs:
-            name = f"ours {variant} {bm}x{bk} w{nw}"
-
-            def run(bm=bm, bk=bk, nw=nw):
-                return mx_cast_2d(x, scaling=SCALING, block_m=bm, block_k=bk, num_warps=nw, **FLAGS[variant])
-
-            try:
-                outs = run()
-                ok = same_bytes(outs, expected[variant])
-                nbytes = x_bytes + out_bytes(outs)
-                del outs
-            except Exception as e:
-                print(f"  [{group}] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                traceback.print_exc(limit=2)
-                bench.rows.append(dict(group=group, name=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                continue
-            checks[f"{group} {name}"] = ok
-            print(f"  [{group}] {name}: bytes vs reference {'PASS' if ok else 'FAIL'}", flush=True)
-            ms = bench.time(group, name, run, nbytes=nbytes, config=(bm, bk, nw), bit_identical=ok)
-            if ms is not None and ok:  # only a bit-identical configuration can be the best
-                timed.append((ms, (bm, bk, nw)))
+        for config in configs:
+            ms = bench_config(bench, x, group, variant, config, expected, checks)
+            if ms is not None:
+                timed.append((ms, config))
         if timed:
             ms, cfg = min(timed)
-            best[group] = dict(config=cfg, ms=ms)
-            print(f"  [{group}] best config (BLOCK_M, BLOCK_K, num_warps) = {cfg}: {ms:.4f} ms", flush=True)
+            best[group] = dict(config=cfg, ms=ms, variant=variant)
+            print(f"  [{group}] best config {cfg!r}: {ms:.4f} ms", flush=True)
             if variant == "dual":  # the integer E4M3 rounding, once, for comparison with the hardware cast
-                bm, bk, nw = cfg
-                name = f"ours dual {bm}x{bk} w{nw} HW_CAST=False"
+                # on the best configuration whose integer build does not spill (thread_rows <= 8 on sm_90)
+                no_spill = [c for _, c in sorted(timed) if c[3] <= 8]
+                if no_spill:
+                    bench_config(bench, x, group, variant, no_spill[0], expected, checks, hw_cast=False)
 
-                def run_sw():
-                    return mx_cast_2d(x, scaling=SCALING, block_m=bm, block_k=bk, num_warps=nw, hw_cast=False,
-                                      **FLAGS["dual"])
 
-                try:
-                    ok = same_bytes(run_sw(), expected["dual"])
-                except Exception as e:
-                    print(f"  [{group}] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    bench.rows.append(dict(group=group, name=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                    continue
-                checks[f"{group} {name}"] = ok
-                print(f"  [{group}] {name}: bytes vs reference {'PASS' if ok else 'FAIL'}", flush=True)
-                bench.time(group, name, run_sw, nbytes=x_bytes + out_bytes(expected["dual"]), config=cfg,
-                           bit_identical=ok)
+def special_values(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """`x` with NaN, +-Inf, zeros and values at the E4M3 / scale boundaries at random positions, so the
+    byte check covers the non-finite and saturating paths of every configuration."""
+    g = torch.Generator(device=x.device).manual_seed(seed)
+    flat = x.view(-1)
+    idx = torch.randint(0, flat.numel(), (96,), device=x.device, generator=g)
+    specials = [math.nan, math.inf, -math.inf, 0.0, -0.0, 448.0, 480.0, -464.0, 2.0 ** -126, 3.0e38, 1e-40, -1.0]
+    for i, v in enumerate(specials):
+        flat[idx[8 * i:8 * i + 8]] = v
+    return x
 
 
 def bench_peer(bench: Bench, group: str, name: str, fn, x_bytes: int, **info) -> None:
@@ -173,12 +191,19 @@ def main(shapes=SHAPES, device: str = "cuda") -> None:
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
     best: dict[str, dict] = {}
-    for M, K in shapes:
+    for i, (M, K) in enumerate(shapes):
         tag = f"{M}x{K}"
         g = torch.Generator(device=device).manual_seed(M + K)
-        x = torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=g)
+        x = special_values(torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=g), M + K)
         expected = reference_outputs(x)
-        bench_ours(bench, x, tag, expected, checks, best)
+        if i == 0:  # the whole tuning space on the first shape
+            sweep = {v: configs_of(v) for v in FLAGS}
+        else:  # the default and the first shape's best
+            first = f"{shapes[0][0]}x{shapes[0][1]}"
+            sweep = {v: list(dict.fromkeys([DEFAULT_CONFIGS[v]] + ([best[f"{first} {v}"]["config"]]
+                                                                   if f"{first} {v}" in best else [])))
+                     for v in FLAGS}
+        bench_ours(bench, x, tag, expected, checks, best, sweep)
         del expected
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -186,17 +211,55 @@ def main(shapes=SHAPES, device: str = "cuda") -> None:
         del x
         if device == "cuda":
             torch.cuda.empty_cache()
-    bench.extra.update(best_configs={k: v["config"] for k, v in best.items()}, checks=checks)
-    print("\nbest tile configurations (BLOCK_M, BLOCK_K, num_warps):")
+    bench.extra.update(best_configs={k: list(v["config"]) for k, v in best.items()}, checks=checks,
+                       default_configs={k: list(v) for k, v in DEFAULT_CONFIGS.items()})
+    print("\nbest launch configurations (block_m x block_k, warps, thread_rows, row blocks in thread):")
     for group, b in best.items():
-        print(f"  {group:24s} {b['config']}  {b['ms']:.4f} ms")
+        is_default = b["config"] == DEFAULT_CONFIGS[b["variant"]]
+        print(f"  {group:24s} {b['config']!r:28s} {b['ms']:.4f} ms" + ("  (the default)" if is_default else ""))
     n_fail = sum(not ok for ok in checks.values())
     print(f"bit-identity vs reference: {len(checks) - n_fail} PASS, {n_fail} FAIL"
           + "".join(f"\n  FAIL {k}" for k, ok in checks.items() if not ok))
     bench.finish()
 
 
+def compile_only(shapes=SHAPES) -> int:
+    """Build every configuration the GPU run times for sm_90, on this machine (no GPU); 1 if one fails."""
+    from gem_lp.mx.triton_quantize import (_mx_cast_2d_kernel, cast_2d_launch, compile_for_target, output_specs,
+                                           ptxas_usage)
+
+    failed = 0
+    for M, K in shapes:
+        x = torch.empty(M, K, dtype=torch.bfloat16)
+        for variant, flags in FLAGS.items():
+            flag_tuple = (flags["rowwise"], flags["colwise"], flags["square"])
+            outs = [torch.empty(shape, dtype=dtype)
+                    for shape, dtype, _ in output_specs(M, K, *flag_tuple, flags["blocked_scales"])]
+            for hw_cast in (True, False) if variant == "dual" else (True,):
+                for config in configs_of(variant):
+                    grid, args, kwargs = cast_2d_launch(x, outs, *flag_tuple, flags["blocked_scales"], True, config,
+                                                        hw_cast)
+                    try:
+                        ptx = compile_for_target(_mx_cast_2d_kernel, args, kwargs).asm["ptx"]
+                        regs, spills = ptxas_usage(ptx)
+                    except Exception as e:
+                        failed += 1
+                        print(f"  {M}x{K} {variant} {config!r} hw_cast={hw_cast}: FAILED {type(e).__name__}: "
+                              f"{str(e)[:300]}", flush=True)
+                        continue
+                    print(f"  {M}x{K} {variant:8s} {config!r:26s} hw_cast={hw_cast!s:5s} registers {regs:3d}  "
+                          f"spill bytes {spills}  16-byte loads {ptx.count('ld.global.v4')}  16-byte stores "
+                          f"{ptx.count('st.global.v4')}", flush=True)
+    print(f"sm_90 builds: {'all built' if not failed else f'{failed} FAILED'}")
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true",
+                        help="build every configuration for sm_90 without a GPU (TRITON_INTERPRET must be unset)")
+    if parser.parse_args().compile_only:
+        sys.exit(compile_only())
     if not torch.cuda.is_available():
-        sys.exit("bench_quantize needs a CUDA device")
+        sys.exit("bench_quantize needs a CUDA device (or --compile-only)")
     main()

@@ -42,8 +42,7 @@ DEFAULT_LAUNCH = {
 # strips in registers when 4 * (32 / thread_rows) * (chunk_d / 32) * (rows / 32) >= 32 * num_warps
 # (row_blocks_in_thread: without the factor 4).
 CANDIDATE_LAUNCHES = {
-    "hdim+seq": ((64, 16, False, 2), (128, 16, False, 4), (32, 16, False, 1), (32, 8, False, 2), (64, 8, False, 4),
-                 (128, 8, False, 8)),
+    "hdim+seq": ((64, 16, False, 2), (128, 16, False, 4), (32, 8, False, 2), (64, 8, False, 4), (128, 8, False, 8)),
     "hdim": ((64, 1, True, 4), (32, 1, True, 2), (128, 1, True, 8), (64, 2, True, 2)),
     "square": ((64, 2, True, 2), (64, 1, True, 4), (64, 16, False, 2)),
 }

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gem_lp.mx import MXTensor, dequantize, quantize, quantize_dual, quantize_reference, to_blocked
-from gem_lp.mx.triton_quantize import mx_cast_2d
+from gem_lp.mx.triton_quantize import CANDIDATE_CONFIGS, mx_cast_2d
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -405,3 +405,22 @@ def test_gpu_hardware_and_integer_e4m3_rounding_agree():
             for out, ref in zip(outs, expected_casts(xs, "rceil", rowwise=True, colwise=True, square=False,
                                                      blocked=False)):
                 assert_same_bytes(out, ref, f"{dtype} hw_cast={hw_cast}")
+
+
+GPU_CONFIGS = [(variant, config) for variant, configs in CANDIDATE_CONFIGS.items() for config in configs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,config", GPU_CONFIGS, ids=[f"{v}-{c!r}".replace(" ", "_") for v, c in GPU_CONFIGS])
+def test_gpu_every_candidate_config_matches_reference(variant, config):
+    """Every configuration the benchmark times, with the hardware cast, on NaN/Inf/zero/480 inputs, even
+    and odd M (paired and byte-wise colwise stores), full and partial tiles."""
+    bm, bk, nw, tr, rb = config
+    flags = dict(rowwise=variant in ("rowwise", "dual"), colwise=variant in ("colwise", "dual"),
+                 square=variant == "square")
+    for M, K in ((4096, 2048), (1000, 480), (999, 96)):
+        if flags["square"] and M % 32:
+            continue
+        x = _gpu_input(M, K, seed=M + bm)
+        check_cast(x, "rceil", blocked=not flags["square"], tag=f"{variant} {config!r} {M}x{K}",
+                   block_m=bm, block_k=bk, num_warps=nw, thread_rows=tr, row_blocks_in_thread=rb, **flags)
