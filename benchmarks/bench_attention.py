@@ -195,9 +195,8 @@ def producer_pass_time(bench: Bench, group: str, q, k, v, offs) -> None:
     nbytes = 3 * q.numel() * (q.element_size() + 2)  # read the input, write the BF16 operand
 
     def run():
-        ta._operand(q, offs, ta.ORIENT_HDIM, hw_cast=True)
-        ta._operand(k, offs, ta.ORIENT_HDIM, hw_cast=True)
-        ta._operand(v, offs, ta.ORIENT_SEQ, hw_cast=True)
+        ta._operands([(q, offs, ta.ORIENT_HDIM, True), (k, offs, ta.ORIENT_HDIM, True),
+                      (v, offs, ta.ORIENT_SEQ, True)], hw_cast=True)
 
     with torch.no_grad():
         bench.time(f"{group} fwd", "ours mxfp8: producer pass alone (Q,K,V -> MX-exact bf16)", run, nbytes=nbytes)

@@ -279,46 +279,68 @@ def _round_p(p, BM: tl.constexpr, BN: tl.constexpr, P_QUANT: tl.constexpr, SQUAR
 
 
 @triton.jit
-def _operand_kernel(
-    x_ptr, out_ptr, o_ptr, delta_ptr, dlse_ptr,
-    blk_seq_ptr, offsets_ptr, blk_offsets_ptr, H,
-    D: tl.constexpr, HG: tl.constexpr, ORIENT: tl.constexpr, WRITE_OUT: tl.constexpr, DELTA: tl.constexpr,
-    HAS_DLSE: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
-):
+def _produce(x_ptr, out_ptr, o_ptr, delta_ptr, dlse_ptr, blk_seq_ptr, offsets_ptr, blk_offsets_ptr, blk, hh, H,
+             D: tl.constexpr, HG: tl.constexpr, ORIENT: tl.constexpr, WRITE_OUT: tl.constexpr,
+             DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
     """One 32-token block (aligned to its sequence's start) of HG heads: the MX-exact operand, and Δ."""
+    b = tl.load(blk_seq_ptr + blk)
+    if b >= 0:
+        end = tl.load(offsets_ptr + b + 1)
+        tok = tl.load(offsets_ptr + b) + (blk - tl.load(blk_offsets_ptr + b)) * 32 + tl.arange(0, 32)
+        valid = (tok < end)[:, None] & (hh < H)[None, :]  # [32, HG]
+        d = tl.arange(0, D)
+        off = (tok[:, None, None] * H + hh[None, :, None]) * D + d[None, None, :]  # [32, HG, D]
+        x = _to_f32(tl.load(x_ptr + off, mask=valid[:, :, None], other=0.0))
+        if WRITE_OUT:
+            if ORIENT == 1:  # hdim: 1x32 along D
+                xb = tl.reshape(x, [32, HG, D // 32, 32])
+                byte = scale_byte(tl.max(abs_bits(xb), axis=3), True)
+                y = tl.reshape(_mx_round(xb, byte[:, :, :, None], HW_CAST), [32, HG, D])
+            elif ORIENT == 2:  # seq: 32 tokens x 1 feature (padding rows are 0: they never raise the max)
+                byte = scale_byte(tl.max(abs_bits(x), axis=0), True)
+                y = _mx_round(x, byte[None, :, :], HW_CAST)
+            elif ORIENT == 3:  # square: 32 tokens x 32 features
+                xb = tl.reshape(x, [32, HG, D // 32, 32])
+                byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=3), axis=0), True)
+                y = tl.reshape(_mx_round(xb, byte[None, :, :, None], HW_CAST), [32, HG, D])
+            else:  # plain rounding to the operand dtype
+                y = x
+            tl.store(out_ptr + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid[:, :, None])
+        if DELTA:  # x is dO as given
+            o = _to_f32(tl.load(o_ptr + off, mask=valid[:, :, None], other=0.0))
+            delta = tl.sum(x * o, axis=2)
+            rows = tok[:, None] * H + hh[None, :]
+            if HAS_DLSE:
+                delta -= tl.load(dlse_ptr + rows, mask=valid, other=0.0)
+            tl.store(delta_ptr + rows, delta, mask=valid)
+
+
+@triton.jit
+def _operand_kernel(
+    x0, out0, seq0, offs0, boffs0, x1, out1, seq1, offs1, boffs1, x2, out2, seq2, offs2, boffs2,
+    x3, out3, seq3, offs3, boffs3, o_ptr, delta_ptr, dlse_ptr, H,
+    D: tl.constexpr, HG: tl.constexpr, ORIENT0: tl.constexpr, ORIENT1: tl.constexpr, ORIENT2: tl.constexpr,
+    ORIENT3: tl.constexpr, WRITE0: tl.constexpr, WRITE1: tl.constexpr, WRITE2: tl.constexpr,
+    WRITE3: tl.constexpr, DELTA_SLOT: tl.constexpr, HAS_DLSE: tl.constexpr, HW_CAST: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The producer pass of up to four jagged tensors in one launch: program_id(2) picks the tensor, each
+    with its own 32-token block map; the tensor in DELTA_SLOT (dO) also writes Δ (-1: none)."""
     blk = tl.program_id(0)
     hh = tl.program_id(1) * HG + tl.arange(0, HG)
-    b = tl.load(blk_seq_ptr + blk)
-    if b < 0:
-        return
-    end = tl.load(offsets_ptr + b + 1)
-    tok = tl.load(offsets_ptr + b) + (blk - tl.load(blk_offsets_ptr + b)) * 32 + tl.arange(0, 32)
-    valid = (tok < end)[:, None] & (hh < H)[None, :]  # [32, HG]
-    d = tl.arange(0, D)
-    off = (tok[:, None, None] * H + hh[None, :, None]) * D + d[None, None, :]  # [32, HG, D]
-    x = _to_f32(tl.load(x_ptr + off, mask=valid[:, :, None], other=0.0))
-    if WRITE_OUT:
-        if ORIENT == 1:  # hdim: 1x32 along D
-            xb = tl.reshape(x, [32, HG, D // 32, 32])
-            byte = scale_byte(tl.max(abs_bits(xb), axis=3), True)
-            y = tl.reshape(_mx_round(xb, byte[:, :, :, None], HW_CAST), [32, HG, D])
-        elif ORIENT == 2:  # seq: 32 tokens x 1 feature (padding rows are 0: they never raise the max)
-            byte = scale_byte(tl.max(abs_bits(x), axis=0), True)
-            y = _mx_round(x, byte[None, :, :], HW_CAST)
-        elif ORIENT == 3:  # square: 32 tokens x 32 features
-            xb = tl.reshape(x, [32, HG, D // 32, 32])
-            byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=3), axis=0), True)
-            y = tl.reshape(_mx_round(xb, byte[None, :, :, None], HW_CAST), [32, HG, D])
-        else:  # plain rounding to the operand dtype
-            y = x
-        tl.store(out_ptr + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid[:, :, None])
-    if DELTA:  # x is dO as given
-        o = _to_f32(tl.load(o_ptr + off, mask=valid[:, :, None], other=0.0))
-        delta = tl.sum(x * o, axis=2)
-        rows = tok[:, None] * H + hh[None, :]
-        if HAS_DLSE:
-            delta -= tl.load(dlse_ptr + rows, mask=valid, other=0.0)
-        tl.store(delta_ptr + rows, delta, mask=valid)
+    t = tl.program_id(2)
+    if t == 0:
+        _produce(x0, out0, o_ptr, delta_ptr, dlse_ptr, seq0, offs0, boffs0, blk, hh, H, D, HG, ORIENT0, WRITE0,
+                 DELTA_SLOT == 0, HAS_DLSE, HW_CAST, INTERPRET)
+    elif t == 1:
+        _produce(x1, out1, o_ptr, delta_ptr, dlse_ptr, seq1, offs1, boffs1, blk, hh, H, D, HG, ORIENT1, WRITE1,
+                 DELTA_SLOT == 1, HAS_DLSE, HW_CAST, INTERPRET)
+    elif t == 2:
+        _produce(x2, out2, o_ptr, delta_ptr, dlse_ptr, seq2, offs2, boffs2, blk, hh, H, D, HG, ORIENT2, WRITE2,
+                 DELTA_SLOT == 2, HAS_DLSE, HW_CAST, INTERPRET)
+    else:
+        _produce(x3, out3, o_ptr, delta_ptr, dlse_ptr, seq3, offs3, boffs3, blk, hh, H, D, HG, ORIENT3, WRITE3,
+                 DELTA_SLOT == 3, HAS_DLSE, HW_CAST, INTERPRET)
 
 
 # ============================================================================ forward
@@ -801,30 +823,57 @@ def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
     return bool(hw_cast)
 
 
-def _operand(x: torch.Tensor, offsets: torch.Tensor, orient: int, *, hw_cast: bool, write_out: bool = True,
-             o: torch.Tensor | None = None, dlse: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Producer pass over `x [T, H, D]`: the BF16 MX-exact operand of one orientation (`ORIENT_NONE`:
-    `x` rounded to BF16), and with `o` given, Δ `[T, H]` FP32 = rowsum(x ⊙ o) (- dlse)."""
-    rows, heads, dim = x.shape
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) if write_out else None
-    delta = torch.empty(rows, heads, dtype=torch.float32, device=x.device) if o is not None else None
-    batch = offsets.numel() - 1
-    if rows == 0 or batch == 0:
+def _operands(specs, *, hw_cast: bool, o: torch.Tensor | None = None, dlse: torch.Tensor | None = None
+              ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    """Producer pass of up to four `[T, H, D]` tensors (one H and D) in one launch.
+
+    Args:
+        specs: list of (x, offsets, orient, write): offsets `[B+1]` int64 on x's device; orient one of
+            `ORIENT_*` (`ORIENT_NONE` rounds x to BF16); write=False skips the operand (Δ only).
+        o, dlse: with `o`, the last tensor is dO, and Δ `[T, H]` FP32 = rowsum(dO ⊙ O) (- dLSE) is written.
+
+    Returns:
+        (the BF16 MX-exact operands, None where skipped; Δ or None).
+    """
+    heads, dim = specs[0][0].shape[1], specs[0][0].shape[2]
+    dev = specs[0][0].device
+    outs = [torch.empty(x.shape, dtype=torch.bfloat16, device=dev) if write else None for x, _, _, write in specs]
+    last_x = specs[-1][0]
+    delta = torch.empty(last_x.shape[0], heads, dtype=torch.float32, device=dev) if o is not None else None
+    maps = {}
+    for x, offsets, _, _ in specs:  # one block map per distinct offsets tensor
+        if id(offsets) not in maps:
+            maps[id(offsets)] = _block_map(offsets, x.shape[0])
+    upper = max(m[2] for m in maps.values())
+    if upper == 0 or all(m[1].numel() == 1 for m in maps.values()):  # no sequence
         if delta is not None:
             delta.zero_()
-        return out, delta
-    blk_seq, blk_offsets, upper = _block_map(offsets, rows)
-    dummy = x
+        return outs, delta
+    none = torch.full((upper,), -1, dtype=torch.int32, device=dev)
+    args, orients, writes = [], [], []
+    for i in range(4):
+        if i < len(specs):
+            x, offsets, orient, write = specs[i]
+            blk_seq, blk_offsets, n = maps[id(offsets)]
+            if n < upper:  # programs past this tensor's blocks read -1 and return
+                blk_seq = torch.cat([blk_seq, none[: upper - n]])
+            args += [x, outs[i] if write else x, blk_seq, offsets, blk_offsets]
+            orients.append(orient)
+            writes.append(write)
+        else:  # unused slot: never launched (grid dim 2 = len(specs))
+            args += [last_x, last_x, none, specs[0][1], specs[0][1]]
+            orients.append(ORIENT_NONE)
+            writes.append(False)
     hg = min(PRODUCER_HEADS, triton.next_power_of_2(heads))
-    _operand_kernel[(upper, triton.cdiv(heads, hg))](
-        x, out if out is not None else dummy, o if o is not None else dummy,
-        delta if delta is not None else dummy, dlse if dlse is not None else dummy,
-        blk_seq, offsets, blk_offsets, heads,
-        D=dim, HG=hg, ORIENT=orient, WRITE_OUT=write_out, DELTA=o is not None, HAS_DLSE=dlse is not None,
+    _operand_kernel[(upper, triton.cdiv(heads, hg), len(specs))](
+        *args, o if o is not None else last_x, delta if delta is not None else last_x,
+        dlse if dlse is not None else last_x, heads,
+        D=dim, HG=hg, ORIENT0=orients[0], ORIENT1=orients[1], ORIENT2=orients[2], ORIENT3=orients[3],
+        WRITE0=writes[0], WRITE1=writes[1], WRITE2=writes[2], WRITE3=writes[3],
+        DELTA_SLOT=len(specs) - 1 if o is not None else -1, HAS_DLSE=dlse is not None,
         HW_CAST=hw_cast, INTERPRET=interpreter_enabled(), num_warps=PRODUCER_WARPS,
     )
-    return out, delta
+    return outs, delta
 
 
 # ============================================================================ host: launch configs
@@ -835,17 +884,19 @@ PRODUCER_WARPS = 8
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim; the GPU benchmark sweeps alternatives.
 # Backward "kv": the key-tile kernel (BLOCK_M = its query step, BLOCK_N = its key tile); "q": the dQ kernel.
+# Measured on the H200 (docs/PERF.md): the MXFP8 forward and both backward kernels prefer 4 warps at D=128.
 FWD_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
-BWD_KV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
-BWD_Q_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
+FWD_MX_CONFIGS = {64: (128, 64, 4, 3), 128: (64, 64, 4, 3)}
+BWD_KV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+BWD_Q_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # Under the interpreter cost is per program and per op: small tiles keep tests quick and multi-tile.
 INTERPRETER_CONFIGS = {"fwd": (64, 32, 1, 1), "bwd_kv": (32, 64, 1, 1), "bwd_q": (64, 32, 1, 1)}
 
 
 def _config(which: str, dim: int, on_gpu: bool, override) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `which`; 0 entries of `override` keep the default."""
-    table = {"fwd": FWD_CONFIGS, "bwd_kv": BWD_KV_CONFIGS, "bwd_q": BWD_Q_CONFIGS}[which]
-    base = table[dim] if on_gpu else INTERPRETER_CONFIGS[which]
+    table = {"fwd": FWD_CONFIGS, "fwd_mx": FWD_MX_CONFIGS, "bwd_kv": BWD_KV_CONFIGS, "bwd_q": BWD_Q_CONFIGS}[which]
+    base = table[dim] if on_gpu else INTERPRETER_CONFIGS["fwd" if which == "fwd_mx" else which]
     if not override:
         return base
     override = tuple(override)
@@ -887,7 +938,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
         return out, lse
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
     hw = _hw_cast(q, hw_cast)
-    bm, bn, warps, stages = _config("fwd", dim, q.is_cuda and not interpreter_enabled(), config)
+    bm, bn, warps, stages = _config("fwd_mx" if precision == "mxfp8" else "fwd", dim,
+                                    q.is_cuda and not interpreter_enabled(), config)
     dummy_u8 = torch.empty(1, dtype=torch.uint8, device=q.device)
     q_scale = k_scale = v_scale = dummy_u8
     q_srow = kv_srow = g.q_base
@@ -895,18 +947,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
     if precision == "bf16":
         p_code, operands = PQ_NONE, OPERANDS_16BIT
         if q.dtype == torch.float32:  # the 16-bit recipe's operands are BF16
-            q_op = _operand(q, g.q_offsets, ORIENT_NONE, hw_cast=hw)[0]
-            k_op = _operand(k, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
-            v_op = _operand(v, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
+            q_op, k_op, v_op = _operands([(q, g.q_offsets, ORIENT_NONE, True), (k, g.kv_offsets, ORIENT_NONE, True),
+                                          (v, g.kv_offsets, ORIENT_NONE, True)], hw_cast=hw)[0]
         else:
             q_op, k_op, v_op = q, k, v
     else:
         p_code = PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC
         if variant == "producer":
             operands = OPERANDS_16BIT
-            q_op = _operand(q, g.q_offsets, ORIENT_HDIM, hw_cast=hw)[0]
-            k_op = _operand(k, g.kv_offsets, ORIENT_HDIM, hw_cast=hw)[0]
-            v_op = _operand(v, g.kv_offsets, ORIENT_SEQ, hw_cast=hw)[0]
+            q_op, k_op, v_op = _operands([(q, g.q_offsets, ORIENT_HDIM, True), (k, g.kv_offsets, ORIENT_HDIM, True),
+                                          (v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw)[0]
         else:
             from ..jagged import JaggedLayout, quantize_jagged
 
@@ -926,7 +976,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
                 v_tiles = kv_layout.num_tiles
             else:
                 operands = OPERANDS_FP8_QK
-                v_op = _operand(v, g.kv_offsets, ORIENT_SEQ, hw_cast=hw)[0]
+                v_op = _operands([(v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw)[0][0]
     if g.batch == 0:
         return out, lse
     tile_seq, tile_idx, upper = _fwd_tiles(g, bm, causal)
@@ -975,20 +1025,14 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     bm, bn, warps, stages = _config("bwd_kv", dim, on_gpu, config)
     atomic = broadcast_q or bwd_variant == "atomic"
     mx = precision == "mxfp8"
-    if mx:
-        q_op = _operand(q, g.q_offsets, ORIENT_SQUARE, hw_cast=hw)[0]
-        k_op = _operand(k, g.kv_offsets, ORIENT_SQUARE, hw_cast=hw)[0]
-        v_op = _operand(v, g.kv_offsets, ORIENT_HDIM, hw_cast=hw)[0]
-        do_op, delta = _operand(do, g.o_offsets, ORIENT_SQUARE, hw_cast=hw, o=o, dlse=dlse)
-    elif q.dtype == torch.float32:
-        q_op = _operand(q, g.q_offsets, ORIENT_NONE, hw_cast=hw)[0]
-        k_op = _operand(k, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
-        v_op = _operand(v, g.kv_offsets, ORIENT_NONE, hw_cast=hw)[0]
-        do_op, delta = _operand(do, g.o_offsets, ORIENT_NONE, hw_cast=hw, o=o, dlse=dlse)
+    if mx or q.dtype == torch.float32:  # MX-exact (or, FP32 inputs of the 16-bit recipe, BF16) operands
+        orients = (ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM, ORIENT_SQUARE) if mx else (ORIENT_NONE,) * 4
+        (q_op, k_op, v_op, do_op), delta = _operands(
+            [(q, g.q_offsets, orients[0], True), (k, g.kv_offsets, orients[1], True),
+             (v, g.kv_offsets, orients[2], True), (do, g.o_offsets, orients[3], True)], hw_cast=hw, o=o, dlse=dlse)
     else:
-        q_op, k_op, v_op = q, k, v
-        do_op = do
-        delta = _operand(do, g.o_offsets, ORIENT_NONE, hw_cast=hw, write_out=False, o=o, dlse=dlse)[1]
+        q_op, k_op, v_op, do_op = q, k, v, do
+        delta = _operands([(do, g.o_offsets, ORIENT_NONE, False)], hw_cast=hw, o=o, dlse=dlse)[1]
     if atomic:
         dq_buf = torch.zeros(q.shape, dtype=torch.float16 if dq_accum == "fp16" else torch.float32, device=q.device)
     else:

@@ -359,6 +359,44 @@ def test_backward_mxfp8_grad_format_matches_quantize_jagged():
             assert torch.equal(got.scale_square_seq, want.scale_square_seq)
 
 
+# ----------------------------------------------------------------------------- producer pass
+
+
+def _per_sequence(x: torch.Tensor, offs: torch.Tensor, fn) -> torch.Tensor:
+    """Apply `fn` to each sequence of `x [T, H, D]` as `[H, L padded to 32, D]` (zeros never raise a max)."""
+    out = torch.empty(x.shape)
+    o = offs.tolist()
+    for s, e in zip(o[:-1], o[1:]):
+        if e > s:
+            xs = torch.nn.functional.pad(x[s:e].float().cpu().transpose(0, 1), (0, 0, 0, (-(e - s)) % 32))
+            out[s:e] = fn(xs)[:, : e - s].transpose(0, 1)
+    return out
+
+
+def test_producer_pass_matches_reference_quantization():
+    """One launch over four tensors with their own offsets: hdim, seq, square and plain BF16 rounding, and
+    Δ = rowsum(dO ⊙ O) - dLSE on the last; heads in groups with a partial last group (H = 6)."""
+    from gem_lp.attention.reference import mx_square
+    from gem_lp.attention.triton_attention import ORIENT_HDIM, ORIENT_NONE, ORIENT_SEQ, ORIENT_SQUARE, _operands
+
+    q_offs, kv_offs = offsets_of([5, 0, 70, 33]), offsets_of([64, 1, 0, 100])
+    q, do = randn(int(q_offs[-1]), 6, 64, outliers=True), randn(int(q_offs[-1]), 6, 64)
+    k, v = randn(int(kv_offs[-1]), 6, 64, dtype=torch.float32), randn(int(kv_offs[-1]), 6, 64)
+    o = randn(int(q_offs[-1]), 6, 64)
+    dlse = torch.randn(int(q_offs[-1]), 6).to(DEV)
+    (q_h, k_s, v_q, do_sq), delta = _operands(
+        [(q, q_offs, ORIENT_HDIM, True), (k, kv_offs, ORIENT_SEQ, True), (v, kv_offs, ORIENT_NONE, True),
+         (do, q_offs, ORIENT_SQUARE, True)], hw_cast=DEV.type == "cuda", o=o, dlse=dlse)
+    assert torch.equal(q_h.float().cpu(), _per_sequence(q, q_offs, mx_hdim))
+    assert torch.equal(k_s.float().cpu(), _per_sequence(k, kv_offs, mx_seq))
+    assert torch.equal(v_q.cpu(), v.cpu())  # already BF16: rounding is the identity
+    assert torch.equal(do_sq.float().cpu(), _per_sequence(do, q_offs, mx_square))
+    want = (do.float() * o.float()).sum(-1) - dlse
+    torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
+    (k_bf16,), _ = _operands([(k, kv_offs, ORIENT_NONE, True)], hw_cast=False)
+    assert torch.equal(k_bf16, k.bfloat16())  # round to nearest even
+
+
 # ----------------------------------------------------------------------------- the in-register MX rounding
 
 
