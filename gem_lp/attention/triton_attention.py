@@ -3,13 +3,15 @@
 Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16. So the default path
 ("producer") is:
 
-1. a memory-bound producer pass (`_operand_kernel`) per operand: read `[T, H, D]` once, quantize each
-   MX block (hdim 1x32 along D, seq 32 tokens x 1 feature, square 32x32; token blocks aligned to each
-   sequence's first token), and write the dequantized, MX-exact BF16 operand; the dO pass also writes
-   Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient);
-2. a BF16 flash kernel (`_attn_fwd_kernel`, `_attn_bwd_kernel`) that rounds P (and, backward, dS) to
-   the recipe's grid in registers: `const_p` e4m3(256 p) with the fixed scale 2^-8, `dynamic` 1x32
-   blocks along kv (forward) or 32x32 blocks (backward) with the rceil rule; dS in 32x32 blocks.
+1. a memory-bound producer pass (`_operand_kernel`, one launch for Q, K, V, or Q, K, V, dO): read each
+   `[T, H, D]` once, quantize each MX block (hdim 1x32 along D, seq 32 tokens x 1 feature, square 32x32;
+   token blocks aligned to each sequence's first token), and write the dequantized, MX-exact BF16
+   operand; the dO slot also writes Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient);
+2. BF16 flash kernels that round P (and, backward, dS) to the recipe's grid in registers: `const_p`
+   e4m3(256 p) with the fixed scale 2^-8, `dynamic` 1x32 blocks along kv (forward) or 32x32 blocks
+   (backward) with the rceil rule; dS in 32x32 blocks. The rounding is one FP32 add and subtract of a
+   magic number per element (`_grid_round`: exact round-to-nearest-even on the E4M3 grid of the block's
+   scale), not a `cvt` to FP8 and back, which runs at a quarter rate beside exp2 and halved the speed.
    With `precision="bf16"` the same kernels round P and dS to the operand dtype instead.
 
 Forward variants of the same kernel, for measurement (`variant=`): `"dequant_in_loop"` loads the E4M3
@@ -21,9 +23,10 @@ each promoted into the FP32 scores by the product of the two E8M0 scales (V from
 Scheduling: one launch covers every sequence and head. A tile map (`tile_seq`, `tile_idx`), built on
 the device without a host sync, sends program i to one BLOCK_M-query tile of one sequence, largest
 work first; tiles never cross sequences, so 32-token MX blocks stay aligned to sequence starts; causal
-tiles skip fully masked KV tiles. The backward runs one program per BLOCK_N-key tile and head,
-accumulates dK, dV in registers and dQ with atomic adds (FP32, or FP16 with a static scale), which also
-sums dQ over the batch for `broadcast_q`.
+tiles skip fully masked KV tiles. Backward (`bwd_variant="split"`): a key-tile kernel accumulates dK,
+dV in registers (in the transposed form S^T = K Q^T), a query-tile kernel accumulates dQ; no atomics.
+With `broadcast_q` (one query tile summed over every sequence) or `bwd_variant="atomic"`, the key-tile
+kernel adds dQ atomically into an FP32 buffer, or an FP16 one holding dQ times a static scale.
 
 Numerics against `reference.py` (same precision): the kernel's softmax is online, so it rounds p
 relative to the running row max and rescales, while the reference rounds p relative to the final max.
@@ -37,6 +40,10 @@ agrees up to FP32 summation order.
 
 Exactness caveat: dequantized MX values below 2^-133 (blocks whose scale byte is < 5) are not all
 representable in BF16 and round; such blocks hold values below 2^-118.
+
+Triton 3.6 interpreter workarounds (selected by the constexpr INTERPRET, so the GPU code is unchanged):
+run-time loop bounds become while loops, BF16 dots get FP32 operands, FP32 -> BF16 casts round on the
+bits (the interpreter truncates), and E4M3 casts are done in integer arithmetic (`HW_CAST=False`).
 """
 from __future__ import annotations
 
@@ -1144,8 +1151,8 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not q.is_cuda and not interpreter_enabled():
-        raise ValueError(f"the Triton attention kernels need CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 "
-                         f"before importing gem_lp to run them in Triton's interpreter)")
+        raise ValueError(f"the Triton attention kernels need CUDA tensors, got {q.device} (set "
+                         f"TRITON_INTERPRET=1 before importing gem_lp to run them in Triton's interpreter)")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape [Tk, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[1:] != k.shape[1:]:
