@@ -1156,7 +1156,8 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape [Tk, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[1:] != k.shape[1:]:
-        raise ValueError(f"q and k must have the same heads and head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+        raise ValueError(f"q and k must have the same heads and head dim, got q {tuple(q.shape)} and "
+                         f"k {tuple(k.shape)}")
     if q.shape[2] not in HEAD_DIMS:
         raise ValueError(f"the Triton attention kernels take head dim D in {HEAD_DIMS}, got D={q.shape[2]} "
                          f"(use backend='reference' for other head dims)")
