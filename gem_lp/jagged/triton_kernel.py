@@ -35,7 +35,7 @@ from .tensor import JaggedMXTensor, scale_sizes
 DEFAULT_LAUNCH = {
     "hdim": dict(rows=64, thread_rows=1, row_blocks_in_thread=True, num_warps=4),
     "square": dict(rows=64, thread_rows=2, row_blocks_in_thread=True, num_warps=2),
-    "seq": dict(rows=64, thread_rows=16, row_blocks_in_thread=False, num_warps=2),  # any set with seq
+    "seq": dict(rows=64, thread_rows=8, row_blocks_in_thread=False, num_warps=4),  # any set with seq
 }
 # The tuning space (D = 128): launch options `benchmarks/bench_jagged.py` times and the GPU tests run,
 # as (rows, thread_rows, row_blocks_in_thread, num_warps); all spill-free on sm_90. A launch keeps its

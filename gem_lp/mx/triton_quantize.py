@@ -17,9 +17,11 @@ thread owns a strip of `thread_rows` consecutive rows x 8 consecutive columns of
 bytes per row, one vector load): the 32x1 block max is then mostly a max inside the thread, the
 transposed payload leaves as `thread_rows` consecutive bytes of x^T per column (a vector store, no
 shared-memory transpose), and each scale byte is computed by few threads. The tile is held as a 6-D
-tensor whose axes are (row block, rows of a block split over lanes, row in strip) x (column block,
-8-column group, column in group); Triton gives lanes and warps to the leading axes in order and leaves
-the trailing ones in registers, which is what places the strips (see `_tile_index`).
+tensor with axes (8-column group of a 32-column block, strip of a 32-row block, column block, row
+block, row in strip, column in group); Triton gives lanes and warps to the leading axes in order and
+leaves the trailing ones in registers, which is what places the strips (see `_tile_axes`). On sm_90
+this takes about 7 instructions per element for one cast and 12 for rowwise + colwise (the 4-D tile
+of 32x32 blocks it replaces took 14-23 and 43).
 
 With the hardware E4M3 conversion (`HW_CAST`) a payload costs one multiply and half a conversion: the
 conversion saturates at +-448 itself, and a NaN/Inf block multiplies by a NaN scale so that every one of
@@ -59,13 +61,15 @@ class CastConfig(tuple):
         return f"{bm}x{bk} w{nw} r{tr}" + (" rowblk" if rb else "")
 
 
-# Per set of outputs. Chosen from the sm_90 builds' instruction counts per element (no spills; see
-# `benchmarks/bench_quantize.py`, which times these against alternatives on the GPU).
+# Per set of outputs: the fewest sm_90 instructions per element without register spills
+# (`python -m benchmarks.bench_quantize --compile-only` prints the builds; the GPU run times them).
 DEFAULT_CONFIGS = {
     "rowwise": CastConfig(64, 128, 4, 1, True),
     "colwise": CastConfig(128, 64, 2, 16),
     "dual": CastConfig(128, 64, 2, 16),
     "square": CastConfig(64, 128, 4, 2, True),
+    # colwise with another cast, other than dual with the hardware cast: thread_rows 16 would spill
+    "dual_heavy": CastConfig(128, 64, 4, 8),
 }
 # The tuning space: configurations `benchmarks/bench_quantize.py` times (each checked byte for byte) and
 # the GPU tests run. All are spill-free on sm_90; a config keeps its strips in registers when
@@ -424,12 +428,14 @@ def _check_config(block_m: int, block_k: int, num_warps: int, thread_rows: int) 
         raise ValueError(f"thread_rows must be a power of two in 1..{BLOCK}, got {thread_rows}")
 
 
-def default_config(rowwise: bool, colwise: bool, square: bool) -> CastConfig:
+def default_config(rowwise: bool, colwise: bool, square: bool, hw_cast: bool = True) -> CastConfig:
     """Launch configuration used when the caller gives none."""
     if interpreter_enabled():
         return INTERPRETER_CONFIG
-    if rowwise and colwise:
+    if rowwise and colwise and not square and hw_cast:
         return DEFAULT_CONFIGS["dual"]
+    if colwise and (rowwise or square):
+        return DEFAULT_CONFIGS["dual_heavy"]
     if colwise:
         return DEFAULT_CONFIGS["colwise"]
     if rowwise:
@@ -491,7 +497,7 @@ def mx_cast_2d(
                          f"machine set TRITON_INTERPRET=1 before importing gem_lp")
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
-    cfg = default_config(rowwise, colwise, square)
+    cfg = default_config(rowwise, colwise, square, hw_cast)
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread)
     block_m, block_k, num_warps, thread_rows, row_blocks_in_thread = (
         d if v is None else v for v, d in zip(given, cfg))

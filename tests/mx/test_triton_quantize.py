@@ -318,11 +318,12 @@ def test_torch_compile_fullgraph():
 
 _HOPPER_COMPILE = """
 import json, torch
-from gem_lp.mx.triton_quantize import (DEFAULT_CONFIGS, CastConfig, _mx_cast_2d_kernel, cast_2d_launch,
-                                       compile_for_target, output_specs, ptxas_usage)
+from gem_lp.mx.triton_quantize import (CastConfig, _mx_cast_2d_kernel, cast_2d_launch, compile_for_target,
+                                       default_config, output_specs, ptxas_usage)
 FLAGS = dict(rowwise=(True, False, False), colwise=(False, True, False), dual=(True, True, False),
-             square=(False, False, True), all=(True, True, True))
-builds = [(mode, DEFAULT_CONFIGS[mode], 4096, 2048) for mode in ("rowwise", "colwise", "dual", "square")]
+             square=(False, False, True), all=(True, True, True), colsq=(False, True, True))
+# the GPU's default configurations (no interpreter here) for every set of casts
+builds = [(mode, default_config(*FLAGS[mode]), 4096, 2048) for mode in FLAGS]
 builds += [("all", CastConfig(64, 64, 2, 8), 4000, 2016),  # partial tiles, masks
            ("dual", CastConfig(32, 32, 1, 1, True), 1001, 96)]  # odd M: colwise without pairs
 for mode, config, M, K in builds:
@@ -349,7 +350,7 @@ def test_kernel_compiles_for_hopper_with_hardware_cast():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(builds) == 6, done.stdout
+    assert len(builds) == 8, done.stdout
     for b in builds:
         assert b["cvt"] > 0 and b["ld_v4"] > 0 and b["spills"] == 0, b
         if b["mode"] in ("colwise", "dual") and b["M"] == 4096:
