@@ -7,7 +7,6 @@ and compare the hardware conversion with the integer one.
 import itertools
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -37,7 +36,8 @@ TILES = (
 
 
 def tile_id(tile: dict) -> str:
-    return f"{tile['block_m']}x{tile['block_k']}r{tile['thread_rows']}" + ("b" if tile.get("row_blocks_in_thread") else "")
+    blocks = "b" if tile.get("row_blocks_in_thread") else ""
+    return f"{tile['block_m']}x{tile['block_k']}r{tile['thread_rows']}{blocks}"
 
 # log2 of the magnitudes drawn per dtype: 1e-30..1e30 where the dtype holds it, fp16's own range otherwise
 _LOG2_RANGE = {torch.float32: (-100.0, 100.0), torch.bfloat16: (-100.0, 100.0), torch.float16: (-24.0, 14.9)}
