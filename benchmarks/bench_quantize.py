@@ -236,7 +236,8 @@ def compile_only(shapes=SHAPES) -> int:
             outs = [torch.empty(shape, dtype=dtype)
                     for shape, dtype, _ in output_specs(M, K, *flag_tuple, flags["blocked_scales"])]
             for hw_cast in (True, False) if variant == "dual" else (True,):
-                for config in configs_of(variant):
+                # the integer rounding runs on a dual configuration with thread_rows <= 8 (see bench_ours)
+                for config in [c for c in configs_of(variant) if hw_cast or c[3] <= 8]:
                     grid, args, kwargs = cast_2d_launch(x, outs, *flag_tuple, flags["blocked_scales"], True, config,
                                                         hw_cast)
                     try:
