@@ -32,10 +32,11 @@ from .tensor import JaggedMXTensor, scale_sizes
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
 # (instructions per element, registers without spills); `benchmarks/bench_jagged.py` times them against
 # alternatives on the GPU.
+# Defaults: the fastest of CANDIDATE_LAUNCHES on the H200 for both workloads of docs/PERF.md ("Jagged").
 DEFAULT_LAUNCH = {
-    "hdim": dict(rows=64, thread_rows=1, row_blocks_in_thread=True, num_warps=4),
-    "square": dict(rows=64, thread_rows=2, row_blocks_in_thread=True, num_warps=2),
-    "seq": dict(rows=64, thread_rows=8, row_blocks_in_thread=False, num_warps=4),  # any set with seq
+    "hdim": dict(rows=64, thread_rows=2, row_blocks_in_thread=True, num_warps=2),
+    "square": dict(rows=64, thread_rows=16, row_blocks_in_thread=False, num_warps=2),
+    "seq": dict(rows=32, thread_rows=8, row_blocks_in_thread=False, num_warps=2),  # any set with seq
 }
 # The tuning space (D = 128): launch options `benchmarks/bench_jagged.py` times and the GPU tests run,
 # as (rows, thread_rows, row_blocks_in_thread, num_warps); all spill-free on sm_90. A launch keeps its
