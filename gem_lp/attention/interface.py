@@ -8,31 +8,12 @@ import torch
 
 from ..backend import resolve_backend
 from ..mx.formats import BLOCK
-from .layout import check_offsets, make_plan
+from .layout import check_offsets, check_qkv, make_plan
 from .reference import P_QUANTS, PRECISIONS, attention_reference
 
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [T, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in INPUT_DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [Tk, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[1:] != k.shape[1:]:
-        raise ValueError(f"q and k must have the same heads and head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    check_qkv(q, k, v)
     dim = q.shape[2]
-    if dim == 0 or q.shape[1] == 0:
-        raise ValueError(f"q must have at least one head and a non-zero head dim, got shape {tuple(q.shape)}")
     if precision == "mxfp8" and dim % BLOCK != 0:
         raise ValueError(f"precision='mxfp8' needs a head dim that is a multiple of {BLOCK} (64 or 128 for the "
                          f"kernels), got D={dim}")

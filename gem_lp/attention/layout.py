@@ -11,7 +11,41 @@ import dataclasses
 
 import torch
 
-from ..mx.formats import BLOCK, ceil_div
+from ..mx.formats import BLOCK, INPUT_DTYPES, ceil_div
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Checks every backend shares: q/k/v tensors `[T, H, D]` of one float dtype and device, k and v alike,
+    q and k with the same heads and head dim, at least one head."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [T, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [Tk, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"q and k must have the same heads and head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[2] == 0 or q.shape[1] == 0:
+        raise ValueError(f"q must have at least one head and a non-zero head dim, got shape {tuple(q.shape)}")
+
+
+def check_offsets_form(offsets, name: str, device: torch.device | None = None) -> None:
+    """The offsets checks that need no host sync: a 1-D int32/int64 tensor `[B+1]`, on the CPU or `device`."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets [B+1], got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be 1-D [B+1] with at least one entry, got shape {tuple(offsets.shape)}")
+    if device is not None and offsets.device.type != "cpu" and offsets.device != device:
+        raise ValueError(f"{name} must be on the CPU or on q's device {device}, got {offsets.device}")
+
 
 # Most score elements (B_chunk * H * Lq_pad * Lk_pad) one chunk may hold: 2^27 fp32 = 512 MiB per tensor.
 CHUNK_ELEMENTS = 1 << 27
@@ -19,12 +53,7 @@ CHUNK_ELEMENTS = 1 << 27
 
 def check_offsets(offsets: torch.Tensor, name: str, total: int) -> torch.Tensor:
     """Validate jagged offsets `[B+1]` for `total` tokens; returns them as int64 on the CPU."""
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets [B+1], got {type(offsets).__name__}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{name} must be 1-D [B+1] with at least one entry, got shape {tuple(offsets.shape)}")
+    check_offsets_form(offsets, name)
     offs = offsets.detach().to("cpu", torch.int64)
     if offs[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {offs[0].item()}")

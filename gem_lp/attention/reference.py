@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..mx.reference import dequantize, encode_payload, quantize_reference
-from .layout import JaggedPlan, Rows, chunk_rows, visibility_mask
+from .layout import JaggedPlan, chunk_rows, visibility_mask
 
 PRECISIONS = ("fp32", "bf16", "mxfp8")
 P_QUANTS = ("const_p", "dynamic")

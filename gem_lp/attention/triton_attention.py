@@ -55,6 +55,7 @@ import triton.language as tl
 
 from ..backend import interpreter_enabled
 from ..mx.triton_numerics import abs_bits, e4m3_bits, encode, inv_scale, scale_byte
+from .layout import check_offsets_form, check_qkv
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -64,7 +65,6 @@ VARIANTS = ("producer", "dequant_in_loop", "fp8_qk")
 BWD_VARIANTS = ("split", "atomic")
 DQ_ACCUMS = ("fp32", "fp16")
 HEAD_DIMS = (64, 128)
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MX_BLOCK = 32
 
 # constexpr codes
@@ -1123,46 +1123,19 @@ def _check_offsets_values(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, q_r
             raise ValueError(f"{msg}, got {offs.tolist()[:16]}{'...' if offs.numel() > 16 else ''}")
 
 
-def _check_offsets_form(offsets, name: str, device: torch.device) -> None:
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets [B+1], got {type(offsets).__name__}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{name} must be 1-D [B+1] with at least one entry, got shape {tuple(offsets.shape)}")
-    if offsets.device.type != "cpu" and offsets.device != device:
-        raise ValueError(f"{name} must be on the CPU or on q's device {device}, got {offsets.device}")
-
-
 def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: str, p_quant: str, variant: str,
                   bwd_variant: str, dq_accum: str, dq_static_scale: float) -> None:
+    check_qkv(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [T, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in INPUT_DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous [T, H, D] (the kernels index rows as T x H x D); "
                              f"got strides {t.stride()} for shape {tuple(t.shape)}, call .contiguous()")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not q.is_cuda and not interpreter_enabled():
         raise ValueError(f"the Triton attention kernels need CUDA tensors, got {q.device} (set "
                          f"TRITON_INTERPRET=1 before importing gem_lp to run them in Triton's interpreter)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [Tk, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[1:] != k.shape[1:]:
-        raise ValueError(f"q and k must have the same heads and head dim, got q {tuple(q.shape)} and "
-                         f"k {tuple(k.shape)}")
     if q.shape[2] not in HEAD_DIMS:
         raise ValueError(f"the Triton attention kernels take head dim D in {HEAD_DIMS}, got D={q.shape[2]} "
                          f"(use backend='reference' for other head dims)")
-    if q.shape[1] < 1:
-        raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} for the Triton kernels, got {precision!r} "
                          f"(precision='fp32' is the reference oracle: use backend='reference')")
@@ -1181,22 +1154,22 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
     if broadcast_q:
         if kv_offsets is None:
             raise ValueError("kv_offsets is required with broadcast_q=True (q is one shared query sequence)")
-        _check_offsets_form(kv_offsets, "kv_offsets", q.device)
+        check_offsets_form(kv_offsets, "kv_offsets", q.device)
         if q_offsets is not None:
-            _check_offsets_form(q_offsets, "q_offsets", q.device)
+            check_offsets_form(q_offsets, "q_offsets", q.device)
             if q_offsets.numel() != 2:
                 raise ValueError(f"q_offsets must be None or [0, Lq] with broadcast_q=True, got shape "
                                  f"{tuple(q_offsets.shape)}")
     else:
         if q_offsets is None:
             raise ValueError("q_offsets is required unless broadcast_q=True")
-        _check_offsets_form(q_offsets, "q_offsets", q.device)
+        check_offsets_form(q_offsets, "q_offsets", q.device)
         if kv_offsets is None:
             if k.shape[0] != q.shape[0]:
                 raise ValueError(f"kv_offsets=None means self-attention: k must have Tq={q.shape[0]} rows, "
                                  f"got {k.shape[0]}")
         else:
-            _check_offsets_form(kv_offsets, "kv_offsets", q.device)
+            check_offsets_form(kv_offsets, "kv_offsets", q.device)
             if kv_offsets.numel() != q_offsets.numel():
                 raise ValueError(f"q_offsets and kv_offsets must describe the same number of sequences, got "
                                  f"B={q_offsets.numel() - 1} and B={kv_offsets.numel() - 1}")
