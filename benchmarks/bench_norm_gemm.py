@@ -3,20 +3,30 @@
 Run from the project root: `python -m benchmarks.bench_norm_gemm` (JSON under $OUT, else ./.bench_out).
 Sections (each one guarded: a failing variant or peer is recorded, the rest still runs):
 
-* norm: `rms_norm_mx` (rowwise + colwise MX, blocked scales, rstd) per tile configuration, bytes checked
-  against the reference; peers: `torch.compile` of RMSNorm + torchao `to_mx` in both layouts (or, without
-  torchao, of our reference RMSNorm + dual cast) and a copy of x. Effective bytes = x read once + every
-  payload, scale and rstd byte written.
+* norm: `rms_norm_mx` (rowwise + colwise MX, blocked scales, rstd) per launch configuration of
+  `triton_norm.CANDIDATE_CONFIGS` (the default first), bytes checked against the reference; peers:
+  `torch.compile` of RMSNorm + torchao `to_mx` in both layouts (or, without torchao, of our reference
+  RMSNorm + dual cast) and a copy of x. Effective bytes = x read once + every payload, scale and rstd byte
+  written.
 * gemm: `mx_gemm` per route from MX operands (the dequantize pass of the dequant routes included) beside
   cuBLAS BF16 `torch.mm` and cuBLAS FP8 rowwise `torch._scaled_mm`; every route's Y checked against the
   FP32 reference within the accumulation bound.
 * linear: `mx_linear_triton` forward+backward per GEMM route beside `nn.Linear` in BF16, with the bytes
   each saves for the backward and the SQNR of Y, dX, dW against FP32.
+
+`python -m benchmarks.bench_norm_gemm --compile-only` (no GPU needed) builds every norm launch the GPU run
+times for sm_90 and prints its registers, spills, programs per SM, sm_90 (SASS) instructions per element
+and the bytes its resident programs keep between the two sweeps; it fails if one does not build.
 """
 from __future__ import annotations
 
+import argparse
+import math
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -31,17 +41,13 @@ from gem_lp.mx import dequantize, quantize_reference, to_blocked  # noqa: E402
 from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
 from gem_lp.norm_gemm.reference import rms_norm_quantize_reference  # noqa: E402
 from gem_lp.norm_gemm.triton_gemm import GemmConfig, mx_gemm, mx_linear_triton, rms_norm_mx_linear_triton  # noqa: E402
+from gem_lp.norm_gemm import triton_norm as tn  # noqa: E402
 from gem_lp.norm_gemm.triton_norm import rms_norm_mx  # noqa: E402
 from gem_lp.numerics import sqnr_db  # noqa: E402
 
 EPS = 1e-6
 DEVICE = "cuda"
-NORM_SHAPES = ((32768, 1024), (32768, 4096))
-# (BLOCK_M, BLOCK_K, num_warps) per K; the default configuration is always run first
-NORM_CONFIGS = {  # the default is (32, 256, 8) for both; 32xK with K <= 1024 reads x once (one pass)
-    1024: ((32, 1024, 16), (32, 1024, 32), (32, 512, 16), (32, 128, 4), (64, 128, 8)),
-    4096: ((32, 512, 16), (32, 128, 4), (64, 128, 8), (64, 256, 16)),
-}
+NORM_SHAPES = ((32768, 1024), (32768, 4096))  # K of each is a key of triton_norm.CANDIDATE_CONFIGS
 # (M, N, K): Y [M, N] = A [M, K] B [N, K]^T
 GEMM_SHAPES = ((8192, 8192, 8192), (32768, 3072, 1024), (32768, 4096, 1024), (32768, 1024, 4096),
                (32768, 1536, 512))
@@ -120,6 +126,17 @@ def _compiled_norm_peers(w: torch.Tensor):
     return peers
 
 
+def norm_configs(K: int) -> list[tn.NormConfig]:
+    """The default launch configuration for rows of K first, then the other candidates."""
+    default = tn.default_config(K)
+    return [default] + [c for c in tn.CANDIDATE_CONFIGS.get(K, ()) if c != default]
+
+
+def _config_kwargs(cfg: tn.NormConfig) -> dict:
+    names = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm")
+    return dict(zip(names, cfg))
+
+
 def bench_norm(bench: Bench, checks: dict) -> None:
     for M, K in NORM_SHAPES:
         group = f"norm {M}x{K}"
@@ -128,9 +145,9 @@ def bench_norm(bench: Bench, checks: dict) -> None:
         w = torch.rand(K, device=DEVICE, generator=g) + 0.5
         x_bytes = M * K * 2
         best = None
-        for cfg in (None, *NORM_CONFIGS[K]):
-            kw = {} if cfg is None else dict(block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2])
-            name = "ours rms_norm_mx " + ("default" if cfg is None else "%dx%d w%d" % cfg)
+        for i, cfg in enumerate(norm_configs(K)):
+            kw = _config_kwargs(cfg)
+            name = f"ours rms_norm_mx {cfg!r}" + (" (default)" if i == 0 else "")
             try:
                 out = rms_norm_mx(x, w, EPS, **kw)
                 ok = _norm_matches_reference(out, x, w)
@@ -140,15 +157,16 @@ def bench_norm(bench: Bench, checks: dict) -> None:
                 _fail(bench, group, name, e)
                 continue
             checks[f"{group} {name}"] = ok
-            ms = bench.time(group, name, lambda: rms_norm_mx(x, w, EPS, **kw), nbytes=nbytes, config=cfg,
+            ms = bench.time(group, name, lambda: rms_norm_mx(x, w, EPS, **kw), nbytes=nbytes, config=list(cfg),
                             bit_identical=ok)
             if ms is not None and ok and (best is None or ms < best[0]):
-                best = (ms, kw)
+                best = (ms, cfg)
         if best is not None:
-            kw = best[1]
+            bench.extra.setdefault("norm_best_configs", {})[group] = dict(config=list(best[1]), ms=best[0])
+            kw = _config_kwargs(best[1])
             try:
                 nbytes = _norm_bytes(M, K, rms_norm_mx(x, w, EPS, row_operand=True, **kw))
-                bench.time(group, f"ours + bf16 row operand {kw or 'default'}",
+                bench.time(group, f"ours + bf16 row operand {best[1]!r}",
                            lambda: rms_norm_mx(x, w, EPS, row_operand=True, **kw), nbytes=nbytes)
             except Exception as e:
                 _fail(bench, group, "ours + bf16 row operand", e)
@@ -165,6 +183,100 @@ def bench_norm(bench: Bench, checks: dict) -> None:
             bench.time(group, name, lambda fn=fn: fn(x), nbytes=ref_bytes, peer=True)
         del x, w
         _free()
+
+
+# ----------------------------------------------------------------------------- norm, sm_90 builds
+
+H100_REGISTERS_PER_SM, H100_MAX_WARPS_PER_SM, H100_SMEM_PER_SM, H200_SMS = 65536, 64, 228 * 1024, 132
+
+
+def sass_of(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of a cubin's main code, from the cuobjdump bundled with Triton; slow-path
+    subroutines reached by CALL (IEEE division and square root) follow the main code and are left out."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    code = [(int(a, 16), s.strip()) for a, s in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    code = [(a, s) for a, s in code if not s.startswith("NOP")]
+    calls = [int(t, 16) for _, s in code for t in re.findall(r"CALL\.REL\.NOINC (0x[0-9a-f]+)", s)]
+    return [(a, s) for a, s in code if not calls or a < min(calls)]
+
+
+def sass_per_row_block(code: list[tuple[int, str]], n_chunks: int) -> int:
+    """Instructions one thread issues for one row block: the main code, with each innermost loop (a backward
+    branch; one per sweep over K) run n_chunks times. A loop enclosing another (the persistent walk over row
+    blocks) counts once. Loops the compiler unrolled completely are already in the main code."""
+    loops = [(int(t, 16), a) for a, s in code for t in re.findall(r"BRA (0x[0-9a-f]+)", s) if int(t, 16) < a]
+    innermost = [(t, a) for t, a in loops if not any(t < t2 and a2 < a for t2, a2 in loops)]
+    extra = sum((n_chunks - 1) * sum(1 for b, _ in code if t <= b <= a) for t, a in innermost)
+    return len(code) + extra
+
+
+def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
+    """Programs an H200 SM holds at once (registers allocated per warp in units of 256)."""
+    regs_per_warp = math.ceil(regs * 32 / 256) * 256
+    by_regs = H100_REGISTERS_PER_SM // (regs_per_warp * num_warps)
+    by_smem = H100_SMEM_PER_SM // smem if smem else 32
+    return max(0, min(by_regs, H100_MAX_WARPS_PER_SM // num_warps, by_smem, 32))
+
+
+def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True, row_operand=False,
+               col_operand=False, normalize=True, hw_cast=True, x_dtype=torch.bfloat16) -> dict:
+    """sm_90 build of the launch `rms_norm_mx` makes for x [M, K] (bf16 unless `x_dtype`; fp32 weight, blocked
+    scales), from shapes only (meta tensors): registers, spill bytes, programs per SM, SASS instructions per element,
+    16-byte loads, vector stores, hardware E4M3 conversions, and the re-read bytes in flight (resident row
+    blocks of a multi-pass launch, H200)."""
+    from gem_lp.mx.layout import blocked_size
+    from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+
+    dev = "meta"
+    x = torch.empty(M, K, dtype=x_dtype, device=dev)
+    w = torch.empty(K, device=dev) if normalize else None
+    rstd = torch.empty(M, device=dev) if normalize else None
+    row = (torch.empty(M, K, dtype=torch.float8_e4m3fn, device=dev),
+           torch.empty(blocked_size(M, K // 32), dtype=torch.uint8, device=dev)) if rowwise else None
+    col = (torch.empty(K, M, dtype=torch.float8_e4m3fn, device=dev),
+           torch.empty(blocked_size(K, math.ceil(M / 32)), dtype=torch.uint8, device=dev)) if colwise else None
+    ops = [torch.empty(M, K, dtype=torch.bfloat16, device=dev) if want else None for want in (row_operand, col_operand)]
+    kernel, _, args, kwargs = tn.forward_launch(x, w, 1e-6, rstd, row, col, *ops, blocked_scales=True, rceil=True,
+                                                hw_cast=hw_cast, config=cfg)
+    compiled = compile_for_target(kernel, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    regs, spills = ptxas_usage(ptx)
+    bm, bk, nw = cfg[:3]
+    n_chunks = math.ceil(K / bk)
+    per_block = sass_per_row_block(sass_of(compiled.asm["cubin"]), n_chunks)
+    resident = programs_per_sm(regs, nw, compiled.metadata.shared)
+    if cfg[5]:
+        resident = min(resident, cfg[5])
+    in_flight = resident * H200_SMS * bm * K * x.element_size() if normalize and bk < K else 0
+    return dict(regs=regs, spills=spills, programs_per_sm=resident,
+                instructions_per_element=per_block * 32 * nw / (bm * n_chunks * bk),
+                ld_v4=ptx.count("ld.global.v4"), st_vec=ptx.count("st.global.v2") + ptx.count("st.global.v4"),
+                cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"), reread_mib_in_flight=in_flight / 2**20)
+
+
+def compile_only() -> int:
+    """Build every norm launch the GPU run times, for sm_90 on this machine (no GPU); 1 if one fails."""
+    failed = 0
+    for M, K in NORM_SHAPES:
+        for i, cfg in enumerate(norm_configs(K)):
+            label = f"{M}x{K} {cfg!r:24s}" + (" (default)" if i == 0 else "")
+            try:
+                b = build_norm(M, K, cfg)
+            except Exception as e:
+                failed += 1
+                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            print(f"  {label}: {b['instructions_per_element']:5.1f} instructions/element  registers {b['regs']:3d}  "
+                  f"spill bytes {b['spills']}  programs/SM {b['programs_per_sm']}  re-read in flight "
+                  f"{b['reread_mib_in_flight']:6.1f} MiB", flush=True)
+    print(f"sm_90 builds: {'all built' if not failed else f'{failed} FAILED'}")
+    return 1 if failed else 0
 
 
 # ----------------------------------------------------------------------------- gemm
@@ -385,6 +497,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true",
+                        help="build the norm launches for sm_90 without a GPU (TRITON_INTERPRET must be unset)")
+    if parser.parse_args().compile_only:
+        sys.exit(compile_only())
     if not torch.cuda.is_available():
-        sys.exit("bench_norm_gemm needs a CUDA device")
+        sys.exit("bench_norm_gemm needs a CUDA device (or --compile-only)")
     main()

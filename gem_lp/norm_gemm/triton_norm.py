@@ -1,9 +1,9 @@
 """Fused RMSNorm + MXFP8 quantize in one Triton kernel, its backward, and the same pass without the norm.
 
-Forward (`rms_norm_mx`), per program a block of 32 (or 64) rows of `x [M, K]`:
+Forward (`rms_norm_mx`), per program `block_m` rows of `x [M, K]`:
 
 1. sweep over K in chunks: sum of squares per row (FP32), then `rstd = 1 / sqrt(sum / K + eps)` with
-   correctly rounded division and square root (as the reference computes on CPU);
+   correctly rounded division and square root (as the reference computes on CPU), once per row;
 2. sweep again (the chunks come back from L2; with one chunk covering K the tile stays in registers):
    `y = (fp32(x) * rstd) * fp32(w)` in the reference's operation order, then from the FP32 `y`:
    the rowwise MX cast (1x32 along K, payload `[M, K]`), the colwise MX cast (32x1 along M, payload of
@@ -11,12 +11,25 @@ Forward (`rms_norm_mx`), per program a block of 32 (or 64) rows of `x [M, K]`:
    the 128x4 blocked layout, and optionally the MX-exact dequantized operands for a BF16/FP32 GEMM:
    `deq(rowwise)` and `deq(colwise)`, both in `x`'s `[M, K]` layout.
 
+The second sweep is the dual cast of `gem_lp.mx.triton_quantize` applied to `y`, with its thread strips
+(each thread holds `thread_rows` consecutive rows x 8 consecutive columns: the 32-row maxima are mostly
+inside the thread and the `y^T` payload leaves as vector stores), its paired colwise store (M even: the
+hardware conversion takes two rows of a column and writes two consecutive bytes of `y^T`) and its cheaper
+scale and payload steps; the sum of squares reduces the same strips, and rstd goes through its output
+buffer so that one thread per row computes it (the strips hold a row's sum in many threads). On sm_90, bf16
+x with both casts, this is 17-18 instructions per element on full tiles (~24 at odd M, whose `y^T` payload
+is stored byte by byte) against 49-51 for the previous layout, 32x32-block tiles `[BLOCK_M/32, 32,
+BLOCK_K/32, 32]`, which `thread_rows=0` still selects (`_rms_norm_mx_kernel`) until the GPU has timed both.
+Rows of more than `block_k` elements are swept twice; `programs_per_sm` bounds the row blocks in flight so
+that the second sweep can find them in L2.
+
 With `weight=None` the kernel skips the norm (`y = x`): a dual MX cast that also writes the dequantized
 operands, the producer pass of the MX GEMMs.
 
-Every MX step is `gem_lp.mx.triton_numerics`, so the bytes equal `quantize_reference`'s for the same FP32
-`y`. The sum of squares is accumulated in the kernel's own order, which can differ from torch's in the
-last bit of `rstd`; whenever that FP32 sum is exact (order-free), `rstd` and every byte equal the reference.
+The MX steps are `gem_lp.mx.triton_quantize` / `triton_numerics` device functions, so the bytes equal
+`quantize_reference`'s for the same FP32 `y`. The sum of squares is accumulated in the kernel's own order,
+which can differ from torch's in the last bit of `rstd`; whenever that FP32 sum is exact (order-free), `rstd`
+and every byte equal the reference.
 
 Backward (`rms_norm_backward`): `dx = rstd * (dxhat - xhat * mean(dxhat * xhat))` with
 `xhat = x * rstd`, `dxhat = dy * w`, and per-program partial `dw = sum_rows(dy * xhat)` (FP32) reduced
@@ -33,15 +46,67 @@ import triton.language as tl
 from ..backend import interpreter_enabled
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
-from ..mx.triton_numerics import abs_bits, encode, scale_byte
+from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
+from ..mx.triton_quantize import (_max_cols_of_blocks, _max_rows_of_blocks, _store_colwise_pairs, _store_scales,
+                                  _tile_axes, block_payload, block_scale)
 from .reference import RMSNormQuantized
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
-# Largest K whose rows a program keeps whole in registers (one sweep over HBM); beyond it, chunks of
-# `MULTI_PASS_BLOCK_K` are read twice, the second time mostly from L2. Chosen from sm_90 builds (ptxas):
-# 32x512 with 16 warps and 32x256 with 8 warps need no spills; 32x1024 with 16 warps spills ~800 bytes.
+
+
+class NormConfig(tuple):
+    """Launch configuration `(block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm)`
+    of `rms_norm_mx`.
+
+    `block_m` rows x `block_k` columns per tile (powers of two >= 32); a program owns `block_m` rows and
+    sweeps K in chunks of `block_k` (`block_k >= K`: x is read once and kept in registers).
+    `thread_rows` (1..32, a power of two): the strip kernel, each thread holding `thread_rows` consecutive
+    rows x 8 columns; `row_blocks_in_thread`: a thread holds whole 32-column blocks of its rows (see
+    `triton_quantize.CastConfig`). `thread_rows=0`: the 32x32-block tile kernel (block_m 32 or 64).
+    `programs_per_sm` (strips only): 0 launches one program per row block; n > 0 launches n programs per
+    SM that walk the row blocks, which bounds the bytes in flight between the two sweeps (L2 reuse).
+    The configuration only steers the layout and schedule: every one writes the same bytes.
+    """
+
+    def __new__(cls, block_m: int, block_k: int, num_warps: int, thread_rows: int = 8,
+                row_blocks_in_thread: bool = False, programs_per_sm: int = 0):
+        return super().__new__(cls, (block_m, block_k, num_warps, thread_rows, bool(row_blocks_in_thread),
+                                     programs_per_sm))
+
+    def __repr__(self) -> str:
+        bm, bk, nw, tr, rb, per_sm = self
+        return (f"{bm}x{bk} w{nw} " + (f"r{tr}" + (" rowblk" if rb else "") if tr else "blocks")
+                + (f" {per_sm}/SM" if per_sm else ""))
+
+
+# Defaults are chosen by sm_90 instruction count until the GPU has timed CANDIDATE_CONFIGS
+# (`python -m benchmarks.bench_norm_gemm --compile-only` prints the builds): per K, the fewest SASS
+# instructions per element among builds without register spills (also with a masked last row block) that an SM
+# holds at least twice, a tie (within 2%) going to the launch that keeps fewer bytes between the two sweeps.
+# Up to ONE_PASS_MAX_K one tile covers K and x is read once; beyond it, 64x128 tiles re-read x chunk by chunk
+# (from L2 while it holds the resident row blocks). bf16 x, RMSNorm + rowwise + colwise: 17-21 instructions
+# per element, against 49-51 for the 32x32-block tiles.
 ONE_PASS_MAX_K = 512
-MULTI_PASS_BLOCK_K = 256
+ONE_PASS_CONFIGS = {  # K rounded up to a power of two -> configuration
+    32: NormConfig(64, 32, 1, 8), 64: NormConfig(32, 64, 1, 8), 128: NormConfig(32, 128, 2, 8),
+    256: NormConfig(32, 256, 2, 16), 512: NormConfig(32, 512, 4, 16),
+}
+MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
+# Odd M (the y^T payload stored byte by byte), dequantized operands or the integer E4M3 rounding need more
+# registers than those tiles leave: 32 rows (64 for K = 32) x at most 64 columns a program, in one warp.
+HEAVY_BLOCK_K = 64
+# The tuning space `benchmarks/bench_norm_gemm.py` times (each checked against the reference) and the GPU tests
+# run, for the K of the benchmark shapes: strips (programs_per_sm > 0: a persistent walk that bounds the re-read
+# bytes in flight) and the 32x32-block tile kernel's best measured launch (thread_rows=0). The strips keep
+# every thread busy when 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps.
+CANDIDATE_CONFIGS = {
+    1024: (NormConfig(64, 128, 4, 8), NormConfig(32, 1024, 8, 16), NormConfig(32, 256, 4, 8),
+           NormConfig(128, 64, 4, 8), NormConfig(32, 256, 4, 8, False, 2), NormConfig(32, 128, 4, 0)),
+    4096: (NormConfig(64, 128, 4, 8), NormConfig(32, 256, 4, 8), NormConfig(32, 512, 8, 8, False, 1),
+           NormConfig(64, 128, 4, 8, False, 1), NormConfig(32, 256, 4, 8, False, 2), NormConfig(32, 128, 4, 0)),
+}
+# Under the interpreter the cost is per program and per op: one chunk when it fits.
+INTERPRETER_MAX_BLOCK_K = 128
 _INT32_SPAN = 2**31
 
 
@@ -51,11 +116,7 @@ _INT32_SPAN = 2**31
 @triton.jit
 def load_f32(ptrs, mask):
     """Load as FP32; bf16 is widened by a 16-bit shift of its bits (exact also in the interpreter)."""
-    raw = tl.load(ptrs, mask=mask, other=0.0)
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        return (raw.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return raw.to(tl.float32)
+    return exact_f32(tl.load(ptrs, mask=mask, other=0.0))
 
 
 @triton.jit
@@ -105,7 +166,7 @@ def scale_offset(r, c, n_cols, BLOCKED: tl.constexpr):
         return r * n_cols + c
 
 
-# ----------------------------------------------------------------------------- forward kernel
+# ----------------------------------------------------------------------------- forward kernel: 32x32-block tiles
 
 
 @triton.jit
@@ -204,6 +265,213 @@ def _rms_norm_mx_kernel(
         tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
 
+# ----------------------------------------------------------------------------- forward kernel: thread strips
+
+
+@triton.jit
+def _sum_rows(v, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """Sum over the column axes (g, kb, e) of a strip tile, dims kept: one value per row."""
+    if ROW_BLOCKS_IN_THREAD:  # axes (c, kb, mb, g, r, e)
+        return tl.sum(tl.sum(tl.sum(v, axis=5, keep_dims=True), axis=3, keep_dims=True), axis=1, keep_dims=True)
+    else:  # axes (g, c, kb, mb, r, e)
+        return tl.sum(tl.sum(tl.sum(v, axis=5, keep_dims=True), axis=0, keep_dims=True), axis=2, keep_dims=True)
+
+
+@triton.jit
+def _load_strips(x_rows, k0, k, in_bounds, EVEN: tl.constexpr):
+    """FP32 of the chunk of x at columns k0 + k (rows outside the tile read as 0)."""
+    if EVEN:
+        return exact_f32(tl.load(x_rows + k0 + k))
+    else:
+        return exact_f32(tl.load(x_rows + k0 + k, mask=in_bounds, other=0.0))
+
+
+@triton.jit
+def _cast_strips(
+    y, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    ROW_BLOCKS_IN_THREAD: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr,
+    COL_OP: tl.constexpr, BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
+    EVEN: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
+):
+    """Write the requested casts of the FP32 chunk `y` (rows m0 + m, columns k0 + k of `[M, K]`)."""
+    a = abs_bits(y)  # int32, NaN-proof max
+    mask = None if EVEN else in_bounds
+    row_off = m0.to(tl.int64) * K + k0 + m * K + k  # element offsets in an [M, K] output
+    if ROW_MX or ROW_OP:
+        byte = block_scale(_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        q = block_payload(y, byte, HW_CAST)
+        if ROW_MX:
+            tl.store(row_data_ptr + row_off, q, mask=mask)
+            _store_scales(row_scale_ptr, byte, m0 + m, (k0 + k_block) // 32, M, K // 32, BLOCKED_SCALES, EVEN)
+        if ROW_OP:
+            store_operand(row_op_ptr + row_off, e4m3_value(q, HW_CAST) * scale_value(byte), mask, HW_CAST)
+    if COL_MX or COL_OP:
+        byte = block_scale(_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        if COL_MX:  # payload of y^T, [K, M] contiguous: a thread's rows of a column are consecutive bytes
+            if PAIRED_COLWISE:
+                _store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, y, byte, M - m0, K - k0, EVEN, HW_CAST)
+            else:
+                q = tl.permute(block_payload(y, byte, HW_CAST), (0, 1, 2, 3, 5, 4))
+                out = col_data_ptr + k0.to(tl.int64) * M + m0 + tl.permute(k * M + m, (0, 1, 2, 3, 5, 4))
+                tl.store(out, q, mask=None if EVEN else tl.permute(in_bounds, (0, 1, 2, 3, 5, 4)))
+            _store_scales(col_scale_ptr, byte, k0 + k, (m0 + m_block) // 32, K, (M + 31) // 32, BLOCKED_SCALES,
+                          EVEN)
+        if COL_OP:
+            q = block_payload(y, byte, HW_CAST)
+            store_operand(col_op_ptr + row_off, e4m3_value(q, HW_CAST) * scale_value(byte), mask, HW_CAST)
+
+
+@triton.jit
+def _rstd(sum_sq, K: tl.constexpr, eps):
+    """1 / sqrt(sum_sq / K + eps), each step correctly rounded as the reference's FP32 ops on the CPU."""
+    if K & (K - 1) == 0:  # dividing by a power of two is the exact multiplication by its inverse
+        mean_sq = sum_sq * (1.0 / K)
+    else:
+        mean_sq = tl.div_rn(sum_sq, tl.full((), K, tl.float32))
+    return tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+
+
+@triton.jit
+def _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr):
+    """rstd of the program's rows, stored to `rstd_ptr` and returned in the layout of `sum_sq` (one per row of
+    `rows`, which holds copies: the lanes and warps along a row share its sum).
+
+    Computed in place the division and square root would run once per copy; instead the sums go through
+    rstd's output, one thread per row computes rstd there, and the tile reads it back. The barriers order
+    the steps within the program (global memory is visible across a program's threads after one).
+    """
+    own = m0 + tl.arange(0, BLOCK_M)
+    if EVEN_M:
+        tl.store(rstd_ptr + rows, sum_sq)
+        tl.debug_barrier()
+        rstd = _rstd(tl.load(rstd_ptr + own), K, eps)
+        tl.debug_barrier()  # every sum read before any is overwritten
+        tl.store(rstd_ptr + own, rstd)
+        tl.debug_barrier()
+        return tl.load(rstd_ptr + rows)
+    else:
+        tl.store(rstd_ptr + rows, sum_sq, mask=rows < M)
+        tl.debug_barrier()
+        rstd = _rstd(tl.load(rstd_ptr + own, mask=own < M, other=0.0), K, eps)
+        tl.debug_barrier()
+        tl.store(rstd_ptr + own, rstd, mask=own < M)
+        tl.debug_barrier()
+        return tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+
+
+@triton.jit
+def _norm_cast_strips(
+    x, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    BLOCK_K: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr, NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr,
+    COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr, BLOCKED_SCALES: tl.constexpr,
+    RCEIL: tl.constexpr, HW_CAST: tl.constexpr, EVEN_M: tl.constexpr, EVEN: tl.constexpr,
+    PAIRED_COLWISE: tl.constexpr,
+):
+    """y = (x * rstd) * w of one chunk (columns k0 + k), or y = x without the norm, and its casts."""
+    if NORMALIZE:
+        # w loaded in the tile's shape: a [.., 8] load gets its own layout, and Triton would then convert
+        # the whole tile to it. The loads repeated over a thread's rows are the same instruction.
+        w_ptrs = tl.broadcast_to(w_ptr + k0 + k, x.shape)
+        if K % BLOCK_K == 0:
+            w = exact_f32(tl.load(w_ptrs))
+        else:
+            w = exact_f32(tl.load(w_ptrs, mask=tl.broadcast_to(k < K - k0, x.shape), other=0.0))
+        y = (x * rstd) * w  # the reference's order
+        if not EVEN_M:  # rows past M are 0 for the column maxima, whatever their rstd
+            y = tl.where(m < M - m0, y, 0.0)
+    else:
+        y = x
+    _cast_strips(y, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
+                 row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                 ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
+                 PAIRED_COLWISE)
+
+
+@triton.jit
+def _norm_row_block(
+    m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
+    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
+):
+    """Rows m0 .. m0 + BLOCK_M - 1: rstd, then every requested output."""
+    # The tile is `triton_quantize`'s 6-D strip tile (see `_tile_axes`): row mb * 32 + c * THREAD_ROWS + r,
+    # column kb * 32 + g * 8 + e; r and e stay in each thread's registers.
+    NMB: tl.constexpr = BLOCK_M // 32
+    NKB: tl.constexpr = BLOCK_K // 32
+    EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0  # no masks anywhere
+    g, c, kb, mb, r, e = _tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    m_block = mb * 32  # first row of each element's 32-row block
+    k_block = kb * 32  # first column of each element's 32-column block
+    m_strip = m_block + c * THREAD_ROWS  # first row of each thread's strip
+    m = m_strip + r
+    k = k_block + g * 8 + e
+    rows = m0 + m  # [.., THREAD_ROWS, 1]: one per row, for rstd
+    if LARGE_OFFSETS:  # k * M or m * stride inside one tile reaches 2^31
+        m = m.to(tl.int64)
+        k = k.to(tl.int64)
+    x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
+    rstd = 0.0
+    if BLOCK_K >= K:  # one chunk covers K: x is read once and stays in registers
+        in_bounds = (m < M - m0) & (k < K)
+        x = _load_strips(x_rows, 0, k, in_bounds, EVEN)
+        if NORMALIZE:
+            sum_sq = _sum_rows(x * x, ROW_BLOCKS_IN_THREAD)
+            rstd = _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K, eps, BLOCK_M, EVEN_M)
+        k0 = tl.cast(0, tl.int32)  # a tensor, as in the chunk loop
+        _norm_cast_strips(x, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
+                          row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                          BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES,
+                          RCEIL, HW_CAST, EVEN_M, EVEN, PAIRED_COLWISE)
+    else:
+        if NORMALIZE:
+            acc = tl.zeros((m + k).shape, tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = _load_strips(x_rows, k0, k, (m < M - m0) & (k < K - k0), EVEN)
+                acc += xs * xs
+            sum_sq = _sum_rows(acc, ROW_BLOCKS_IN_THREAD)
+            rstd = _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K, eps, BLOCK_M, EVEN_M)
+        for k_start in range(0, K, BLOCK_K):
+            k0 = tl.cast(k_start, tl.int32)  # a tensor also in the interpreter (the stores call k0.to)
+            chunk_in_bounds = (m < M - m0) & (k < K - k0)
+            xc = _load_strips(x_rows, k0, k, chunk_in_bounds, EVEN)
+            _norm_cast_strips(xc, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, chunk_in_bounds,
+                              row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                              BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                              BLOCKED_SCALES, RCEIL, HW_CAST, EVEN_M, EVEN, PAIRED_COLWISE)
+
+
+@triton.jit
+def _rms_norm_mx_strips_kernel(
+    x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
+    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_programs, ...), so
+    # that few row blocks are in flight and the second sweep finds its chunks in L2 (one row block of 32 x 4096
+    # bf16 is 256 KiB).
+    if PERSISTENT:
+        m0 = tl.program_id(0) * BLOCK_M
+        while m0 < M:
+            _norm_row_block(m0, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
+                            row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                            BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP,
+                            COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE)
+            m0 += tl.num_programs(0) * BLOCK_M
+    else:
+        _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
+                        row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                        BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP,
+                        COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE)
+
+
 # ----------------------------------------------------------------------------- backward kernel
 
 
@@ -272,14 +540,61 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
-def default_config(K: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps) of the forward kernel for rows of K elements."""
-    if interpreter_enabled():  # cost is per program and per op: one chunk when it fits
-        return 32, min(_pow2_at_least(K, BLOCK), 128), 1
+def default_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
+    """Launch configuration of the forward kernel for rows of K elements, when the caller gives none.
+
+    `even_m`: M is even (the colwise payload is stored in pairs); `operands`: dequantized operands are written;
+    `hw_cast=False`: the integer E4M3 rounding.
+    """
+    if interpreter_enabled():
+        return NormConfig(32, min(_pow2_at_least(K, BLOCK), INTERPRETER_MAX_BLOCK_K), 1, 8)
+    if operands or not hw_cast or not even_m:
+        block_k = min(_pow2_at_least(K, BLOCK), HEAVY_BLOCK_K)
+        return NormConfig(64 if block_k == BLOCK else 32, block_k, 1, 8)
     if K <= ONE_PASS_MAX_K:
-        bk = _pow2_at_least(K, BLOCK)
-        return 32, bk, max(4, bk // 32)
-    return 32, MULTI_PASS_BLOCK_K, 8
+        return ONE_PASS_CONFIGS[_pow2_at_least(K, BLOCK)]
+    return MULTI_PASS_CONFIG
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 2 elsewhere (the interpreter, builds without a GPU)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
+                   row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
+                   row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
+                   hw_cast: bool, config: NormConfig):
+    """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
+
+    `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
+    is given. Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU).
+    """
+    M, K = x.shape
+    block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm = config
+    # Payloads are written as bytes; the kernel never sees an fp8 pointer.
+    ptrs = [None if t is None else t.view(torch.uint8) for pair in (row, col)
+            for t in (pair if pair is not None else (None, None))]
+    span = max(block_m * max(x.stride(0), K), block_k * M)  # largest offset inside one tile
+    args = (x, x.stride(0), weight, M, K, float(eps), rstd, *ptrs, row_op, col_op)
+    kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
+                  COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
+                  BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
+                  num_warps=num_warps)
+    n_blocks = n_programs = triton.cdiv(M, block_m)
+    if thread_rows == 0:
+        kernel = _rms_norm_mx_kernel
+        kwargs.update(ONE_PASS=block_k >= K)
+    else:
+        kernel = _rms_norm_mx_strips_kernel
+        if programs_per_sm:
+            n_programs = min(n_blocks, programs_per_sm * _sm_count(x.device))
+        kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
+                      EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and M % 2 == 0 and thread_rows > 1,
+                      PERSISTENT=programs_per_sm > 0)
+    return kernel, (n_programs,), args, kwargs
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:
@@ -308,11 +623,16 @@ def _check_weight(weight: torch.Tensor, K: int, x: torch.Tensor, name: str = "we
         raise ValueError(f"{name} must be on x's device {x.device}, got {weight.device}")
 
 
-def _check_config(block_m: int, block_k: int, num_warps: int) -> None:
-    if block_m not in (32, 64):
-        raise ValueError(f"block_m must be 32 or 64, got {block_m}")
-    if block_k < BLOCK or block_k & (block_k - 1):
-        raise ValueError(f"block_k must be a power of two >= {BLOCK}, got {block_k}")
+def _check_config(block_m: int, block_k: int, num_warps: int, thread_rows: int, programs_per_sm: int) -> None:
+    if thread_rows < 0 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
+        raise ValueError(f"thread_rows must be 0 or a power of two in 1..{BLOCK}, got {thread_rows}")
+    if thread_rows == 0 and block_m not in (32, 64):
+        raise ValueError(f"block_m must be 32 or 64 with thread_rows=0, got {block_m}")
+    if programs_per_sm < 0 or (programs_per_sm and thread_rows == 0):
+        raise ValueError(f"programs_per_sm must be >= 0, and 0 with thread_rows=0, got {programs_per_sm}")
+    for name, v in (("block_m", block_m), ("block_k", block_k)):
+        if v < BLOCK or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {v}")
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps}")
 
@@ -332,6 +652,9 @@ def rms_norm_mx(
     block_m: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    thread_rows: int | None = None,
+    row_blocks_in_thread: bool | None = None,
+    programs_per_sm: int | None = None,
     hw_cast: bool | None = None,
 ) -> NormMXOutputs:
     """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch.
@@ -346,8 +669,9 @@ def rms_norm_mx(
             `operand_dtype` (bfloat16 or float32): exact MX values a BF16/FP32 GEMM consumes (bfloat16
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
-        block_m (32 or 64), block_k (power of two >= 32), num_warps: kernel configuration;
-            None takes `default_config(K)`.
+        block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm: launch
+            configuration (see `NormConfig`); each None takes the value of `default_config` for K, M's
+            parity, the operands and `hw_cast`. The bytes written do not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
     """
     _check_2d(x, "x")
@@ -361,13 +685,12 @@ def rms_norm_mx(
         raise ValueError("at least one of rowwise, colwise, row_operand, col_operand must be True")
     if operand_dtype not in OPERAND_DTYPES:
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype}")
-    cfg = default_config(K)
-    block_m = cfg[0] if block_m is None else block_m
-    block_k = cfg[1] if block_k is None else block_k
-    num_warps = cfg[2] if num_warps is None else num_warps
-    _check_config(block_m, block_k, num_warps)
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
+    given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm)
+    default = default_config(K, M % 2 == 0, row_operand or col_operand, hw_cast)
+    config = NormConfig(*(d if v is None else v for v, d in zip(given, default)))
+    _check_config(*config[:4], config[5])
 
     dev = x.device
     n_kb, n_mb = K // BLOCK, ceil_div(M, BLOCK)
@@ -385,18 +708,10 @@ def rms_norm_mx(
     col_op = torch.empty(M, K, dtype=operand_dtype, device=dev) if col_operand else None
 
     if M > 0:
-        x = x.detach()
-        span = max(block_m * max(x.stride(0), K), block_k * M)
-        ptrs = [None if t is None else t.view(torch.uint8) for t in
-                (row[0] if row else None, row[1] if row else None, col[0] if col else None, col[1] if col else None)]
-        _rms_norm_mx_kernel[(triton.cdiv(M, block_m),)](
-            x, x.stride(0), None if weight is None else weight.detach(), M, K, float(eps), rstd,
-            *ptrs, row_op, col_op,
-            BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=block_k >= K, NORMALIZE=weight is not None,
-            ROW_MX=rowwise, COL_MX=colwise, ROW_OP=row_operand, COL_OP=col_operand,
-            BLOCKED_SCALES=blocked_scales, RCEIL=scaling == "rceil", HW_CAST=hw_cast,
-            LARGE_OFFSETS=span >= _INT32_SPAN, num_warps=num_warps,
-        )
+        kernel, grid, args, kwargs = forward_launch(
+            x.detach(), None if weight is None else weight.detach(), eps, rstd, row, col, row_op, col_op,
+            blocked_scales=blocked_scales, rceil=scaling == "rceil", hw_cast=hw_cast, config=config)
+        kernel[grid](*args, **kwargs)
     layout = "blocked" if blocked_scales else "plain"
     orig = x.dtype if weight is None else torch.float32  # the normalized y is FP32, as in the reference
     return NormMXOutputs(

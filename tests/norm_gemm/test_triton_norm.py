@@ -12,6 +12,9 @@ of squares is the reference's arithmetic.
 """
 import itertools
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,7 +22,8 @@ import torch
 
 from gem_lp.mx import dequantize, quantize_reference, to_blocked
 from gem_lp.norm_gemm.reference import rms_norm_fp32, rms_norm_quantize_reference
-from gem_lp.norm_gemm.triton_norm import rms_norm_backward, rms_norm_mx, rms_norm_quantize_triton
+from gem_lp.norm_gemm.triton_norm import (CANDIDATE_CONFIGS, rms_norm_backward, rms_norm_mx,
+                                          rms_norm_quantize_triton)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,10 +103,15 @@ def check_outputs(out, x, w, eps, scaling, blocked, rstd, operand_dtype, tag):
         assert_same_values(out.col_operand, dequantize(col).t().to(operand_dtype), f"col operand {tag}")
 
 
-# (dtype, scaling, blocked scales, operand dtype) rotated over the shapes; each shape runs the default
-# configuration and a multi-pass one (BLOCK_K=32: the second sweep re-reads x chunk by chunk).
+# (dtype, scaling, blocked scales, operand dtype) rotated over the shapes, and so are the launch configurations:
+# the default (one chunk covers K up to 128), multi-pass ones (block_k=32: the second sweep re-reads x chunk by
+# chunk), thread strips of 1..16 rows (1: the byte-wise colwise store; M even and > 1: the paired one), whole
+# row blocks in a thread, the persistent walk over row blocks, and the 32x32-block tile kernel (thread_rows=0).
 COMBOS = list(itertools.product(DTYPES, ("rceil", "floor"), (True, False)))
-CONFIGS = (dict(), dict(block_k=32), dict(block_m=64, block_k=32))
+CONFIGS = (dict(), dict(block_k=32), dict(block_m=64, block_k=32, thread_rows=16),
+           dict(block_m=64, block_k=64, thread_rows=2, row_blocks_in_thread=True),
+           dict(block_k=32, thread_rows=4, programs_per_sm=1), dict(thread_rows=1), dict(thread_rows=0),
+           dict(block_m=64, block_k=32, thread_rows=0))
 CASES = [(M, K, COMBOS[(3 * i) % len(COMBOS)], CONFIGS[i % len(CONFIGS)], 10 * i)
          for i, (M, K) in enumerate(itertools.product(MS, KS))]
 
@@ -294,8 +303,14 @@ def test_errors():
         rms_norm_mx(x, w, rowwise=False, colwise=False)
     with pytest.raises(ValueError, match="operand_dtype must be one of"):
         rms_norm_mx(x, w, row_operand=True, operand_dtype=torch.float16)
-    with pytest.raises(ValueError, match="block_m must be 32 or 64, got 16"):
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 32, got 16"):
         rms_norm_mx(x, w, block_m=16)
+    with pytest.raises(ValueError, match="block_m must be 32 or 64 with thread_rows=0, got 128"):
+        rms_norm_mx(x, w, block_m=128, thread_rows=0)
+    with pytest.raises(ValueError, match="thread_rows must be 0 or a power of two in 1..32, got 3"):
+        rms_norm_mx(x, w, thread_rows=3)
+    with pytest.raises(ValueError, match="programs_per_sm must be >= 0, and 0 with thread_rows=0, got 1"):
+        rms_norm_mx(x, w, thread_rows=0, programs_per_sm=1)
     with pytest.raises(ValueError, match="block_k must be a power of two >= 32, got 48"):
         rms_norm_mx(x, w, block_k=48)
     with pytest.raises(ValueError, match="scaling must be one of"):
@@ -310,6 +325,53 @@ def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="need CUDA tensors"):
         rms_norm_mx(torch.randn(32, 32), torch.randn(32))
+
+
+# ----------------------------------------------------------------------------- compiled for sm_90
+
+_HOPPER_COMPILE = """
+import json, torch
+from benchmarks.bench_norm_gemm import build_norm
+from gem_lp.norm_gemm.triton_norm import default_config
+builds = [(K, {}) for K in (32, 256, 512, 1024, 4096)]  # RMSNorm + rowwise + colwise MX (the benchmark's)
+builds += [(1024, dict(normalize=False)), (1024, dict(normalize=False, x_dtype=torch.float32)),  # dual casts
+           (1024, dict(colwise=True, rowwise=False, row_operand=True)),  # the RMSNorm+MXLinear producer
+           (4096, dict(normalize=False, rowwise=False, colwise=False, row_operand=True, col_operand=True)),
+           (1024, dict(hw_cast=False))]
+for K, kw in builds:
+    operands = kw.get("row_operand", False) or kw.get("col_operand", False)
+    # every tile full, the colwise payload stored in pairs; a masked last row block; odd M (byte-wise stores)
+    for M in (4096, 4064, 4095):
+        config = default_config(K, M % 2 == 0, operands, kw.get("hw_cast", True))
+        b = build_norm(M, K, config, **kw)
+        print(json.dumps(dict(K=K, M=M, kw={k: str(v) for k, v in kw.items()}, config=list(config), **b)))
+"""
+
+
+def test_default_configs_compile_for_hopper():
+    """The sm_90 builds (no GPU needed) of the default launch configurations for each set of outputs and M even,
+    masked or odd: no register spills (the integer rounding, a GPU-test path, may spill at odd M), 16-byte loads,
+    the hardware E4M3 conversion, vector stores of the paired y^T payload (M even), and at most 22 instructions
+    per element for RMSNorm + both casts on full tiles (the 32x32-block tiles took 49-51)."""
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="0")  # a compiled, not interpreted, kernel object
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(builds) == 30, done.stdout
+    for b in builds:
+        assert b["ld_v4"] > 0 and b["programs_per_sm"] >= 1, b
+        if b["kw"].get("hw_cast") != "False":
+            assert b["cvt"] > 0 and b["spills"] == 0, b
+        elif b["M"] % 2 == 0:
+            assert b["spills"] == 0, b
+        if b["M"] % 2 == 0 and b["kw"].get("colwise", "True") == "True":
+            assert b["st_vec"] > 0, b
+        if not b["kw"] and b["M"] == 4096:
+            assert b["instructions_per_element"] <= 22, b
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -344,6 +406,33 @@ def test_gpu_hardware_and_integer_conversions_agree():
         assert_same_bytes(getattr(hw, name).scale, getattr(sw, name).scale, name)
     assert_same_values(hw.row_operand, sw.row_operand, "row operand")
     assert_same_values(hw.col_operand, sw.col_operand, "col operand")
+
+
+GPU_CONFIGS = [(K, c) for K, configs in CANDIDATE_CONFIGS.items() for c in configs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,config", GPU_CONFIGS, ids=[f"K{K}-{c!r}".replace(" ", "_") for K, c in GPU_CONFIGS])
+def test_gpu_every_candidate_config_matches_reference(K, config):
+    """Every launch the benchmark times, on full and partial row blocks, even and odd M (paired and byte-wise
+    colwise stores), with NaN/Inf rows: exact-sum inputs bit for bit, generic ones given the kernel's rstd."""
+    kw = dict(zip(("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm"),
+                  config))
+    w = norm_weight(K, torch.float32, K)
+    for M in (4096, 999):
+        exact = exact_sum_input(M, K, torch.bfloat16, M)
+        exact[3, 5] = math.nan
+        exact[7] = math.inf
+        out = rms_norm_mx(exact, w, 1e-6, **kw)
+        ref = cpu_reference(exact, w, 1e-6, "rceil")
+        assert_same_values(out.rstd, ref.rstd, f"exact-sum rstd {config!r} M={M}")
+        check_outputs(out, exact, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"exact {config!r} M={M}")
+        x = generic_input(M, K, torch.bfloat16, M + 1)
+        out = rms_norm_mx(x, w, 1e-6, **kw)
+        ref = cpu_reference(x, w, 1e-6, "rceil")
+        ulp = torch.finfo(torch.float32).eps * ref.rstd.abs()
+        assert bool(((out.rstd.cpu() - ref.rstd).abs() <= 4 * ulp).all()), f"rstd {config!r} M={M}"
+        check_outputs(out, x, w, 1e-6, "rceil", True, out.rstd, torch.bfloat16, f"generic {config!r} M={M}")
 
 
 @pytest.mark.gpu
