@@ -157,8 +157,12 @@ def bench_norm(bench: Bench, checks: dict) -> None:
                 _fail(bench, group, name, e)
                 continue
             checks[f"{group} {name}"] = ok
+            try:  # the sm_90 build's figures beside the timing (instructions per element, registers, ...)
+                build = {k: v for k, v in build_norm(M, K, cfg).items() if k != "cvt"}
+            except Exception as e:
+                build = dict(build_error=f"{type(e).__name__}: {str(e)[:200]}")
             ms = bench.time(group, name, lambda: rms_norm_mx(x, w, EPS, **kw), nbytes=nbytes, config=list(cfg),
-                            bit_identical=ok)
+                            bit_identical=ok, **build)
             if ms is not None and ok and (best is None or ms < best[0]):
                 best = (ms, cfg)
         if best is not None:

@@ -436,6 +436,20 @@ def test_gpu_every_candidate_config_matches_reference(K, config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs_per_sm", [1, 2])
+def test_gpu_persistent_walk_covers_every_row_block(programs_per_sm):
+    """More row blocks than programs: each program walks several (the last one partial, M odd)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    M, K = 3 * programs_per_sm * sms * 32 + 17, 128
+    x, w = exact_sum_input(M, K, torch.bfloat16, M), norm_weight(K, torch.float32, M)
+    out = rms_norm_mx(x, w, 1e-6, block_m=32, block_k=64, num_warps=2, thread_rows=8,
+                      programs_per_sm=programs_per_sm)
+    ref = cpu_reference(x, w, 1e-6, "rceil")
+    assert_same_values(out.rstd, ref.rstd, "rstd")
+    check_outputs(out, x, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"{programs_per_sm}/SM")
+
+
+@pytest.mark.gpu
 def test_gpu_backward_large():
     M, K = 8192, 4096
     x, w = generic_input(M, K, torch.bfloat16, 2), norm_weight(K, torch.bfloat16, 2)
