@@ -79,7 +79,9 @@ class NormConfig(tuple):
                 + (f" {per_sm}/SM" if per_sm else ""))
 
 
-# Defaults are chosen by sm_90 instruction count until the GPU has timed CANDIDATE_CONFIGS
+# The GPU default is MEASURED_CONFIG, the 32x32-block tile kernel's fastest launch on the H200 (1.26-1.33
+# TB/s, docs/PERF.md), until the thread-strip launches below have been timed and checked on the GPU.
+# `strip_config` gives the strip launch chosen by sm_90 instruction count
 # (`python -m benchmarks.bench_norm_gemm --compile-only` prints the builds): per K, the fewest SASS
 # instructions per element among builds without register spills (also with a masked last row block) that an SM
 # holds at least twice, a tie (within 2%) going to the launch that keeps fewer bytes between the two sweeps.
@@ -92,6 +94,7 @@ ONE_PASS_CONFIGS = {  # K rounded up to a power of two -> configuration
     256: NormConfig(32, 256, 2, 16), 512: NormConfig(32, 512, 4, 16),
 }
 MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
+MEASURED_CONFIG = NormConfig(32, 128, 4, 0)
 # Odd M (the y^T payload stored byte by byte), dequantized operands or the integer E4M3 rounding need more
 # registers than those tiles leave: 32 rows (64 for K = 32) x at most 64 columns a program, in one warp.
 HEAVY_BLOCK_K = 64
@@ -541,7 +544,14 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 
 def default_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
-    """Launch configuration of the forward kernel for rows of K elements, when the caller gives none.
+    """Launch configuration of the forward kernel when the caller gives none: the measured one on the GPU."""
+    if interpreter_enabled():
+        return strip_config(K, even_m, operands, hw_cast)
+    return MEASURED_CONFIG
+
+
+def strip_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
+    """The thread-strip launch for rows of K elements with the fewest sm_90 instructions per element.
 
     `even_m`: M is even (the colwise payload is stored in pairs); `operands`: dequantized operands are written;
     `hw_cast=False`: the integer E4M3 rounding.

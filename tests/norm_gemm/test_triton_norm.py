@@ -332,7 +332,7 @@ def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
 _HOPPER_COMPILE = """
 import json, torch
 from benchmarks.bench_norm_gemm import build_norm
-from gem_lp.norm_gemm.triton_norm import default_config
+from gem_lp.norm_gemm.triton_norm import strip_config
 builds = [(K, {}) for K in (32, 256, 512, 1024, 4096)]  # RMSNorm + rowwise + colwise MX (the benchmark's)
 builds += [(1024, dict(normalize=False)), (1024, dict(normalize=False, x_dtype=torch.float32)),  # dual casts
            (1024, dict(colwise=True, rowwise=False, row_operand=True)),  # the RMSNorm+MXLinear producer
@@ -342,14 +342,14 @@ for K, kw in builds:
     operands = kw.get("row_operand", False) or kw.get("col_operand", False)
     # every tile full, the colwise payload stored in pairs; a masked last row block; odd M (byte-wise stores)
     for M in (4096, 4064, 4095):
-        config = default_config(K, M % 2 == 0, operands, kw.get("hw_cast", True))
+        config = strip_config(K, M % 2 == 0, operands, kw.get("hw_cast", True))
         b = build_norm(M, K, config, **kw)
         print(json.dumps(dict(K=K, M=M, kw={k: str(v) for k, v in kw.items()}, config=list(config), **b)))
 """
 
 
-def test_default_configs_compile_for_hopper():
-    """The sm_90 builds (no GPU needed) of the default launch configurations for each set of outputs and M even,
+def test_strip_configs_compile_for_hopper():
+    """The sm_90 builds (no GPU needed) of the thread-strip launch configurations for each set of outputs and M even,
     masked or odd: no register spills (the integer rounding, a GPU-test path, may spill at odd M), 16-byte loads,
     the hardware E4M3 conversion, vector stores of the paired y^T payload (M even), and at most 22 instructions
     per element for RMSNorm + both casts on full tiles (the 32x32-block tiles took 49-51)."""
