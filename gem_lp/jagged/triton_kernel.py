@@ -25,7 +25,7 @@ import triton.language as tl
 from ..backend import interpreter_enabled
 from ..mx.formats import PAYLOAD_DTYPE
 from ..mx.triton_numerics import abs_bits, exact_f32
-from ..mx.triton_quantize import (_max_cols_of_blocks, _max_rows_of_blocks, _tile_axes, block_payload,
+from ..mx.triton_quantize import (max_cols_of_blocks, max_rows_of_blocks, tile_axes, block_payload,
                                   block_scale)
 from .tensor import JaggedMXTensor, scale_sizes
 
@@ -96,7 +96,7 @@ def _jagged_mx_kernel(
     seq_base = h.to(tl.int64) * seq_head_bytes
 
     # token t = mb * 32 + c * THREAD_ROWS + r of the chunk, feature f = cb * 32 + g * 8 + e of a feature chunk
-    g, c, cb, mb, r, e = _tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    g, c, cb, mb, r, e = tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     t = mb * 32 + c * THREAD_ROWS + r
     f_in = cb * 32 + g * 8 + e
     valid = t < n_valid
@@ -116,18 +116,18 @@ def _jagged_mx_kernel(
             p_off = p_chunk + t * (H * D) + f
             col = ci * CB + cb  # hdim-form scale columns of this feature chunk
             if DO_HDIM or DO_SQUARE:
-                hdim_amax = _max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
+                hdim_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
             if DO_HDIM:
                 byte = block_scale(hdim_amax, RCEIL)
                 tl.store(p_hdim_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
                 tl.store(s_hdim_ptr + hdim_base + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
             if DO_SEQ:  # 32x1 along tokens
-                byte = block_scale(_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+                byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
                 tl.store(p_seq_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
                 tl.store(s_seq_ptr + seq_base + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
                          byte.to(tl.uint8))
             if DO_SQUARE:  # 32x32
-                byte = block_scale(_max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
+                byte = block_scale(max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
                 tl.store(p_square_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
                 # the hdim form repeats the byte on each real token row (padding rows: 0), the seq form
                 # on each of the block's 32 features

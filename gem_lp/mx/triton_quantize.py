@@ -19,7 +19,7 @@ transposed payload leaves as `thread_rows` consecutive bytes of x^T per column (
 shared-memory transpose), and each scale byte is computed by few threads. The tile is held as a 6-D
 tensor with axes (8-column group of a 32-column block, strip of a 32-row block, column block, row
 block, row in strip, column in group); Triton gives lanes and warps to the leading axes in order and
-leaves the trailing ones in registers, which is what places the strips (see `_tile_axes`). On sm_90
+leaves the trailing ones in registers, which is what places the strips (see `tile_axes`). On sm_90
 this takes about 7 instructions per element for one cast and 12 for rowwise + colwise (the 4-D tile
 of 32x32 blocks it replaces took 14-23 and 43).
 
@@ -143,7 +143,7 @@ def _scale_offset(r, c, n_cols, BLOCKED: tl.constexpr):
 
 
 @triton.jit
-def _store_scales(ptr, byte, r, c, n_rows, n_cols, BLOCKED: tl.constexpr, EVEN: tl.constexpr):
+def store_scales(ptr, byte, r, c, n_rows, n_cols, BLOCKED: tl.constexpr, EVEN: tl.constexpr):
     """Store scale bytes `byte` at (r, c) of an `[n_rows, n_cols]` scale matrix (plain or blocked)."""
     if EVEN:
         tl.store(ptr + _scale_offset(r, c, n_cols, BLOCKED), byte.to(tl.uint8))
@@ -152,7 +152,7 @@ def _store_scales(ptr, byte, r, c, n_rows, n_cols, BLOCKED: tl.constexpr, EVEN: 
 
 
 @triton.jit
-def _tile_axes(NMB: tl.constexpr, NKB: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+def tile_axes(NMB: tl.constexpr, NKB: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """The six index axes of the tile, each a 6-D arange along its own axis: (g, c, kb, mb, r, e).
 
     Row within the tile: mb * 32 + c * THREAD_ROWS + r; column: kb * 32 + g * 8 + e.
@@ -179,7 +179,7 @@ def _tile_axes(NMB: tl.constexpr, NKB: tl.constexpr, THREAD_ROWS: tl.constexpr, 
 
 
 @triton.jit
-def _max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+def max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Max over each 1x32 block (axes e and g), dims kept."""
     if ROW_BLOCKS_IN_THREAD:
         return tl.max(tl.max(a, axis=5, keep_dims=True), axis=3, keep_dims=True)
@@ -188,7 +188,7 @@ def _max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
 
 
 @triton.jit
-def _max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+def max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Max over each 32x1 block (axes r and c), dims kept."""
     if ROW_BLOCKS_IN_THREAD:
         return tl.max(tl.max(a, axis=4, keep_dims=True), axis=0, keep_dims=True)
@@ -197,7 +197,7 @@ def _max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
 
 
 @triton.jit
-def _store_colwise_pairs(ptr, M, m0, k0, m_strip, k, x, byte, M_LIMIT, K_LIMIT, EVEN: tl.constexpr,
+def store_colwise_pairs(ptr, M, m0, k0, m_strip, k, x, byte, M_LIMIT, K_LIMIT, EVEN: tl.constexpr,
                          HW_CAST: tl.constexpr):
     """Colwise payload of the tile stored two rows at a time (M even).
 
@@ -248,7 +248,7 @@ def _mx_cast_2d_kernel(
     pid = tl.program_id(0)
     m0 = (pid // n_k_tiles) * BLOCK_M
     k0 = (pid % n_k_tiles) * BLOCK_K
-    g, c, kb, mb, r, e = _tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     m_block = mb * 32  # first row of each element's 32-row block
     k_block = kb * 32  # first column of each element's 32-column block
     m_strip = m_block + c * THREAD_ROWS  # first row of each thread's strip
@@ -271,7 +271,7 @@ def _mx_cast_2d_kernel(
     a = abs_bits(x)  # int32, NaN-proof max
 
     if ROWWISE or SQUARE:
-        row_amax = _max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+        row_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
     if ROWWISE:
         byte = block_scale(row_amax, RCEIL)
         q = block_payload(x, byte, HW_CAST)
@@ -281,14 +281,14 @@ def _mx_cast_2d_kernel(
         else:
             tl.store(out, q, mask=in_bounds)
         # one scale per row and 32-column block: indices constant along the block's axes
-        _store_scales(row_scale_ptr, byte, m0 + m, (k0 + k_block) // 32, M, K // 32, BLOCKED_SCALES, EVEN)
+        store_scales(row_scale_ptr, byte, m0 + m, (k0 + k_block) // 32, M, K // 32, BLOCKED_SCALES, EVEN)
     if COLWISE:
-        byte = block_scale(_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
         # Payload of x^T ([K, M] contiguous): each thread's THREAD_ROWS rows of a column are consecutive
         # bytes there. Storing the tile with its last two axes swapped makes that run the vector
         # (Triton vectorizes along the last axis), and the swap is a renaming of registers.
         if PAIRED_COLWISE:
-            _store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, x, byte, M - m0, K - k0, EVEN, HW_CAST)
+            store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, x, byte, M - m0, K - k0, EVEN, HW_CAST)
         else:
             q = tl.permute(block_payload(x, byte, HW_CAST), (0, 1, 2, 3, 5, 4))
             out = k0.to(tl.int64) * M + m0 + k * M + m
@@ -297,16 +297,16 @@ def _mx_cast_2d_kernel(
             else:
                 tl.store(col_data_ptr + tl.permute(out, (0, 1, 2, 3, 5, 4)), q,
                          mask=tl.permute(in_bounds, (0, 1, 2, 3, 5, 4)))
-        _store_scales(col_scale_ptr, byte, k0 + k, (m0 + m_block) // 32, K, (M + 31) // 32, BLOCKED_SCALES, EVEN)
+        store_scales(col_scale_ptr, byte, k0 + k, (m0 + m_block) // 32, K, (M + 31) // 32, BLOCKED_SCALES, EVEN)
     if SQUARE:
-        byte = block_scale(_max_cols_of_blocks(row_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_cols_of_blocks(row_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
         q = block_payload(x, byte, HW_CAST)
         out = sq_data_ptr + m0.to(tl.int64) * K + k0 + m * K + k
         if EVEN:
             tl.store(out, q)
         else:
             tl.store(out, q, mask=in_bounds)
-        _store_scales(sq_scale_ptr, byte, (m0 + m_block) // 32, (k0 + k_block) // 32, M // 32, K // 32, False, EVEN)
+        store_scales(sq_scale_ptr, byte, (m0 + m_block) // 32, (k0 + k_block) // 32, M // 32, K // 32, False, EVEN)
 
 
 # ----------------------------------------------------------------------------- host side

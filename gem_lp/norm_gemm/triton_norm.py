@@ -47,8 +47,8 @@ from ..backend import interpreter_enabled
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
-from ..mx.triton_quantize import (_max_cols_of_blocks, _max_rows_of_blocks, _store_colwise_pairs, _store_scales,
-                                  _tile_axes, block_payload, block_scale)
+from ..mx.triton_quantize import (max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
+                                  tile_axes, block_payload, block_scale)
 from .reference import RMSNormQuantized
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
@@ -302,23 +302,23 @@ def _cast_strips(
     mask = None if EVEN else in_bounds
     row_off = m0.to(tl.int64) * K + k0 + m * K + k  # element offsets in an [M, K] output
     if ROW_MX or ROW_OP:
-        byte = block_scale(_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
         q = block_payload(y, byte, HW_CAST)
         if ROW_MX:
             tl.store(row_data_ptr + row_off, q, mask=mask)
-            _store_scales(row_scale_ptr, byte, m0 + m, (k0 + k_block) // 32, M, K // 32, BLOCKED_SCALES, EVEN)
+            store_scales(row_scale_ptr, byte, m0 + m, (k0 + k_block) // 32, M, K // 32, BLOCKED_SCALES, EVEN)
         if ROW_OP:
             store_operand(row_op_ptr + row_off, e4m3_value(q, HW_CAST) * scale_value(byte), mask, HW_CAST)
     if COL_MX or COL_OP:
-        byte = block_scale(_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
         if COL_MX:  # payload of y^T, [K, M] contiguous: a thread's rows of a column are consecutive bytes
             if PAIRED_COLWISE:
-                _store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, y, byte, M - m0, K - k0, EVEN, HW_CAST)
+                store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, y, byte, M - m0, K - k0, EVEN, HW_CAST)
             else:
                 q = tl.permute(block_payload(y, byte, HW_CAST), (0, 1, 2, 3, 5, 4))
                 out = col_data_ptr + k0.to(tl.int64) * M + m0 + tl.permute(k * M + m, (0, 1, 2, 3, 5, 4))
                 tl.store(out, q, mask=None if EVEN else tl.permute(in_bounds, (0, 1, 2, 3, 5, 4)))
-            _store_scales(col_scale_ptr, byte, k0 + k, (m0 + m_block) // 32, K, (M + 31) // 32, BLOCKED_SCALES,
+            store_scales(col_scale_ptr, byte, k0 + k, (m0 + m_block) // 32, K, (M + 31) // 32, BLOCKED_SCALES,
                           EVEN)
         if COL_OP:
             q = block_payload(y, byte, HW_CAST)
@@ -402,12 +402,12 @@ def _norm_row_block(
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
 ):
     """Rows m0 .. m0 + BLOCK_M - 1: rstd, then every requested output."""
-    # The tile is `triton_quantize`'s 6-D strip tile (see `_tile_axes`): row mb * 32 + c * THREAD_ROWS + r,
+    # The tile is `triton_quantize`'s 6-D strip tile (see `tile_axes`): row mb * 32 + c * THREAD_ROWS + r,
     # column kb * 32 + g * 8 + e; r and e stay in each thread's registers.
     NMB: tl.constexpr = BLOCK_M // 32
     NKB: tl.constexpr = BLOCK_K // 32
     EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0  # no masks anywhere
-    g, c, kb, mb, r, e = _tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     m_block = mb * 32  # first row of each element's 32-row block
     k_block = kb * 32  # first column of each element's 32-column block
     m_strip = m_block + c * THREAD_ROWS  # first row of each thread's strip
