@@ -36,6 +36,7 @@ from .triton_attention import (
     _Geometry,
     _hdim_scale_offset,
     _seq_scale_offset,
+    sequence_bounds,
 )
 
 BLACKWELL_TARGET = GPUTarget("cuda", 100, 32)
@@ -69,10 +70,7 @@ def _attn_fwd_scaled_kernel(
     if b < 0:
         return
     qt = tl.load(tile_idx_ptr + pid)
-    o_row0 = tl.load(o_offsets_ptr + b)
-    Lq = tl.load(o_offsets_ptr + b + 1) - o_row0
-    kv_row0 = tl.load(kv_offsets_ptr + b)
-    Lk = tl.load(kv_offsets_ptr + b + 1) - kv_row0
+    o_row0, Lq, kv_row0, Lk = sequence_bounds(o_offsets_ptr, kv_offsets_ptr, b)
     kv_srow0 = tl.load(kv_srow_ptr + b)
     shift = Lk - Lq
     offs_m = qt * BM + tl.arange(0, BM)

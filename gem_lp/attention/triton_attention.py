@@ -411,6 +411,14 @@ def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
 
 
 @triton.jit
+def sequence_bounds(o_offsets_ptr, kv_offsets_ptr, b):
+    """(first output row, Lq, first kv row, Lk) of sequence `b`."""
+    o_row0 = tl.load(o_offsets_ptr + b)
+    kv_row0 = tl.load(kv_offsets_ptr + b)
+    return o_row0, tl.load(o_offsets_ptr + b + 1) - o_row0, kv_row0, tl.load(kv_offsets_ptr + b + 1) - kv_row0
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     q_base_ptr, o_offsets_ptr, kv_offsets_ptr, q_srow_ptr, kv_srow_ptr, tile_seq_ptr, tile_idx_ptr,
@@ -425,10 +433,7 @@ def _attn_fwd_kernel(
     if b < 0:
         return
     qt = tl.load(tile_idx_ptr + pid)
-    o_row0 = tl.load(o_offsets_ptr + b)
-    Lq = tl.load(o_offsets_ptr + b + 1) - o_row0
-    kv_row0 = tl.load(kv_offsets_ptr + b)
-    Lk = tl.load(kv_offsets_ptr + b + 1) - kv_row0
+    o_row0, Lq, kv_row0, Lk = sequence_bounds(o_offsets_ptr, kv_offsets_ptr, b)
     shift = Lk - Lq  # causal: query i sees keys j <= i + shift
     offs_m = qt * BM + tl.arange(0, BM)
     m_mask = offs_m < Lq
@@ -578,10 +583,7 @@ def _attn_bwd_kv_kernel(
     if b < 0:
         return
     kt = tl.load(tile_idx_ptr + pid)
-    o_row0 = tl.load(o_offsets_ptr + b)
-    Lq = tl.load(o_offsets_ptr + b + 1) - o_row0
-    kv_row0 = tl.load(kv_offsets_ptr + b)
-    Lk = tl.load(kv_offsets_ptr + b + 1) - kv_row0
+    o_row0, Lq, kv_row0, Lk = sequence_bounds(o_offsets_ptr, kv_offsets_ptr, b)
     q_row0 = tl.load(q_base_ptr + b)
     shift = Lk - Lq
     offs_n = kt * BN + tl.arange(0, BN)
@@ -663,10 +665,7 @@ def _attn_bwd_q_kernel(
     if b < 0:
         return
     qt = tl.load(tile_idx_ptr + pid)
-    o_row0 = tl.load(o_offsets_ptr + b)
-    Lq = tl.load(o_offsets_ptr + b + 1) - o_row0
-    kv_row0 = tl.load(kv_offsets_ptr + b)
-    Lk = tl.load(kv_offsets_ptr + b + 1) - kv_row0
+    o_row0, Lq, kv_row0, Lk = sequence_bounds(o_offsets_ptr, kv_offsets_ptr, b)
     shift = Lk - Lq
     offs_m = qt * BM + tl.arange(0, BM)
     m_mask = offs_m < Lq
