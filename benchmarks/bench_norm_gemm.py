@@ -472,20 +472,21 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
         _free()
 
 
-def main() -> None:
+def main(sections: tuple[str, ...] = ("norm", "gemm", "linear")) -> None:
     t0 = time.time()
     bench = Bench("bench_norm_gemm")
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
     accuracy: dict[str, dict] = {}
-    for section in (bench_norm, bench_gemm):
+    for section in [f for n, f in (("norm", bench_norm), ("gemm", bench_gemm)) if n in sections]:
         try:
             section(bench, checks)
         except Exception as e:
             _fail(bench, section.__name__, "section", e)
         _free()
     try:
-        bench_linear(bench, accuracy)
+        if "linear" in sections:
+            bench_linear(bench, accuracy)
     except Exception as e:
         _fail(bench, "bench_linear", "section", e)
     bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy, wall_s=time.time() - t0)
@@ -504,8 +505,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true",
                         help="build the norm launches for sm_90 without a GPU (TRITON_INTERPRET must be unset)")
-    if parser.parse_args().compile_only:
+    parser.add_argument("--sections", default="norm,gemm,linear",
+                        help="comma-separated subset of norm,gemm,linear to run")
+    args = parser.parse_args()
+    if args.compile_only:
         sys.exit(compile_only())
     if not torch.cuda.is_available():
         sys.exit("bench_norm_gemm needs a CUDA device (or --compile-only)")
-    main()
+    main(tuple(args.sections.split(",")))
