@@ -3,10 +3,12 @@
 Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16. So the default path
 ("producer") is:
 
-1. a memory-bound producer pass (`_operand_kernel`, one launch for Q, K, V, or Q, K, V, dO): read each
-   `[T, H, D]` once, quantize each MX block (hdim 1x32 along D, seq 32 tokens x 1 feature, square 32x32;
-   token blocks aligned to each sequence's first token), and write the dequantized, MX-exact BF16
-   operand; the dO slot also writes Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient);
+1. a memory-bound producer pass (`_operand_kernel`, one launch for K, V forward, or Q, K, V, dO backward):
+   read each `[T, H, D]` once, quantize each MX block (hdim 1x32 along D, seq 32 tokens x 1 feature,
+   square 32x32; token blocks aligned to each sequence's first token), and write the dequantized, MX-exact
+   BF16 operand; the dO slot also writes Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient).
+   The forward's Q, read once per program, is rounded the same way in the kernel's prologue instead
+   (`q_in_kernel=True`, the default; `_operand_tile`, the same bits);
 2. BF16 flash kernels that round P (and, backward, dS) to the recipe's grid in registers: `const_p`
    e4m3(256 p) with the fixed scale 2^-8, `dynamic` 1x32 blocks along kv (forward) or 32x32 blocks
    (backward) with the rceil rule; dS in 32x32 blocks. The rounding is one FP32 add and subtract of a
@@ -67,8 +69,8 @@ DQ_ACCUMS = ("fp32", "fp16")
 HEAD_DIMS = (64, 128)
 MX_BLOCK = 32
 
-# constexpr codes
-ORIENT_NONE, ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE = 0, 1, 2, 3
+# constexpr codes (ORIENT_AS_IS: an operand the kernel takes as loaded; ORIENT_NONE rounds to BF16)
+ORIENT_AS_IS, ORIENT_NONE, ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE = -1, 0, 1, 2, 3
 PQ_NONE, PQ_CONST, PQ_DYNAMIC = 0, 1, 2
 OPERANDS_16BIT, OPERANDS_MX_IN_LOOP, OPERANDS_FP8_QK = 0, 1, 2
 
@@ -165,6 +167,27 @@ def _mx_round_square(x, R: tl.constexpr, C: tl.constexpr, HW_CAST: tl.constexpr)
     xb = tl.reshape(x, [R // 32, 32, C // 32, 32])
     byte = scale_byte(tl.max(tl.max(abs_bits(xb), axis=3), axis=1), True)
     return tl.reshape(_mx_round(xb, byte[:, None, :, None], HW_CAST), [R, C])
+
+
+@triton.jit
+def _operand_tile(x, ORIENT: tl.constexpr, R: tl.constexpr, C: tl.constexpr, HW_CAST: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """A loaded `[R, C]` tile of q, k or v (rows: tokens from a 32-aligned offset of one sequence, rows past
+    its end loaded as 0) as the BF16 operand the producer pass writes for it, with the same arithmetic, so
+    the same bits: ORIENT_HDIM 1x32 blocks along C, ORIENT_SEQ 32x1 blocks along R, ORIENT_NONE plain
+    rounding to BF16; ORIENT_AS_IS returns the tile unchanged."""
+    if ORIENT == 1:
+        xb = tl.reshape(_to_f32(x), [R, C // 32, 32])
+        byte = scale_byte(tl.max(abs_bits(xb), axis=2), True)
+        return _cast(tl.reshape(_mx_round(xb, byte[:, :, None], HW_CAST), [R, C]), tl.bfloat16, INTERPRET)
+    elif ORIENT == 2:
+        xb = tl.reshape(_to_f32(x), [R // 32, 32, C])
+        byte = scale_byte(tl.max(abs_bits(xb), axis=1), True)
+        return _cast(tl.reshape(_mx_round(xb, byte[:, None, :], HW_CAST), [R, C]), tl.bfloat16, INTERPRET)
+    elif ORIENT == 0:
+        return _cast(_to_f32(x), tl.bfloat16, INTERPRET)
+    else:
+        return x
 
 
 @triton.jit
@@ -424,9 +447,13 @@ def _attn_fwd_kernel(
     q_base_ptr, o_offsets_ptr, kv_offsets_ptr, q_srow_ptr, kv_srow_ptr, tile_seq_ptr, tile_idx_ptr,
     H, qk_scale, q_scale_head, k_scale_head, v_scale_head, v_num_tiles,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
-    OPERANDS: tl.constexpr, HW_CAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    OPERANDS: tl.constexpr, Q_ROUND: tl.constexpr, HW_CAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """One BM-query tile of one sequence and head: O (input dtype) and LSE (FP32, natural log)."""
+    """One BM-query tile of one sequence and head: O (input dtype) and LSE (FP32, natural log).
+
+    Q_ROUND (OPERANDS == 0): `ORIENT_AS_IS` when q_ptr holds the Q operand, else the orientation the
+    prologue rounds the raw Q tile to (`_operand_tile`: the producer pass's bits, read once per program)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_seq_ptr + pid)
@@ -452,6 +479,7 @@ def _attn_fwd_kernel(
     kv_srow0 = 0
     if OPERANDS == 0:
         q = tl.load(q_ptr + (q_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
+        q = _operand_tile(q, Q_ROUND, BM, D, HW_CAST, INTERPRET)
     elif OPERANDS == 1:
         q_srow = tl.load(q_srow_ptr + b) + offs_m
         q = _load_hdim_mx(q_ptr, q_scale_ptr, q_tok, q_srow, m_mask, h, H, q_scale_head, D, HW_CAST).to(tl.bfloat16)
@@ -823,6 +851,18 @@ def _block_map(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Te
     return blk_seq.to(torch.int32).contiguous(), blk_offsets, upper
 
 
+def _forward_operands(xs, offsets, orients, hw_cast: bool) -> list[torch.Tensor]:
+    """q, k, v as the forward kernel reads them: those with `ORIENT_AS_IS` as they are, the others through
+    one producer launch."""
+    todo = [i for i, o in enumerate(orients) if o != ORIENT_AS_IS]
+    ops = list(xs)
+    if todo:
+        made = _operands([(xs[i], offsets[i], orients[i], True) for i in todo], hw_cast=hw_cast)[0]
+        for i, op in zip(todo, made):
+            ops[i] = op
+    return ops
+
+
 def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
     if hw_cast is None:
         return x.is_cuda and not interpreter_enabled()
@@ -923,7 +963,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
                       kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
                       precision: str = "mxfp8", softmax_scale: float | None = None, p_quant: str = "const_p",
                       variant: str = "producer", warp_specialize: bool = False, config=None,
-                      hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      q_in_kernel: bool = True, hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of jagged attention (arguments checked by `jagged_attention_triton`; offsets trusted).
 
     Args:
@@ -931,6 +971,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
         q_offsets, kv_offsets: `[B+1]` int32/int64 on q's device (q_offsets unused with broadcast_q).
         variant: `"producer"`, `"dequant_in_loop"` or `"fp8_qk"` (mxfp8 only; see module docstring).
         config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages); 0 entries keep the default.
+        q_in_kernel: where Q becomes its operand when it needs one (the `"producer"` variant, and FP32
+            inputs of the 16-bit recipe): True rounds each Q tile in the kernel's prologue (Q is read once
+            per program; K and V, read by every query tile, stay in the producer pass), False puts Q in
+            the producer pass too. The same bits either way.
         hw_cast: E4M3 rounding by the hardware cast (default on CUDA) or by integer arithmetic.
 
     Returns:
@@ -950,39 +994,40 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
     q_scale = k_scale = v_scale = dummy_u8
     q_srow = kv_srow = g.q_base
     q_head = k_head = v_head = v_tiles = 0
-    if precision == "bf16":
-        p_code, operands = PQ_NONE, OPERANDS_16BIT
-        if q.dtype == torch.float32:  # the 16-bit recipe's operands are BF16
-            q_op, k_op, v_op = _operands([(q, g.q_offsets, ORIENT_NONE, True), (k, g.kv_offsets, ORIENT_NONE, True),
-                                          (v, g.kv_offsets, ORIENT_NONE, True)], hw_cast=hw)[0]
+    q_round = ORIENT_AS_IS
+    if precision == "bf16" or variant == "producer":
+        operands = OPERANDS_16BIT
+        if precision == "bf16":
+            p_code = PQ_NONE
+            # the 16-bit recipe's operands are BF16: FP32 inputs are rounded, 16-bit inputs taken as they are
+            orients = (ORIENT_NONE,) * 3 if q.dtype == torch.float32 else (ORIENT_AS_IS,) * 3
         else:
-            q_op, k_op, v_op = q, k, v
+            p_code = PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC
+            orients = (ORIENT_HDIM, ORIENT_HDIM, ORIENT_SEQ)
+        if q_in_kernel:
+            q_round, orients = orients[0], (ORIENT_AS_IS,) + orients[1:]
+        q_op, k_op, v_op = _forward_operands((q, k, v), (g.q_offsets, g.kv_offsets, g.kv_offsets), orients, hw)
     else:
         p_code = PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC
-        if variant == "producer":
-            operands = OPERANDS_16BIT
-            q_op, k_op, v_op = _operands([(q, g.q_offsets, ORIENT_HDIM, True), (k, g.kv_offsets, ORIENT_HDIM, True),
-                                          (v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw)[0]
-        else:
-            from ..jagged import JaggedLayout, quantize_jagged
+        from ..jagged import JaggedLayout, quantize_jagged
 
-            q_layout = JaggedLayout.from_offsets(g.q_offsets, q)
-            kv_layout = JaggedLayout.from_offsets(g.kv_offsets, k)
-            qj = quantize_jagged(q, q_layout, ("hdim",))
-            kj = quantize_jagged(k, kv_layout, ("hdim",))
-            q_op, q_scale, q_head = qj.payload_hdim.view(torch.uint8), qj.scale_hdim, qj.scale_hdim.shape[1]
-            k_op, k_scale, k_head = kj.payload_hdim.view(torch.uint8), kj.scale_hdim, kj.scale_hdim.shape[1]
-            q_srow = (torch.zeros(g.batch, dtype=torch.int64, device=q.device) if broadcast_q
-                      else q_layout.scale_offsets[:-1].contiguous())
-            kv_srow = kv_layout.scale_offsets[:-1].contiguous()
-            if variant == "dequant_in_loop":
-                operands = OPERANDS_MX_IN_LOOP
-                vj = quantize_jagged(v, kv_layout, ("seq",))
-                v_op, v_scale, v_head = vj.payload_seq.view(torch.uint8), vj.scale_seq, vj.scale_seq.shape[1]
-                v_tiles = kv_layout.num_tiles
-            else:
-                operands = OPERANDS_FP8_QK
-                v_op = _operands([(v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw)[0][0]
+        q_layout = JaggedLayout.from_offsets(g.q_offsets, q)
+        kv_layout = JaggedLayout.from_offsets(g.kv_offsets, k)
+        qj = quantize_jagged(q, q_layout, ("hdim",))
+        kj = quantize_jagged(k, kv_layout, ("hdim",))
+        q_op, q_scale, q_head = qj.payload_hdim.view(torch.uint8), qj.scale_hdim, qj.scale_hdim.shape[1]
+        k_op, k_scale, k_head = kj.payload_hdim.view(torch.uint8), kj.scale_hdim, kj.scale_hdim.shape[1]
+        q_srow = (torch.zeros(g.batch, dtype=torch.int64, device=q.device) if broadcast_q
+                  else q_layout.scale_offsets[:-1].contiguous())
+        kv_srow = kv_layout.scale_offsets[:-1].contiguous()
+        if variant == "dequant_in_loop":
+            operands = OPERANDS_MX_IN_LOOP
+            vj = quantize_jagged(v, kv_layout, ("seq",))
+            v_op, v_scale, v_head = vj.payload_seq.view(torch.uint8), vj.scale_seq, vj.scale_seq.shape[1]
+            v_tiles = kv_layout.num_tiles
+        else:
+            operands = OPERANDS_FP8_QK
+            v_op = _operands([(v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw)[0][0]
     if g.batch == 0:
         return out, lse
     tile_seq, tile_idx, upper = _fwd_tiles(g, bm, causal)
@@ -990,7 +1035,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
         q_op, k_op, v_op, out, lse, q_scale, k_scale, v_scale,
         g.q_base, g.o_offsets, g.kv_offsets, q_srow, kv_srow, tile_seq, tile_idx,
         heads, scale * LOG2E, q_head, k_head, v_head, v_tiles,
-        D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=p_code, OPERANDS=operands, HW_CAST=hw,
+        D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=p_code, OPERANDS=operands, Q_ROUND=q_round, HW_CAST=hw,
         WARP_SPECIALIZE=warp_specialize, INTERPRET=interpreter_enabled(), num_warps=warps, num_stages=stages,
     )
     return out, lse
@@ -1180,7 +1225,7 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
 @torch.library.custom_op("gem_lp::jagged_attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                       kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
-                      softmax_scale: float, p_quant: str, variant: str, warp_specialize: bool,
+                      softmax_scale: float, p_quant: str, variant: str, warp_specialize: bool, q_in_kernel: bool,
                       validate_offsets: bool, bwd_variant: str, dq_accum: str, dq_static_scale: float,
                       fwd_config: list[int], bwd_config: list[int], dq_config: list[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1189,12 +1234,13 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
         _check_offsets_values(q_offsets, kv_offsets, q.shape[0], k.shape[0])
     return attention_forward(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
                              precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, variant=variant,
-                             warp_specialize=warp_specialize, config=fwd_config)
+                             warp_specialize=warp_specialize, config=fwd_config, q_in_kernel=q_in_kernel)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, variant,
-      warp_specialize, validate_offsets, bwd_variant, dq_accum, dq_static_scale, fwd_config, bwd_config, dq_config):
+      warp_specialize, q_in_kernel, validate_offsets, bwd_variant, dq_accum, dq_static_scale, fwd_config, bwd_config,
+      dq_config):
     num_out = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty(num_out, q.shape[1], q.shape[2]), q.new_empty(num_out, q.shape[1], dtype=torch.float32)
 
@@ -1219,9 +1265,13 @@ def _(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, causal, broadcast_q, pre
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_FWD_OP_INPUTS = 20  # arguments of gem_lp::jagged_attention_fwd
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, _variant,
-     _warp_specialize, _validate, bwd_variant, dq_accum, dq_static_scale, _fwd_config, bwd_config, dq_config) = inputs
+     _warp_specialize, _q_in_kernel, _validate, bwd_variant, dq_accum, dq_static_scale, _fwd_config, bwd_config,
+     dq_config) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, q_offsets, kv_offsets)
     ctx.options = (causal, broadcast_q, precision, softmax_scale, p_quant, bwd_variant, dq_accum, dq_static_scale,
@@ -1232,11 +1282,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, q_offsets, kv_offsets = ctx.saved_tensors
     if do is None and dlse is None:
-        return (None,) * 19
+        return (None,) * _FWD_OP_INPUTS
     do = torch.zeros_like(o) if do is None else do.contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, *ctx.options)
-    return (dq, dk, dv) + (None,) * 16
+    return (dq, dk, dv) + (None,) * (_FWD_OP_INPUTS - 3)
 
 
 torch.library.register_autograd("gem_lp::jagged_attention_fwd", _backward, setup_context=_setup_context)
@@ -1249,7 +1299,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             kv_offsets: torch.Tensor | None = None, *, causal: bool = False,
                             broadcast_q: bool = False, precision: str = "bf16", softmax_scale: float | None = None,
                             p_quant: str = "const_p", return_lse: bool = False, variant: str = "producer",
-                            warp_specialize: bool = False, validate_offsets: bool = True,
+                            warp_specialize: bool = False, q_in_kernel: bool = True, validate_offsets: bool = True,
                             bwd_variant: str = "split", dq_accum: str = "fp32", dq_static_scale: float = 1.0,
                             fwd_config=None, bwd_config=None, dq_config=None
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -1266,6 +1316,8 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         return_lse: also return LSE `[T_out, H]` FP32 (natural log; differentiable).
         variant: mxfp8 forward variant, `"producer"` (default), `"dequant_in_loop"`, `"fp8_qk"`.
         warp_specialize: run the forward KV loop with `tl.range(..., warp_specialize=True)` (GPU only).
+        q_in_kernel: round Q to its operand in the forward kernel's prologue (default) instead of in the
+            producer pass (`attention_forward`); the same bits either way.
         validate_offsets: check the offsets' values (start 0, non-decreasing, end at the rows), one host
             sync per call; False when the caller has checked them (the sync stalls the launch queue).
         bwd_variant: `"split"` (dK/dV and dQ kernels, no atomics) or `"atomic"` (dQ by atomic adds);
@@ -1291,7 +1343,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     q_offs = q_offsets.to(device=q.device, dtype=torch.int64)
     kv_offs = kv_offsets.to(device=q.device, dtype=torch.int64)
     o, lse = _attention_fwd_op(q, k, v, q_offs, kv_offs, causal, broadcast_q, precision, float(softmax_scale),
-                               p_quant, variant, warp_specialize, validate_offsets, bwd_variant, dq_accum,
-                               float(dq_static_scale), list(fwd_config or ()), list(bwd_config or ()),
+                               p_quant, variant, warp_specialize, bool(q_in_kernel), validate_offsets, bwd_variant,
+                               dq_accum, float(dq_static_scale), list(fwd_config or ()), list(bwd_config or ()),
                                list(dq_config or ()))
     return (o, lse) if return_lse else o
