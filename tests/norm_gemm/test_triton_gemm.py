@@ -459,5 +459,9 @@ def test_gpu_mx_linear_and_norm_linear(gemm):
     y, grads = run_linear(lambda *a: rms_norm_mx_linear_triton(*a, 1e-6, "rceil", gemm), (x, gw, w, b), dy)
     y_ref, grads_ref = run_linear(lambda *a: RMSNormMXLinearFunction.apply(*a, 1e-6, "rceil"), (x, gw, w, b), dy)
     _close(y, y_ref, "norm Y", 2.0**-6)
+    # On CUDA the reference's rstd (torch.rsqrt, approximate; its own summation order) can differ from the
+    # kernel's correctly rounded FP32 steps by an ulp, which flips a rare E4M3 rounding of the normalized
+    # activation; one flip moves a dW entry by up to ulp_e4m3(y) * |dY| (~1 here), so dW and the norm weight's
+    # gradient get the activation's bound, not the GEMM's.
     for got, want, what in zip(grads, grads_ref, ("dX", "dnorm_weight", "dW", "db")):
-        _close(got, want, f"norm {what}", 2.0**-6 if what == "dX" else 1e-3)
+        _close(got, want, f"norm {what}", 1e-3 if what == "db" else 2.0**-6)
