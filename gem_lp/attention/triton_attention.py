@@ -8,7 +8,10 @@ Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16
    square 32x32; token blocks aligned to each sequence's first token), and write the dequantized, MX-exact
    BF16 operand; the dO slot also writes Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient).
    The forward's Q, read once per program, is rounded the same way in the kernel's prologue instead
-   (`q_in_kernel=True`, the default; `_operand_tile`, the same bits);
+   (`q_in_kernel=True`, the default; `_operand_tile`, the same bits). Two kernels write the same bits:
+   `producer="strips"` (default; `_operand_strips_kernel`, a program per 32-128-token chunk of one head,
+   each thread a strip of tokens x 8 features as in the jagged quantize kernel) and `"blocks"`
+   (`_operand_kernel`, a program per 32-token block of 4 heads);
 2. BF16 flash kernels that round P (and, backward, dS) to the recipe's grid in registers: `const_p`
    e4m3(256 p) with the fixed scale 2^-8, `dynamic` 1x32 blocks along kv (forward) or 32x32 blocks
    (backward) with the rceil rule; dS in 32x32 blocks. The rounding is one FP32 add and subtract of a
@@ -57,6 +60,7 @@ import triton.language as tl
 
 from ..backend import interpreter_enabled
 from ..mx.triton_numerics import abs_bits, e4m3_bits, encode, inv_scale, scale_byte
+from ..mx.triton_quantize import max_cols_of_blocks, max_rows_of_blocks, tile_axes
 from .layout import check_offsets_form, check_qkv
 
 LOG2E = 1.4426950408889634
@@ -65,6 +69,11 @@ PRECISIONS = ("bf16", "mxfp8")
 P_QUANTS = ("const_p", "dynamic")
 VARIANTS = ("producer", "dequant_in_loop", "fp8_qk")
 BWD_VARIANTS = ("split", "atomic")
+# Producer pass kernels: the strips kernel takes about 15 sm_90 instructions per element and operand (no
+# shared memory), the blocks kernel 21 (and 16 KiB of shared memory for its layout changes); the same
+# operand bits.
+PRODUCERS = ("blocks", "strips")
+DEFAULT_PRODUCER = "strips"
 DQ_ACCUMS = ("fp32", "fp16")
 HEAD_DIMS = (64, 128)
 MX_BLOCK = 32
@@ -371,6 +380,83 @@ def _operand_kernel(
     else:
         _produce(x3, out3, o_ptr, delta_ptr, dlse_ptr, seq3, offs3, boffs3, blk, hh, H, D, HG, ORIENT3, WRITE3,
                  DELTA_SLOT == 3, HAS_DLSE, HW_CAST, INTERPRET)
+
+
+@triton.jit
+def _produce_strips(x_ptr, out_ptr, o_ptr, delta_ptr, dlse_ptr, chunk_seq_ptr, offsets_ptr, chunk_offsets_ptr,
+                    chunk, h, H, D: tl.constexpr, ROWS: tl.constexpr, THREAD_ROWS: tl.constexpr,
+                    ROW_BLOCKS_IN_THREAD: tl.constexpr, ORIENT: tl.constexpr, WRITE_OUT: tl.constexpr,
+                    DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_produce` on one ROWS-token chunk (aligned to its sequence's start) of one head, in thread strips.
+
+    Each thread owns THREAD_ROWS consecutive tokens x 8 consecutive features (`tile_axes` of
+    `gem_lp.mx.triton_quantize`): one 16-byte load and store per token row, the 32-token (seq) max mostly
+    inside the thread, the 32-feature (hdim) max across 4 lanes. The operand gets the same arithmetic as
+    `_produce`, so the same bits; Δ is the same sum in another order.
+    """
+    b = tl.load(chunk_seq_ptr + chunk)
+    if b >= 0:
+        tok0 = tl.load(offsets_ptr + b) + (chunk - tl.load(chunk_offsets_ptr + b)) * ROWS
+        n_valid = tl.load(offsets_ptr + b + 1) - tok0  # tokens of the sequence in this chunk
+        # token t = mb * 32 + c * THREAD_ROWS + r of the chunk, feature f = cb * 32 + g * 8 + e
+        g, c, cb, mb, r, e = tile_axes(ROWS // 32, D // 32, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+        t = mb * 32 + c * THREAD_ROWS + r
+        valid = t < n_valid
+        base = (tok0 * H + h) * D  # int64 start of the chunk's first row; offsets inside it fit in int32
+        off = t * (H * D) + (cb * 32 + g * 8 + e)
+        x = _to_f32(tl.load(x_ptr + base + off, mask=valid, other=0.0))
+        if WRITE_OUT:
+            if ORIENT == 1:  # hdim: 1x32 along D
+                y = _mx_round(x, scale_byte(max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD), True), HW_CAST)
+            elif ORIENT == 2:  # seq: 32 tokens x 1 feature (rows past the sequence are 0: never the max)
+                y = _mx_round(x, scale_byte(max_cols_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD), True), HW_CAST)
+            elif ORIENT == 3:  # square: 32 tokens x 32 features
+                amax = max_cols_of_blocks(max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD), ROW_BLOCKS_IN_THREAD)
+                y = _mx_round(x, scale_byte(amax, True), HW_CAST)
+            else:  # plain rounding to the operand dtype
+                y = x
+            tl.store(out_ptr + base + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid)
+        if DELTA:  # x is dO as given; sum over the feature axes (g, cb, e)
+            xo = x * _to_f32(tl.load(o_ptr + base + off, mask=valid, other=0.0))
+            if ROW_BLOCKS_IN_THREAD:  # axes (c, cb, mb, g, r, e)
+                delta = tl.sum(tl.sum(tl.sum(xo, axis=5, keep_dims=True), axis=3, keep_dims=True), axis=1,
+                               keep_dims=True)
+            else:  # axes (g, c, cb, mb, r, e)
+                delta = tl.sum(tl.sum(tl.sum(xo, axis=5, keep_dims=True), axis=2, keep_dims=True), axis=0,
+                               keep_dims=True)
+            rows = (tok0 + t) * H + h
+            if HAS_DLSE:
+                delta -= tl.load(dlse_ptr + rows, mask=valid, other=0.0)
+            tl.store(delta_ptr + rows, delta, mask=valid)
+
+
+@triton.jit
+def _operand_strips_kernel(
+    x0, out0, seq0, offs0, coffs0, x1, out1, seq1, offs1, coffs1, x2, out2, seq2, offs2, coffs2,
+    x3, out3, seq3, offs3, coffs3, o_ptr, delta_ptr, dlse_ptr, H,
+    D: tl.constexpr, ROWS: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    ORIENT0: tl.constexpr, ORIENT1: tl.constexpr, ORIENT2: tl.constexpr, ORIENT3: tl.constexpr,
+    WRITE0: tl.constexpr, WRITE1: tl.constexpr, WRITE2: tl.constexpr, WRITE3: tl.constexpr,
+    DELTA_SLOT: tl.constexpr, HAS_DLSE: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """`_operand_kernel` in thread strips: program_id(0) = chunk * H + head (heads fastest, so programs
+    running together read neighbouring bytes of the same tokens), program_id(1) picks the tensor."""
+    pid = tl.program_id(0)
+    chunk = pid // H
+    h = pid % H
+    t = tl.program_id(1)
+    if t == 0:
+        _produce_strips(x0, out0, o_ptr, delta_ptr, dlse_ptr, seq0, offs0, coffs0, chunk, h, H, D, ROWS, THREAD_ROWS,
+                        ROW_BLOCKS_IN_THREAD, ORIENT0, WRITE0, DELTA_SLOT == 0, HAS_DLSE, HW_CAST, INTERPRET)
+    elif t == 1:
+        _produce_strips(x1, out1, o_ptr, delta_ptr, dlse_ptr, seq1, offs1, coffs1, chunk, h, H, D, ROWS, THREAD_ROWS,
+                        ROW_BLOCKS_IN_THREAD, ORIENT1, WRITE1, DELTA_SLOT == 1, HAS_DLSE, HW_CAST, INTERPRET)
+    elif t == 2:
+        _produce_strips(x2, out2, o_ptr, delta_ptr, dlse_ptr, seq2, offs2, coffs2, chunk, h, H, D, ROWS, THREAD_ROWS,
+                        ROW_BLOCKS_IN_THREAD, ORIENT2, WRITE2, DELTA_SLOT == 2, HAS_DLSE, HW_CAST, INTERPRET)
+    else:
+        _produce_strips(x3, out3, o_ptr, delta_ptr, dlse_ptr, seq3, offs3, coffs3, chunk, h, H, D, ROWS, THREAD_ROWS,
+                        ROW_BLOCKS_IN_THREAD, ORIENT3, WRITE3, DELTA_SLOT == 3, HAS_DLSE, HW_CAST, INTERPRET)
 
 
 # ============================================================================ forward
@@ -837,27 +923,28 @@ def _bwd_tiles(g: _Geometry, block_n: int, causal: bool) -> tuple[torch.Tensor, 
     return (*_tile_map(lk, block_n, upper, work), upper)
 
 
-def _block_map(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """32-token blocks aligned to sequence starts: `blk_seq [upper]` int32 (-1 past the last block),
-    `blk_offsets [B+1]` int64 (first block of each sequence), and `upper`."""
+def _block_map(offsets: torch.Tensor, rows: int, block: int = MX_BLOCK) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`block`-token chunks aligned to sequence starts: `blk_seq [upper]` int32 (-1 past the last chunk),
+    `blk_offsets [B+1]` int64 (first chunk of each sequence), and `upper`."""
     batch = offsets.numel() - 1
-    nb = (offsets[1:] - offsets[:-1] + MX_BLOCK - 1) // MX_BLOCK
+    nb = (offsets[1:] - offsets[:-1] + block - 1) // block
     blk_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=offsets.device)
     blk_offsets[1:] = torch.cumsum(nb, 0)
-    upper = rows // MX_BLOCK + batch
+    upper = rows // block + batch
     t = torch.arange(upper, device=offsets.device)
     seq = torch.searchsorted(blk_offsets[1:], t, right=True)
     blk_seq = torch.where(seq < batch, seq, torch.full_like(seq, -1))
     return blk_seq.to(torch.int32).contiguous(), blk_offsets, upper
 
 
-def _forward_operands(xs, offsets, orients, hw_cast: bool) -> list[torch.Tensor]:
+def _forward_operands(xs, offsets, orients, hw_cast: bool, producer: str) -> list[torch.Tensor]:
     """q, k, v as the forward kernel reads them: those with `ORIENT_AS_IS` as they are, the others through
     one producer launch."""
     todo = [i for i, o in enumerate(orients) if o != ORIENT_AS_IS]
     ops = list(xs)
     if todo:
-        made = _operands([(xs[i], offsets[i], orients[i], True) for i in todo], hw_cast=hw_cast)[0]
+        made = _operands([(xs[i], offsets[i], orients[i], True) for i in todo], hw_cast=hw_cast,
+                         producer=producer)[0]
         for i, op in zip(todo, made):
             ops[i] = op
     return ops
@@ -869,7 +956,8 @@ def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
     return bool(hw_cast)
 
 
-def _operands(specs, *, hw_cast: bool, o: torch.Tensor | None = None, dlse: torch.Tensor | None = None
+def _operands(specs, *, hw_cast: bool, o: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
+              producer: str = DEFAULT_PRODUCER, strips=None
               ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """Producer pass of up to four `[T, H, D]` tensors (one H and D) in one launch.
 
@@ -877,19 +965,31 @@ def _operands(specs, *, hw_cast: bool, o: torch.Tensor | None = None, dlse: torc
         specs: list of (x, offsets, orient, write): offsets `[B+1]` int64 on x's device; orient one of
             `ORIENT_*` (`ORIENT_NONE` rounds x to BF16); write=False skips the operand (Δ only).
         o, dlse: with `o`, the last tensor is dO, and Δ `[T, H]` FP32 = rowsum(dO ⊙ O) (- dLSE) is written.
+        producer: `"blocks"` (`_operand_kernel`: a program per 32-token block of PRODUCER_HEADS heads) or
+            `"strips"` (`_operand_strips_kernel`: a program per ROWS-token chunk of one head, in thread
+            strips). The same operand bits; Δ summed in another order.
+        strips: the strips launch (rows, thread_rows, row_blocks_in_thread, num_warps); default
+            `STRIPS_LAUNCH` (GPU) or `INTERPRETER_STRIPS_LAUNCH`.
 
     Returns:
         (the BF16 MX-exact operands, None where skipped; Δ or None).
     """
     heads, dim = specs[0][0].shape[1], specs[0][0].shape[2]
     dev = specs[0][0].device
+    if producer not in PRODUCERS:
+        raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
+    if producer == "strips":
+        rows, thread_rows, row_blocks_in_thread, strip_warps = _strips_launch(dev, strips)
+        chunk = rows
+    else:
+        chunk = MX_BLOCK
     outs = [torch.empty(x.shape, dtype=torch.bfloat16, device=dev) if write else None for x, _, _, write in specs]
     last_x = specs[-1][0]
     delta = torch.empty(last_x.shape[0], heads, dtype=torch.float32, device=dev) if o is not None else None
     maps = {}
-    for x, offsets, _, _ in specs:  # one block map per distinct offsets tensor
+    for x, offsets, _, _ in specs:  # one chunk map per distinct offsets tensor
         if id(offsets) not in maps:
-            maps[id(offsets)] = _block_map(offsets, x.shape[0])
+            maps[id(offsets)] = _block_map(offsets, x.shape[0], chunk)
     upper = max(m[2] for m in maps.values())
     if upper == 0 or all(m[1].numel() == 1 for m in maps.values()):  # no sequence
         if delta is not None:
@@ -910,15 +1010,20 @@ def _operands(specs, *, hw_cast: bool, o: torch.Tensor | None = None, dlse: torc
             args += [last_x, last_x, none, specs[0][1], specs[0][1]]
             orients.append(ORIENT_NONE)
             writes.append(False)
-    hg = min(PRODUCER_HEADS, triton.next_power_of_2(heads))
-    _operand_kernel[(upper, triton.cdiv(heads, hg), len(specs))](
-        *args, o if o is not None else last_x, delta if delta is not None else last_x,
-        dlse if dlse is not None else last_x, heads,
-        D=dim, HG=hg, ORIENT0=orients[0], ORIENT1=orients[1], ORIENT2=orients[2], ORIENT3=orients[3],
-        WRITE0=writes[0], WRITE1=writes[1], WRITE2=writes[2], WRITE3=writes[3],
-        DELTA_SLOT=len(specs) - 1 if o is not None else -1, HAS_DLSE=dlse is not None,
-        HW_CAST=hw_cast, INTERPRET=interpreter_enabled(), num_warps=PRODUCER_WARPS,
-    )
+    tail = (o if o is not None else last_x, delta if delta is not None else last_x,
+            dlse if dlse is not None else last_x, heads)
+    slots = dict(ORIENT0=orients[0], ORIENT1=orients[1], ORIENT2=orients[2], ORIENT3=orients[3],
+                 WRITE0=writes[0], WRITE1=writes[1], WRITE2=writes[2], WRITE3=writes[3],
+                 DELTA_SLOT=len(specs) - 1 if o is not None else -1, HAS_DLSE=dlse is not None,
+                 HW_CAST=hw_cast, INTERPRET=interpreter_enabled())
+    if producer == "strips":
+        _operand_strips_kernel[(upper * heads, len(specs))](
+            *args, *tail, D=dim, ROWS=rows, THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=row_blocks_in_thread,
+            num_warps=strip_warps, **slots)
+    else:
+        hg = min(PRODUCER_HEADS, triton.next_power_of_2(heads))
+        _operand_kernel[(upper, triton.cdiv(heads, hg), len(specs))](
+            *args, *tail, D=dim, HG=hg, num_warps=PRODUCER_WARPS, **slots)
     return outs, delta
 
 
@@ -927,6 +1032,30 @@ def _operands(specs, *, hw_cast: bool, o: torch.Tensor | None = None, dlse: torc
 # Producer programs: one 32-token block of up to PRODUCER_HEADS heads (16 KiB of BF16 at D=128).
 PRODUCER_HEADS = 4
 PRODUCER_WARPS = 8
+# Strips producer launches (rows, thread_rows, row_blocks_in_thread, num_warps): the default is the jagged
+# quantize kernel's measured launch for any set of casts with seq (gem_lp/jagged/triton_kernel.py); the
+# candidates are its hdim+seq tuning space, which `benchmarks/bench_attention.py` times (same bits each).
+STRIPS_LAUNCH = (32, 8, False, 2)
+STRIPS_CANDIDATES = ((32, 8, False, 2), (64, 16, False, 2), (128, 16, False, 4), (64, 8, False, 4),
+                     (128, 8, False, 8), (64, 2, True, 2))
+# Under the interpreter the cost is per program and per op: few, large programs.
+INTERPRETER_STRIPS_LAUNCH = (128, 4, False, 1)
+
+
+def _strips_launch(device: torch.device, strips) -> tuple[int, int, bool, int]:
+    """The strips producer's (rows, thread_rows, row_blocks_in_thread, num_warps), checked."""
+    if strips is None:
+        return INTERPRETER_STRIPS_LAUNCH if interpreter_enabled() and device.type != "cuda" else STRIPS_LAUNCH
+    if len(strips) != 4:
+        raise ValueError(f"strips must be (rows, thread_rows, row_blocks_in_thread, num_warps), got {strips!r}")
+    rows, thread_rows, row_blocks_in_thread, warps = strips
+    if rows not in (32, 64, 128):
+        raise ValueError(f"strips rows must be 32, 64 or 128, got {rows}")
+    if thread_rows not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"strips thread_rows must be 1, 2, 4, 8, 16 or 32, got {thread_rows}")
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"strips num_warps must be a power of two, got {warps}")
+    return int(rows), int(thread_rows), bool(row_blocks_in_thread), int(warps)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim; the GPU benchmark sweeps alternatives.
 # Backward "kv": the key-tile kernel (BLOCK_M = its query step, BLOCK_N = its key tile); "q": the dQ kernel.
@@ -963,7 +1092,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
                       kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
                       precision: str = "mxfp8", softmax_scale: float | None = None, p_quant: str = "const_p",
                       variant: str = "producer", warp_specialize: bool = False, config=None,
-                      q_in_kernel: bool = True, hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      q_in_kernel: bool = True, producer: str = DEFAULT_PRODUCER, hw_cast: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of jagged attention (arguments checked by `jagged_attention_triton`; offsets trusted).
 
     Args:
@@ -975,6 +1105,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
             inputs of the 16-bit recipe): True rounds each Q tile in the kernel's prologue (Q is read once
             per program; K and V, read by every query tile, stay in the producer pass), False puts Q in
             the producer pass too. The same bits either way.
+        producer: the producer pass's kernel, `"blocks"` or `"strips"` (`_operands`; the same bits).
         hw_cast: E4M3 rounding by the hardware cast (default on CUDA) or by integer arithmetic.
 
     Returns:
@@ -1006,7 +1137,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
             orients = (ORIENT_HDIM, ORIENT_HDIM, ORIENT_SEQ)
         if q_in_kernel:
             q_round, orients = orients[0], (ORIENT_AS_IS,) + orients[1:]
-        q_op, k_op, v_op = _forward_operands((q, k, v), (g.q_offsets, g.kv_offsets, g.kv_offsets), orients, hw)
+        q_op, k_op, v_op = _forward_operands((q, k, v), (g.q_offsets, g.kv_offsets, g.kv_offsets), orients, hw,
+                                             producer)
     else:
         p_code = PQ_CONST if p_quant == "const_p" else PQ_DYNAMIC
         from ..jagged import JaggedLayout, quantize_jagged
@@ -1027,7 +1159,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
             v_tiles = kv_layout.num_tiles
         else:
             operands = OPERANDS_FP8_QK
-            v_op = _operands([(v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw)[0][0]
+            v_op = _operands([(v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw, producer=producer)[0][0]
     if g.batch == 0:
         return out, lse
     tile_seq, tile_idx, upper = _fwd_tiles(g, bm, causal)
@@ -1048,7 +1180,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        dlse: torch.Tensor | None = None, bwd_variant: str = "split", dq_accum: str = "fp32",
                        dq_static_scale: float = 1.0, grad_format: str = "dense",
                        grad_dtype: torch.dtype | None = None, config=None, dq_config=None,
-                       hw_cast: bool | None = None):
+                       producer: str = DEFAULT_PRODUCER, hw_cast: bool | None = None):
     """Backward of jagged attention by the recipe (DESIGN.md §3); inputs as for `attention_forward`.
 
     Args:
@@ -1063,6 +1195,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
             scale forms), quantized in the kernel's epilogue from the FP32 accumulators.
         grad_dtype: dtype of dQ (and of dense dK, dV); default q's dtype.
         config, dq_config: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the key-tile and dQ kernels.
+        producer: the producer pass's kernel, `"blocks"` or `"strips"` (the same operand bits; Δ summed in
+            another order).
 
     Returns:
         (dQ `[Tq, H, D]` (`[Lq, H, D]` with broadcast_q: summed over the batch), dK, dV).
@@ -1080,10 +1214,11 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         orients = (ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM, ORIENT_SQUARE) if mx else (ORIENT_NONE,) * 4
         (q_op, k_op, v_op, do_op), delta = _operands(
             [(q, g.q_offsets, orients[0], True), (k, g.kv_offsets, orients[1], True),
-             (v, g.kv_offsets, orients[2], True), (do, g.o_offsets, orients[3], True)], hw_cast=hw, o=o, dlse=dlse)
+             (v, g.kv_offsets, orients[2], True), (do, g.o_offsets, orients[3], True)], hw_cast=hw, o=o, dlse=dlse,
+            producer=producer)
     else:
         q_op, k_op, v_op, do_op = q, k, v, do
-        delta = _operands([(do, g.o_offsets, ORIENT_NONE, False)], hw_cast=hw, o=o, dlse=dlse)[1]
+        delta = _operands([(do, g.o_offsets, ORIENT_NONE, False)], hw_cast=hw, o=o, dlse=dlse, producer=producer)[1]
     if atomic:
         dq_buf = torch.zeros(q.shape, dtype=torch.float16 if dq_accum == "fp16" else torch.float32, device=q.device)
     else:
@@ -1168,7 +1303,8 @@ def _check_offsets_values(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, q_r
 
 
 def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: str, p_quant: str, variant: str,
-                  bwd_variant: str, dq_accum: str, dq_static_scale: float) -> None:
+                  bwd_variant: str, dq_accum: str, dq_static_scale: float,
+                  producer: str = DEFAULT_PRODUCER) -> None:
     check_qkv(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_contiguous():
@@ -1189,6 +1325,8 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if variant != "producer" and precision != "mxfp8":
         raise ValueError(f"variant={variant!r} is an MXFP8 forward variant; precision={precision!r} takes 'producer'")
+    if producer not in PRODUCERS:
+        raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
     if bwd_variant not in BWD_VARIANTS:
         raise ValueError(f"bwd_variant must be one of {BWD_VARIANTS}, got {bwd_variant!r}")
     if dq_accum not in DQ_ACCUMS:
@@ -1226,7 +1364,7 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                       kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
                       softmax_scale: float, p_quant: str, variant: str, warp_specialize: bool, q_in_kernel: bool,
-                      validate_offsets: bool, bwd_variant: str, dq_accum: str, dq_static_scale: float,
+                      producer: str, validate_offsets: bool, bwd_variant: str, dq_accum: str, dq_static_scale: float,
                       fwd_config: list[int], bwd_config: list[int], dq_config: list[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """O and LSE of jagged attention (the backward options ride along for the autograd context)."""
@@ -1234,13 +1372,14 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
         _check_offsets_values(q_offsets, kv_offsets, q.shape[0], k.shape[0])
     return attention_forward(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
                              precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, variant=variant,
-                             warp_specialize=warp_specialize, config=fwd_config, q_in_kernel=q_in_kernel)
+                             warp_specialize=warp_specialize, config=fwd_config, q_in_kernel=q_in_kernel,
+                             producer=producer)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, variant,
-      warp_specialize, q_in_kernel, validate_offsets, bwd_variant, dq_accum, dq_static_scale, fwd_config, bwd_config,
-      dq_config):
+      warp_specialize, q_in_kernel, producer, validate_offsets, bwd_variant, dq_accum, dq_static_scale, fwd_config,
+      bwd_config, dq_config):
     num_out = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty(num_out, q.shape[1], q.shape[2]), q.new_empty(num_out, q.shape[1], dtype=torch.float32)
 
@@ -1250,32 +1389,32 @@ def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                       lse: torch.Tensor, dlse: torch.Tensor | None, q_offsets: torch.Tensor,
                       kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
                       softmax_scale: float, p_quant: str, bwd_variant: str, dq_accum: str, dq_static_scale: float,
-                      bwd_config: list[int], dq_config: list[int]
+                      bwd_config: list[int], dq_config: list[int], producer: str
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV of jagged attention by the recipe."""
     return attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
                               precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, dlse=dlse,
                               bwd_variant=bwd_variant, dq_accum=dq_accum, dq_static_scale=dq_static_scale,
-                              config=bwd_config, dq_config=dq_config)
+                              config=bwd_config, dq_config=dq_config, producer=producer)
 
 
 @_attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant,
-      bwd_variant, dq_accum, dq_static_scale, bwd_config, dq_config):
+      bwd_variant, dq_accum, dq_static_scale, bwd_config, dq_config, producer):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_FWD_OP_INPUTS = 20  # arguments of gem_lp::jagged_attention_fwd
+_FWD_OP_INPUTS = 21  # arguments of gem_lp::jagged_attention_fwd
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, _variant,
-     _warp_specialize, _q_in_kernel, _validate, bwd_variant, dq_accum, dq_static_scale, _fwd_config, bwd_config,
-     dq_config) = inputs
+     _warp_specialize, _q_in_kernel, producer, _validate, bwd_variant, dq_accum, dq_static_scale, _fwd_config,
+     bwd_config, dq_config) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, q_offsets, kv_offsets)
     ctx.options = (causal, broadcast_q, precision, softmax_scale, p_quant, bwd_variant, dq_accum, dq_static_scale,
-                   bwd_config, dq_config)
+                   bwd_config, dq_config, producer)
     ctx.set_materialize_grads(False)
 
 
@@ -1299,7 +1438,9 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             kv_offsets: torch.Tensor | None = None, *, causal: bool = False,
                             broadcast_q: bool = False, precision: str = "bf16", softmax_scale: float | None = None,
                             p_quant: str = "const_p", return_lse: bool = False, variant: str = "producer",
-                            warp_specialize: bool = False, q_in_kernel: bool = True, validate_offsets: bool = True,
+                            warp_specialize: bool = False, q_in_kernel: bool = True,
+                            producer: str = DEFAULT_PRODUCER,
+                            validate_offsets: bool = True,
                             bwd_variant: str = "split", dq_accum: str = "fp32", dq_static_scale: float = 1.0,
                             fwd_config=None, bwd_config=None, dq_config=None
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -1318,6 +1459,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         warp_specialize: run the forward KV loop with `tl.range(..., warp_specialize=True)` (GPU only).
         q_in_kernel: round Q to its operand in the forward kernel's prologue (default) instead of in the
             producer pass (`attention_forward`); the same bits either way.
+        producer: the producer pass's kernel (forward and backward), `"blocks"` or `"strips"` (`_operands`).
         validate_offsets: check the offsets' values (start 0, non-decreasing, end at the rows), one host
             sync per call; False when the caller has checked them (the sync stalls the launch queue).
         bwd_variant: `"split"` (dK/dV and dQ kernels, no atomics) or `"atomic"` (dQ by atomic adds);
@@ -1330,7 +1472,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         O `[T_out, H, D]` in q's dtype (T_out = Tq, or B * Lq with broadcast_q), and LSE with return_lse.
     """
     _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q, precision, p_quant, variant, bwd_variant, dq_accum,
-                  dq_static_scale)
+                  dq_static_scale, producer)
     dim = q.shape[2]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dim)
@@ -1343,7 +1485,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     q_offs = q_offsets.to(device=q.device, dtype=torch.int64)
     kv_offs = kv_offsets.to(device=q.device, dtype=torch.int64)
     o, lse = _attention_fwd_op(q, k, v, q_offs, kv_offs, causal, broadcast_q, precision, float(softmax_scale),
-                               p_quant, variant, warp_specialize, bool(q_in_kernel), validate_offsets, bwd_variant,
-                               dq_accum, float(dq_static_scale), list(fwd_config or ()), list(bwd_config or ()),
-                               list(dq_config or ()))
+                               p_quant, variant, warp_specialize, bool(q_in_kernel), producer, validate_offsets,
+                               bwd_variant, dq_accum, float(dq_static_scale), list(fwd_config or ()),
+                               list(bwd_config or ()), list(dq_config or ()))
     return (o, lse) if return_lse else o
