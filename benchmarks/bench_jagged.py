@@ -35,7 +35,7 @@ import torch
 from benchmarks.common import Bench, lognormal_lengths, offsets_of
 from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, default_launch, launch
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LAUNCH_SETS, default_launch, launch
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
 from gem_lp.mx.layout import from_blocked
 from gem_lp.mx.reference import quantize_reference
@@ -235,9 +235,6 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
     torch.cuda.empty_cache()
 
 
-TUNED_SETS = {"hdim+seq": ("hdim", "seq"), "hdim": ("hdim",), "square": ("square",)}
-
-
 def allocate_outputs(values: torch.Tensor, layout: JaggedLayout, orientations: tuple[str, ...]):
     t, h, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
@@ -256,7 +253,7 @@ def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, pa
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
     scale_bytes = {"hdim+seq": h * (hdim_bytes + seq_bytes), "hdim": h * hdim_bytes,
                    "square": h * (hdim_bytes + seq_bytes)}
-    for set_name, orients in TUNED_SETS.items():
+    for set_name, orients in LAUNCH_SETS.items():
         group = f"{name} tuning {set_name}"
         base = default_launch(orients, True)
         default = (base["rows"], base["thread_rows"], base["row_blocks_in_thread"], base["num_warps"])
@@ -340,7 +337,7 @@ def compile_only() -> int:
         offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
         tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
         hdim_bytes, seq_bytes = scale_sizes(tp, dim)
-        for set_name, orients in TUNED_SETS.items():
+        for set_name, orients in LAUNCH_SETS.items():
             payloads = {o: torch.empty(t, heads, dim, dtype=PAYLOAD_DTYPE) for o in orients}
             names = [n for o in orients for n in ((o,) if o != "square" else ("square_hdim", "square_seq"))]
             scales = {n: torch.empty(heads, hdim_bytes if n.endswith("hdim") else seq_bytes, dtype=torch.uint8)

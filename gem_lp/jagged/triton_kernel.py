@@ -44,9 +44,14 @@ DEFAULT_LAUNCH = {
 # (row_blocks_in_thread: without the factor 4).
 CANDIDATE_LAUNCHES = {
     "hdim+seq": ((64, 16, False, 2), (128, 16, False, 4), (32, 8, False, 2), (64, 8, False, 4), (128, 8, False, 8)),
-    "hdim": ((64, 1, True, 4), (32, 1, True, 2), (128, 1, True, 8), (64, 2, True, 2)),
+    # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
+    # 16-byte loads cover 2 (thread_rows 8: 4) rows of 256 bytes instead of 32 rows
+    "hdim": ((64, 1, True, 4), (32, 1, True, 2), (128, 1, True, 8), (64, 2, True, 2),
+             (32, 8, False, 2), (32, 4, False, 2), (64, 8, False, 4), (64, 4, False, 4)),
     "square": ((64, 2, True, 2), (64, 1, True, 4), (64, 16, False, 2)),
 }
+# The orientation set of each group of CANDIDATE_LAUNCHES.
+LAUNCH_SETS = {"hdim+seq": ("hdim", "seq"), "hdim": ("hdim",), "square": ("square",)}
 # Under the interpreter the cost is per program and per op: few, large programs.
 INTERPRETER_LAUNCH = dict(rows=128, thread_rows=4, row_blocks_in_thread=False, num_warps=1)
 # Offsets inside a chunk at or above this need int64 arithmetic.
