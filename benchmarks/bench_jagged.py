@@ -10,14 +10,17 @@ Rows per workload:
       permute: that favours the peer).
   "<W> hdim only": ours hdim only, and the peer that needs no padding: the compiled dense cast of the
       packed [T*H, D].
-  "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` (default first) for hdim+seq, hdim and square,
-      launch only, each checked byte for byte against the default launch (PASS/FAIL); the best is printed.
+  "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` (default first; `LaunchOptions` tuples (rows,
+      thread_rows, row_blocks_in_thread, num_warps, max_registers)) for hdim+seq, hdim and square, launch
+      only, each checked byte for byte against the default launch (PASS/FAIL), with its sm_90 build figures
+      (registers, spills, programs per SM, SASS instructions per element); the best is printed.
 TB/s is effective: bf16 read once + payloads + scales written (the useful bytes of ours; the padded peer
 is credited with the same useful bytes). Each row's info holds the bytes it moves and stores, the padding
 ratio B*Lmax/T and the speed-up over the peer. Bit-identity against the per-sequence reference is checked
 on a sample of sequences (PASS/FAIL printed). Run: python benchmarks/bench_jagged.py
 `python benchmarks/bench_jagged.py --compile-only` (no GPU needed) builds every launch for sm_90 as the GPU
-run would and prints its registers and spills; it fails if one does not build.
+run would and prints its registers, spills, programs per SM and SASS instruction count, then what the register
+limits 128, 96 and 80 cost the hdim+seq and hdim defaults in spills; it fails if one does not build.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import torch
 from benchmarks.common import Bench, lognormal_lengths, offsets_of
 from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LAUNCH_SETS, default_launch, launch
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LAUNCH_SETS, LaunchOptions, default_launch, launch
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
 from gem_lp.mx.layout import from_blocked
 from gem_lp.mx.reference import quantize_reference
@@ -235,9 +238,10 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def allocate_outputs(values: torch.Tensor, layout: JaggedLayout, orientations: tuple[str, ...]):
+def allocate_outputs(values: torch.Tensor, padded_total: int, orientations: tuple[str, ...]):
+    """Uninitialized `launch` outputs (payloads, scales) of these orientations for `values [T, H, D]`."""
     t, h, d = values.shape
-    hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
+    hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
     payloads = {o: torch.empty(t, h, d, dtype=PAYLOAD_DTYPE, device=values.device) for o in orientations}
     names = [n for o in orientations for n in ((o,) if o != "square" else ("square_hdim", "square_seq"))]
     scales = {n: torch.empty(h, hdim_bytes if n.endswith("hdim") else seq_bytes, dtype=torch.uint8,
@@ -245,33 +249,42 @@ def allocate_outputs(values: torch.Tensor, layout: JaggedLayout, orientations: t
     return payloads, scales
 
 
+def launch_label(opts: LaunchOptions, default: LaunchOptions) -> str:
+    return (f"rows={opts.rows} thread_rows={opts.thread_rows}{' row_blocks' if opts.row_blocks_in_thread else ''} "
+            f"num_warps={opts.num_warps}" + (f" max_registers={opts.max_registers}" if opts.max_registers else "")
+            + (" (default)" if opts == default else ""))
+
+
+def candidates(set_name: str) -> tuple[LaunchOptions, list[LaunchOptions]]:
+    """(default launch, every launch to time with the default first) of one orientation set."""
+    default = default_launch(LAUNCH_SETS[set_name], True)
+    return default, [default] + [LaunchOptions(*c) for c in CANDIDATE_LAUNCHES[set_name] if tuple(c) != default]
+
+
 def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, padding_ratio: float) -> None:
     """Every launch of `CANDIDATE_LAUNCHES` (default first) per orientation set, launch only; each one's
     bytes compared with the default launch's (checked against the reference above and, for every launch,
-    by the GPU tests): PASS/FAIL."""
+    by the GPU tests): PASS/FAIL. Each row also holds the launch's sm_90 build figures (registers, spills,
+    programs per SM, SASS instructions per element)."""
     t, h, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
     scale_bytes = {"hdim+seq": h * (hdim_bytes + seq_bytes), "hdim": h * hdim_bytes,
                    "square": h * (hdim_bytes + seq_bytes)}
     for set_name, orients in LAUNCH_SETS.items():
         group = f"{name} tuning {set_name}"
-        base = default_launch(orients, True)
-        default = (base["rows"], base["thread_rows"], base["row_blocks_in_thread"], base["num_warps"])
-        launches = [default] + [c for c in CANDIDATE_LAUNCHES[set_name] if c != default]
-        want_payloads, want_scales = allocate_outputs(values, layout, orients)
+        default, launches = candidates(set_name)
+        want_payloads, want_scales = allocate_outputs(values, layout.padded_total, orients)
         launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, want_payloads,
                want_scales, True)
         nb = useful_bytes(values, 1 if set_name != "hdim+seq" else 2, scale_bytes[set_name])
         timed = []
-        for rows, thread_rows, row_blocks, warps in launches:
-            label = (f"rows={rows} thread_rows={thread_rows}{' row_blocks' if row_blocks else ''} num_warps={warps}"
-                     + (" (default)" if (rows, thread_rows, row_blocks, warps) == default else ""))
-            payloads, scales = allocate_outputs(values, layout, orients)
+        for opts in launches:
+            label = launch_label(opts, default)
+            payloads, scales = allocate_outputs(values, layout.padded_total, orients)
 
-            def run(rows=rows, thread_rows=thread_rows, row_blocks=row_blocks, warps=warps):
+            def run(opts=opts):
                 launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
-                       payloads, scales, True, rows=rows, thread_rows=thread_rows, row_blocks_in_thread=row_blocks,
-                       num_warps=warps)
+                       payloads, scales, True, **opts._asdict())
 
             try:
                 for out in (*payloads.values(), *scales.values()):
@@ -285,8 +298,12 @@ def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, pa
                 continue
             bench.extra.setdefault(f"{name}_launch_checks", {})[f"{set_name} {label}"] = ok
             log(f"{group} {label}: bytes vs the default launch {'PASS' if ok else 'FAIL'}")
-            ms = bench.time(group, label, run, nbytes=nb, launch=[rows, thread_rows, row_blocks, warps],
-                            bit_identical=ok, padding_ratio=padding_ratio)
+            try:
+                build = build_figures(orients, h, d, opts)
+            except Exception as e:
+                build = dict(build_error=f"{type(e).__name__}: {str(e)[:200]}")
+            ms = bench.time(group, label, run, nbytes=nb, launch=list(opts), bit_identical=ok,
+                            padding_ratio=padding_ratio, **build)
             if ms is not None and ok:
                 timed.append((ms, label))
             del payloads, scales
@@ -324,41 +341,88 @@ def main() -> None:
     bench.finish()
 
 
-def compile_only() -> int:
-    """Build every launch the GPU run times, for each workload's (H, D), for sm_90 on this machine (no GPU)."""
+# --- sm_90 builds (no GPU needed) ----------------------------------------------------------------------
+
+SM90_REGISTERS, SM90_MAX_WARPS, SM90_MAX_PROGRAMS = 65536, 64, 32
+# per-thread register limits at the occupancy steps of 64-thread programs (8, 10, 12 programs per SM)
+REGISTER_LIMITS = (128, 96, 80)
+
+
+def programs_per_sm(regs: int, num_warps: int) -> int:
+    """Programs an sm_90 SM holds at once (registers allocated per warp in units of 256; no shared memory)."""
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    return min(SM90_REGISTERS // (per_warp * num_warps), SM90_MAX_WARPS // num_warps, SM90_MAX_PROGRAMS)
+
+
+def sass_instructions(cubin: bytes) -> int:
+    """Instructions of a cubin (NOPs left out), from the cuobjdump bundled with Triton."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(1 for s in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text) if not s.strip().startswith("NOP"))
+
+
+def build_figures(orientations: tuple[str, ...], heads: int, dim: int, opts: LaunchOptions) -> dict:
+    """The sm_90 build of one launch (bf16 values, rceil, hardware cast), from shapes only: registers, spill
+    bytes, programs per SM, SASS instructions (whole kernel; D = 128 runs it once per program: one feature
+    chunk, no padding code) and per element of a full chunk, 16-byte loads."""
     from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
     from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
 
+    t, tp = 1000, 1280  # the build depends on H, D and the launch options, not on the batch
+    values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
+    offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
+    tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
+    payloads, scales = allocate_outputs(values, tp, orientations)
+    grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales, True,
+                                     hw_cast=True, **opts._asdict())
+    compiled = compile_for_target(_jagged_mx_kernel, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    regs, spills = ptxas_usage(ptx)
+    sass = sass_instructions(compiled.asm["cubin"])
+    return dict(regs=regs, spills=spills, programs_per_sm=programs_per_sm(regs, opts.num_warps),
+                sass=sass, sass_per_element=sass * 32 * opts.num_warps / (opts.rows * dim),
+                ld_v4=ptx.count("ld.global.v4"))
+
+
+def compile_only() -> int:
+    """Build every launch the GPU run times, for each workload's (H, D), for sm_90 on this machine (no GPU)."""
     failed = 0
     for name, cfg in WORKLOADS.items():
-        heads, dim = cfg["heads"], cfg["dim"]
-        t, tp = 1000, 1280  # the build depends on H, D and the launch options, not on the batch
-        values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
-        offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
-        tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
-        hdim_bytes, seq_bytes = scale_sizes(tp, dim)
         for set_name, orients in LAUNCH_SETS.items():
-            payloads = {o: torch.empty(t, heads, dim, dtype=PAYLOAD_DTYPE) for o in orients}
-            names = [n for o in orients for n in ((o,) if o != "square" else ("square_hdim", "square_seq"))]
-            scales = {n: torch.empty(heads, hdim_bytes if n.endswith("hdim") else seq_bytes, dtype=torch.uint8)
-                      for n in names}
-            base = default_launch(orients, True)
-            default = (base["rows"], base["thread_rows"], base["row_blocks_in_thread"], base["num_warps"])
-            for rows, thread_rows, row_blocks, warps in [default] + [
-                    c for c in CANDIDATE_LAUNCHES[set_name] if c != default]:
-                label = f"{name} {set_name:8s} rows={rows} thread_rows={thread_rows} row_blocks={row_blocks} w{warps}"
+            default, launches = candidates(set_name)
+            for opts in launches:
+                label = f"{name} {set_name:8s} {launch_label(opts, default)}"
                 try:
-                    grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales,
-                                                     True, rows=rows, thread_rows=thread_rows,
-                                                     row_blocks_in_thread=row_blocks, num_warps=warps, hw_cast=True)
-                    ptx = compile_for_target(_jagged_mx_kernel, args, kwargs).asm["ptx"]
-                    regs, spills = ptxas_usage(ptx)
+                    b = build_figures(orients, cfg["heads"], cfg["dim"], opts)
                 except Exception as e:
                     failed += 1
                     print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
-                print(f"  {label}: registers {regs:3d}  spill bytes {spills}  16-byte loads "
-                      f"{ptx.count('ld.global.v4')}", flush=True)
+                print(f"  {label}: registers {b['regs']:3d}  spill bytes {b['spills']}  programs/SM "
+                      f"{b['programs_per_sm']}  SASS {b['sass']} ({b['sass_per_element']:.1f}/element)  "
+                      f"16-byte loads {b['ld_v4']}", flush=True)
+    # what each register limit of an occupancy step costs the defaults (a candidate lists only spill-free ones)
+    for set_name in ("hdim+seq", "hdim"):
+        default = default_launch(LAUNCH_SETS[set_name], True)
+        for limit in REGISTER_LIMITS:
+            opts = default._replace(max_registers=limit)
+            try:
+                b = build_figures(LAUNCH_SETS[set_name], 4, 128, opts)
+            except Exception as e:
+                failed += 1
+                print(f"  limit {set_name:8s} {launch_label(opts, default)}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            print(f"  limit {set_name:8s} {launch_label(opts, default)}: registers {b['regs']:3d}  spill bytes "
+                  f"{b['spills']}  programs/SM {b['programs_per_sm']}  SASS {b['sass']}", flush=True)
     print(f"sm_90 builds: {'all built' if not failed else f'{failed} FAILED'}")
     return 1 if failed else 0
 

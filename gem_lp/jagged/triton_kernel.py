@@ -18,6 +18,8 @@ payloads leave as 8-byte rows with no layout change. With `row_blocks_in_thread`
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,31 +31,58 @@ from ..mx.triton_quantize import (max_cols_of_blocks, max_rows_of_blocks, tile_a
                                   block_scale)
 from .tensor import JaggedMXTensor, scale_sizes
 
+
+
+class LaunchOptions(NamedTuple):
+    """How the kernel is launched; the bytes written never depend on it.
+
+    rows: padded rows per program (32, 64 or 128). thread_rows: consecutive tokens per thread strip (1..32,
+    a power of two). row_blocks_in_thread: a thread holds whole 32-feature blocks instead of one 8-feature
+    group. num_warps: warps per program. max_registers: registers per thread that ptxas may use (Triton's
+    `maxnreg`; 0: no limit); a limit below what the kernel needs spills to local memory.
+    """
+
+    rows: int
+    thread_rows: int
+    row_blocks_in_thread: bool
+    num_warps: int
+    max_registers: int = 0
+
+
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
 # (instructions per element, registers without spills); `benchmarks/bench_jagged.py` times them against
 # alternatives on the GPU.
 # Defaults: the fastest of CANDIDATE_LAUNCHES on the H200 for both workloads of docs/PERF.md ("Jagged").
 DEFAULT_LAUNCH = {
-    "hdim": dict(rows=64, thread_rows=2, row_blocks_in_thread=True, num_warps=2),
-    "square": dict(rows=64, thread_rows=16, row_blocks_in_thread=False, num_warps=2),
-    "seq": dict(rows=32, thread_rows=8, row_blocks_in_thread=False, num_warps=2),  # any set with seq
+    "hdim": LaunchOptions(64, 2, True, 2),
+    "square": LaunchOptions(64, 16, False, 2),
+    "seq": LaunchOptions(32, 8, False, 2),  # any set with seq
 }
-# The tuning space (D = 128): launch options `benchmarks/bench_jagged.py` times and the GPU tests run,
-# as (rows, thread_rows, row_blocks_in_thread, num_warps); all spill-free on sm_90. A launch keeps its
-# strips in registers when 4 * (32 / thread_rows) * (chunk_d / 32) * (rows / 32) >= 32 * num_warps
-# (row_blocks_in_thread: without the factor 4).
+# The tuning space (D = 128): launch options `benchmarks/bench_jagged.py` times and the GPU tests run, as
+# `LaunchOptions` tuples (rows, thread_rows, row_blocks_in_thread, num_warps, max_registers). A launch keeps
+# its strips in registers when 4 * (32 / thread_rows) * (chunk_d / 32) * (rows / 32) >= 32 * num_warps
+# (row_blocks_in_thread: without the factor 4). All are spill-free on sm_90
+# (`python benchmarks/bench_jagged.py --compile-only` prints each build's registers, spills and programs per SM).
+# Register limits: 128, 96 and 80 are the occupancy steps of 64-thread programs on sm_90 (8, 10 and 12
+# programs per SM; the 146-153 registers of the defaults give 6). Only limits that spill nothing are listed:
+# hdim+seq (32, 8) spills 96 bytes at 96 registers and 160 at 80; the hdim default (64, 2, row blocks)
+# spills 76 bytes at 128, 208 at 96 and 316 at 80 (the plain hdim strips need 64-80 registers unlimited).
 CANDIDATE_LAUNCHES = {
-    "hdim+seq": ((64, 16, False, 2), (128, 16, False, 4), (32, 8, False, 2), (64, 8, False, 4), (128, 8, False, 8)),
+    # hdim+seq: also 4-token strips of 32 elements per thread (4 or 8 warps: 79-80 registers, 24 warps per SM)
+    "hdim+seq": ((64, 16, False, 2, 0), (128, 16, False, 4, 0), (32, 8, False, 2, 0), (64, 8, False, 4, 0),
+                 (128, 8, False, 8, 0), (32, 8, False, 2, 128), (32, 4, False, 2, 128), (32, 4, False, 4, 0),
+                 (64, 4, False, 8, 0)),
     # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
-    # 16-byte loads cover 2 (thread_rows 8: 4) rows of 256 bytes instead of 32 rows
-    "hdim": ((64, 1, True, 4), (32, 1, True, 2), (128, 1, True, 8), (64, 2, True, 2),
-             (32, 8, False, 2), (32, 4, False, 2), (64, 8, False, 4), (64, 4, False, 4)),
-    "square": ((64, 2, True, 2), (64, 1, True, 4), (64, 16, False, 2)),
+    # 16-byte loads read 4 (thread_rows 4: 8) runs of 128 (64) contiguous bytes rather than 32 separate
+    # 16-byte pieces
+    "hdim": ((64, 1, True, 4, 0), (32, 1, True, 2, 0), (128, 1, True, 8, 0), (64, 2, True, 2, 0),
+             (32, 8, False, 2, 0), (32, 4, False, 2, 0), (64, 8, False, 4, 0), (64, 4, False, 4, 0)),
+    "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0)),
 }
 # The orientation set of each group of CANDIDATE_LAUNCHES.
 LAUNCH_SETS = {"hdim+seq": ("hdim", "seq"), "hdim": ("hdim",), "square": ("square",)}
 # Under the interpreter the cost is per program and per op: few, large programs.
-INTERPRETER_LAUNCH = dict(rows=128, thread_rows=4, row_blocks_in_thread=False, num_warps=1)
+INTERPRETER_LAUNCH = LaunchOptions(128, 4, False, 1)
 # Offsets inside a chunk at or above this need int64 arithmetic.
 _INT32_SPAN = 2**31
 
@@ -181,7 +210,7 @@ def _jagged_mx_kernel(
                 tl.store(s_sq_seq_ptr + off, zero, mask=pad)
 
 
-def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> dict:
+def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:
     """Launch options used when the caller gives none (see `launch`)."""
     if interpreter_enabled() and not on_cuda:
         return INTERPRETER_LAUNCH
@@ -200,7 +229,7 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 scales: dict[str, torch.Tensor], rceil: bool, *,
                 chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
                 row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
-                hw_cast: bool | None = None):
+                max_registers: int | None = None, hw_cast: bool | None = None):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA)."""
     t, heads, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
@@ -213,16 +242,19 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
     if chunk_d % 32 or d % chunk_d or chunk_d & (chunk_d - 1):
         raise ValueError(f"chunk_d must be a power-of-two multiple of 32 dividing D = {d}, got {chunk_d}")
     base = default_launch(tuple(payloads), values.is_cuda)
-    rows = base["rows"] if rows is None else rows
-    thread_rows = base["thread_rows"] if thread_rows is None else thread_rows
-    row_blocks_in_thread = base["row_blocks_in_thread"] if row_blocks_in_thread is None else row_blocks_in_thread
-    num_warps = base["num_warps"] if num_warps is None else num_warps
+    rows = base.rows if rows is None else rows
+    thread_rows = base.thread_rows if thread_rows is None else thread_rows
+    row_blocks_in_thread = base.row_blocks_in_thread if row_blocks_in_thread is None else row_blocks_in_thread
+    num_warps = base.num_warps if num_warps is None else num_warps
+    max_registers = base.max_registers if max_registers is None else max_registers
     if rows not in (32, 64, 128):
         raise ValueError(f"rows must be 32, 64 or 128, got {rows}")
     if thread_rows not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"thread_rows must be 1, 2, 4, 8, 16 or 32, got {thread_rows}")
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps}")
+    if max_registers != 0 and not 16 <= max_registers <= 255:
+        raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
     # Largest offset inside one chunk: its tokens' input rows, or its payload rows (H * D bytes each).
     span = rows * (abs(values.stride(0)) + heads * d) + d * abs(values.stride(2))
     grid = (padded_total // rows * heads,)
@@ -238,6 +270,8 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
         RCEIL=rceil, HW_CAST=values.is_cuda if hw_cast is None else hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
         num_warps=num_warps,
     )
+    if max_registers:
+        kwargs["maxnreg"] = max_registers
     return grid, args, kwargs
 
 
@@ -245,7 +279,8 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
            tile_seq: torch.Tensor, padded_total: int, payloads: dict[str, torch.Tensor],
            scales: dict[str, torch.Tensor], rceil: bool, *,
            chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
-           row_blocks_in_thread: bool | None = None, num_warps: int | None = None) -> None:
+           row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
+           max_registers: int | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -255,17 +290,18 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         payloads: orientation -> `[T, H, D]` float8_e4m3fn (contiguous) for each requested orientation.
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
-        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps: launch tuning: features per inner
-            step (a power-of-two multiple of 32 dividing D; default the largest of 128/64/32 dividing D),
-            padded rows per program (32, 64 or 128), consecutive tokens per thread (1, 2, 4, 8, 16 or 32),
-            whole 32-feature blocks per thread, and warps per program; defaults in `default_launch`. The
-            bytes written do not depend on them.
+        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers: launch tuning:
+            features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
+            128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
+            thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
+            0 for none); each None takes `default_launch`'s value. The bytes written do not depend on them.
     """
     if padded_total == 0:
         return
     grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                      rceil, chunk_d=chunk_d, rows=rows, thread_rows=thread_rows,
-                                     row_blocks_in_thread=row_blocks_in_thread, num_warps=num_warps)
+                                     row_blocks_in_thread=row_blocks_in_thread, num_warps=num_warps,
+                                     max_registers=max_registers)
     _jagged_mx_kernel[grid](*args, **kwargs)
 
 

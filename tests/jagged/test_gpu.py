@@ -59,13 +59,15 @@ def test_mixed_batch_every_byte(mixed_batch, dtype, scaling, heads, dim):
 LAUNCHES = sorted({launch for group in CANDIDATE_LAUNCHES.values() for launch in group})
 
 
-@pytest.mark.parametrize("rows,thread_rows,row_blocks,num_warps", LAUNCHES,
-                         ids=[f"rows{r}-t{t}{'b' if b else ''}-w{w}" for r, t, b, w in LAUNCHES])
-def test_launch_options_every_byte(mixed_batch, rows, thread_rows, row_blocks, num_warps):
+@pytest.mark.parametrize("rows,thread_rows,row_blocks,num_warps,max_registers", LAUNCHES,
+                         ids=[f"rows{r}-t{t}{'b' if b else ''}-w{w}" + (f"-r{m}" if m else "")
+                              for r, t, b, w, m in LAUNCHES])
+def test_launch_options_every_byte(mixed_batch, rows, thread_rows, row_blocks, num_warps, max_registers):
     """Every launch the benchmark times, with the hardware cast, on the outliers and non-finite values."""
     for chunk_d in (128, 64):
         _check_every_byte(mixed_batch, torch.bfloat16, "rceil", 4, 128, rows=rows, thread_rows=thread_rows,
-                          row_blocks_in_thread=row_blocks, chunk_d=chunk_d, num_warps=num_warps)
+                          row_blocks_in_thread=row_blocks, chunk_d=chunk_d, num_warps=num_warps,
+                          max_registers=max_registers)
 
 
 def _check_every_byte(mixed_batch, dtype, scaling, heads, dim, **launch_options):

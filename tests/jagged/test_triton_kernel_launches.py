@@ -39,7 +39,7 @@ def test_candidate_launch_every_byte(mixed_batch, case):
     set_name, rows, thread_rows, row_blocks, *rest = case
     options = dict(rows=rows, thread_rows=thread_rows, row_blocks_in_thread=row_blocks)
     if rest:
-        options.update(num_warps=rest[0])
+        options.update(num_warps=rest[0], max_registers=rest[1])
     orientations = LAUNCH_SETS[set_name]
     values, offsets = mixed_batch(1, 128, torch.bfloat16, lengths=LENGTHS)
     layout = JaggedLayout.from_offsets(offsets, values)
@@ -57,3 +57,67 @@ def test_candidate_launch_every_byte(mixed_batch, case):
         assert torch.equal(payloads[o].view(torch.uint8), ref.payload(o).view(torch.uint8)), f"payload_{o}"
         for n in SCALE_NAMES[o]:
             assert torch.equal(scales[n], getattr(ref, f"scale_{n}")), f"scale_{n}"
+
+
+def test_max_registers_option(mixed_batch):
+    """The register limit reaches the launch as Triton's `maxnreg` (none when 0) and is checked."""
+    from gem_lp.jagged.triton_kernel import launch_args
+
+    values, offsets = mixed_batch(1, 64, lengths=(3,))
+    layout = JaggedLayout.from_offsets(offsets, values)
+    payloads = {"hdim": torch.empty(values.shape, dtype=PAYLOAD_DTYPE)}
+    scales = {"hdim": torch.empty(1, scale_sizes(layout.padded_total, 64)[0], dtype=torch.uint8)}
+
+    def kwargs(**options):
+        return launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
+                           payloads, scales, True, **options)[2]
+
+    assert kwargs(max_registers=96)["maxnreg"] == 96
+    assert "maxnreg" not in kwargs(max_registers=0) and "maxnreg" not in kwargs()
+    for bad in (8, 256, -1):
+        with pytest.raises(ValueError, match=f"max_registers must be 0 \\(no limit\\) or 16..255, got {bad}"):
+            kwargs(max_registers=bad)
+
+
+_HOPPER_CANDIDATES = """
+import json, torch
+from gem_lp.jagged.tensor import scale_sizes
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LAUNCH_SETS, LaunchOptions, _jagged_mx_kernel, launch_args
+from gem_lp.mx.formats import PAYLOAD_DTYPE
+from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+heads, dim, t, tp = 4, 128, 1000, 1280
+values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
+offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
+tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
+hb, sb = scale_sizes(tp, dim)
+for set_name, launches in CANDIDATE_LAUNCHES.items():
+    orients = LAUNCH_SETS[set_name]
+    payloads = {o: torch.empty(t, heads, dim, dtype=PAYLOAD_DTYPE) for o in orients}
+    scales = {s: torch.empty(heads, hb if s.endswith("hdim") else sb, dtype=torch.uint8)
+              for o in orients for s in ((o,) if o != "square" else ("square_hdim", "square_seq"))}
+    for c in launches:
+        opts = LaunchOptions(*c)
+        grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales, True,
+                                         hw_cast=True, **opts._asdict())
+        regs, spills = ptxas_usage(compile_for_target(_jagged_mx_kernel, args, kwargs).asm["ptx"])
+        print(json.dumps(dict(set=set_name, launch=list(opts), regs=regs, spills=spills)))
+"""
+
+
+def test_candidate_launches_build_for_hopper_without_spills():
+    """Every candidate launch builds for sm_90 (hardware cast, H4 D128) within its register limit and
+    without spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")  # a compiled, not interpreted, kernel object
+    done = subprocess.run([sys.executable, "-c", _HOPPER_CANDIDATES], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(builds) == sum(len(group) for group in CANDIDATE_LAUNCHES.values()), done.stdout
+    for b in builds:
+        limit = b["launch"][4]
+        assert b["spills"] == 0 and (limit == 0 or b["regs"] <= limit), b
