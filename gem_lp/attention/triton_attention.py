@@ -30,8 +30,12 @@ the device without a host sync, sends program i to one BLOCK_M-query tile of one
 work first; tiles never cross sequences, so 32-token MX blocks stay aligned to sequence starts; causal
 tiles skip fully masked KV tiles. Backward (`bwd_variant="split"`): a key-tile kernel accumulates dK,
 dV in registers (in the transposed form S^T = K Q^T), a query-tile kernel accumulates dQ; no atomics.
-With `broadcast_q` (one query tile summed over every sequence) or `bwd_variant="atomic"`, the key-tile
-kernel adds dQ atomically into an FP32 buffer, or an FP16 one holding dQ times a static scale.
+With `broadcast_q` (one query sequence shared by every sequence) the query-tile kernel writes one FP32
+partial dQ per sequence, and torch sums them. With `bwd_variant="atomic"` the key-tile kernel adds dQ
+atomically into an FP32 buffer, or an FP16 one holding dQ times a static scale.
+broadcast_q builds its query-tile map directly (`_broadcast_tiles`: every sequence has the same Lq), and
+`kv_in_kernel=True` rounds K and V in the forward loop instead of the producer pass: with Lq <= BLOCK_M
+each KV tile is read by one program, so K and V cross HBM once instead of three times.
 
 Numerics against `reference.py` (same precision): the kernel's softmax is online, so it rounds p
 relative to the running row max and rescales, while the reference rounds p relative to the final max.
@@ -467,8 +471,14 @@ def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
               k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n, offs_m, shift,
               h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              P_QUANT: tl.constexpr, OPERANDS: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
-    """One KV tile of the online softmax: returns the updated (acc, l_i, m_i)."""
+              P_QUANT: tl.constexpr, OPERANDS: tl.constexpr, KV_ROUND: tl.constexpr, HW_CAST: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """One KV tile of the online softmax: returns the updated (acc, l_i, m_i).
+
+    KV_ROUND (OPERANDS == 0): `ORIENT_AS_IS` when k_ptr, v_ptr hold the operands; `ORIENT_HDIM` when they
+    hold the raw K, V and each tile is rounded here (K 1x32 along D, V 32 tokens x 1 feature: the tile
+    starts BN tokens apart from its sequence's start, so its 32-token blocks are the producer's);
+    `ORIENT_NONE` rounds both to BF16."""
     offs_n = start_n + tl.arange(0, BN)
     n_mask = offs_n < Lk
     tok = kv_row0 + offs_n
@@ -494,6 +504,7 @@ def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
             k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_off)
+        k = _operand_tile(k, KV_ROUND, BN, D, HW_CAST, INTERPRET)
         s = _dot(q, tl.trans(k), None, INTERPRET) * qk_scale
     if MASKED:
         visible = n_mask[None, :]
@@ -515,6 +526,11 @@ def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
         v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
     else:
         v = tl.load(v_ptr + kv_off)
+    if OPERANDS == 0:
+        if KV_ROUND == 1:  # V's MX blocks run along the sequence
+            v = _operand_tile(v, 2, BN, D, HW_CAST, INTERPRET)
+        else:
+            v = _operand_tile(v, KV_ROUND, BN, D, HW_CAST, INTERPRET)
     acc = _dot(_round_p(p, BM, BN, P_QUANT, False, v.dtype, HW_CAST, INTERPRET), v, acc, INTERPRET)
     return acc, l_i, m_new
 
@@ -533,13 +549,14 @@ def _attn_fwd_kernel(
     q_base_ptr, o_offsets_ptr, kv_offsets_ptr, q_srow_ptr, kv_srow_ptr, tile_seq_ptr, tile_idx_ptr,
     H, qk_scale, q_scale_head, k_scale_head, v_scale_head, v_num_tiles,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
-    OPERANDS: tl.constexpr, Q_ROUND: tl.constexpr, HW_CAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    OPERANDS: tl.constexpr, Q_ROUND: tl.constexpr, KV_ROUND: tl.constexpr, HW_CAST: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One BM-query tile of one sequence and head: O (input dtype) and LSE (FP32, natural log).
 
     Q_ROUND (OPERANDS == 0): `ORIENT_AS_IS` when q_ptr holds the Q operand, else the orientation the
-    prologue rounds the raw Q tile to (`_operand_tile`: the producer pass's bits, read once per program)."""
+    prologue rounds the raw Q tile to (`_operand_tile`: the producer pass's bits, read once per program).
+    KV_ROUND: the same for K and V in the loop (`_fwd_step`)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_seq_ptr + pid)
@@ -599,7 +616,8 @@ def _attn_fwd_kernel(
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
                                       k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
                                       offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, start_n >= full_end, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+                                      D, BM, BN, start_n >= full_end, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
+                                      INTERPRET)
             start_n += BN
     else:
         if WARP_SPECIALIZE:
@@ -607,18 +625,21 @@ def _attn_fwd_kernel(
                 acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
                                       k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
                                       offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
+                                      INTERPRET)
         else:
             for start_n in tl.range(0, full_end, BN):
                 acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
                                       k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
                                       offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
+                                      INTERPRET)
         for start_n in tl.range(full_end, end, BN):
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
                                       k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
                                       offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, True, CAUSAL, P_QUANT, OPERANDS, HW_CAST, INTERPRET)
+                                      D, BM, BN, True, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
+                                      INTERPRET)
 
     empty = l_i == 0.0
     denom = tl.where(empty, 1.0, l_i)
@@ -635,8 +656,8 @@ def _attn_fwd_kernel(
 # Non-broadcast: `_attn_bwd_kv_kernel` (one program per BLOCK_N-key tile: dK, dV in registers, computed in
 # the transposed form S^T = K Q^T so that P^T and dS^T are register A-operands of their GEMMs) and
 # `_attn_bwd_q_kernel` (one program per BLOCK_M-query tile: dQ in registers). No atomics, 7 GEMMs per
-# tile pair. broadcast_q (and `bwd_variant="atomic"`): the key-tile kernel also adds dS K into a dQ
-# buffer with atomics (5 GEMMs), since one shared query tile sums over every sequence.
+# tile pair; broadcast_q: the dQ kernel writes a partial dQ per sequence. `bwd_variant="atomic"`: the
+# key-tile kernel also adds dS K into a dQ buffer with atomics (5 GEMMs) and there is no dQ kernel.
 
 
 @triton.jit
@@ -770,9 +791,10 @@ def _attn_bwd_q_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     q_base_ptr, o_offsets_ptr, kv_offsets_ptr, tile_seq_ptr, tile_idx_ptr, H, qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, DS_MX: tl.constexpr,
-    HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
+    DQ_AT_O_ROWS: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One BM-query tile of one sequence and head: dQ = Σ_kv dS K * scale, in registers."""
+    """One BM-query tile of one sequence and head: dQ = Σ_kv dS K * scale, in registers, stored at the
+    tile's q rows, or (DQ_AT_O_ROWS, broadcast_q) at its output rows: one partial dQ per sequence."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_seq_ptr + pid)
@@ -811,7 +833,8 @@ def _attn_bwd_q_kernel(
         for start_n in tl.range(full_end, end, BN):
             dq = _bwd_q_step(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, Lk, start_n, offs_m, shift, h, H,
                              qk_scale, D, BM, BN, True, CAUSAL, DS_MX, HW_CAST, INTERPRET)
-    tl.store(dq_ptr + (q_tok[:, None] * H + h) * D + d[None, :], _cast(dq * sm_scale, dq_ptr.dtype.element_ty,
+    dq_tok = o_tok if DQ_AT_O_ROWS else q_tok
+    tl.store(dq_ptr + (dq_tok[:, None] * H + h) * D + d[None, :], _cast(dq * sm_scale, dq_ptr.dtype.element_ty,
              INTERPRET), mask=m_mask[:, None])
 
 
@@ -859,7 +882,8 @@ class _Geometry:
         self.broadcast_q = broadcast_q
         if broadcast_q:
             lq = q.shape[0]
-            self.q_offsets = torch.tensor([0, lq], dtype=torch.int64, device=dev)
+            # built on the device: torch.tensor(..., device=cuda) is a blocking copy (a host sync per call)
+            self.q_offsets = torch.arange(2, dtype=torch.int64, device=dev) * lq
             self.o_offsets = torch.arange(self.batch + 1, dtype=torch.int64, device=dev) * lq
             self.q_base = torch.zeros(self.batch, dtype=torch.int64, device=dev)
             self.num_out = self.batch * lq
@@ -897,7 +921,20 @@ def _tile_map(lengths: torch.Tensor, block: int, upper: int, work_of) -> tuple[t
     return tile_seq.to(torch.int32).contiguous(), idx[order].to(torch.int32).contiguous()
 
 
+def _broadcast_tiles(g: _Geometry, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The query tiles of broadcast_q: every sequence has the same Lq (a host integer), so the tiles are
+    known without a search, B * ceil(Lq / block_m) of them: sequences in order of decreasing Lk (their
+    work), each one's last query tile (the most keys under causal) first. Four device ops, no host sync."""
+    n_tiles = triton.cdiv(g.q_rows, block_m)
+    order = torch.argsort(g.kv_lengths(), descending=True, stable=True).to(torch.int32)
+    tile_seq = order[:, None].expand(g.batch, n_tiles).reshape(-1)
+    tile_idx = torch.arange(n_tiles - 1, -1, -1, dtype=torch.int32, device=order.device).repeat(g.batch)
+    return tile_seq, tile_idx, g.batch * n_tiles
+
+
 def _fwd_tiles(g: _Geometry, block_m: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if g.broadcast_q:
+        return _broadcast_tiles(g, block_m)
     lq, lk = g.q_lengths(), g.kv_lengths()
     upper = g.num_out // block_m + g.batch
 
@@ -1092,8 +1129,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
                       kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
                       precision: str = "mxfp8", softmax_scale: float | None = None, p_quant: str = "const_p",
                       variant: str = "producer", warp_specialize: bool = False, config=None,
-                      q_in_kernel: bool = True, producer: str = DEFAULT_PRODUCER, hw_cast: bool | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      q_in_kernel: bool = True, kv_in_kernel: bool = False, producer: str = DEFAULT_PRODUCER,
+                      hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of jagged attention (arguments checked by `jagged_attention_triton`; offsets trusted).
 
     Args:
@@ -1105,6 +1142,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
             inputs of the 16-bit recipe): True rounds each Q tile in the kernel's prologue (Q is read once
             per program; K and V, read by every query tile, stay in the producer pass), False puts Q in
             the producer pass too. The same bits either way.
+        kv_in_kernel: round each K and V tile in the kernel's loop instead of in the producer pass (same
+            bits): every query tile rounds it again, but K and V cross HBM once instead of three times.
+            For few query tiles per sequence (broadcast_q with Lq <= BLOCK_M: each KV tile is read by one
+            program); `"producer"` variant only.
         producer: the producer pass's kernel, `"blocks"` or `"strips"` (`_operands`; the same bits).
         hw_cast: E4M3 rounding by the hardware cast (default on CUDA) or by integer arithmetic.
 
@@ -1125,7 +1166,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
     q_scale = k_scale = v_scale = dummy_u8
     q_srow = kv_srow = g.q_base
     q_head = k_head = v_head = v_tiles = 0
-    q_round = ORIENT_AS_IS
+    if kv_in_kernel and variant != "producer":
+        raise ValueError(f"kv_in_kernel=True needs variant='producer', got {variant!r}")
+    q_round = kv_round = ORIENT_AS_IS
     if precision == "bf16" or variant == "producer":
         operands = OPERANDS_16BIT
         if precision == "bf16":
@@ -1137,6 +1180,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
             orients = (ORIENT_HDIM, ORIENT_HDIM, ORIENT_SEQ)
         if q_in_kernel:
             q_round, orients = orients[0], (ORIENT_AS_IS,) + orients[1:]
+        if kv_in_kernel:
+            kv_round, orients = orients[1], orients[:1] + (ORIENT_AS_IS, ORIENT_AS_IS)
         q_op, k_op, v_op = _forward_operands((q, k, v), (g.q_offsets, g.kv_offsets, g.kv_offsets), orients, hw,
                                              producer)
     else:
@@ -1167,7 +1212,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
         q_op, k_op, v_op, out, lse, q_scale, k_scale, v_scale,
         g.q_base, g.o_offsets, g.kv_offsets, q_srow, kv_srow, tile_seq, tile_idx,
         heads, scale * LOG2E, q_head, k_head, v_head, v_tiles,
-        D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=p_code, OPERANDS=operands, Q_ROUND=q_round, HW_CAST=hw,
+        D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=p_code, OPERANDS=operands, Q_ROUND=q_round, KV_ROUND=kv_round,
+        HW_CAST=hw,
         WARP_SPECIALIZE=warp_specialize, INTERPRET=interpreter_enabled(), num_warps=warps, num_stages=stages,
     )
     return out, lse
@@ -1186,8 +1232,10 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     Args:
         do: `[T_out, H, D]` gradient of O (contiguous); o, lse: the forward's outputs.
         dlse: optional `[T_out, H]` FP32 gradient of LSE (folded into Δ).
-        bwd_variant: `"split"` (a key-tile kernel for dK, dV and a query-tile kernel for dQ, no atomics)
-            or `"atomic"` (one key-tile kernel adding dQ atomically); broadcast_q always runs `"atomic"`.
+        bwd_variant: `"split"` (a key-tile kernel for dK, dV and a query-tile kernel for dQ, no atomics;
+            with broadcast_q the dQ kernel writes one FP32 partial dQ per sequence, summed by torch) or
+            `"atomic"` (one key-tile kernel adding dQ atomically: with broadcast_q every key tile of the
+            batch adds into the same Lq rows).
         dq_accum: dQ buffer of the atomic variant: `"fp32"`, or `"fp16"` holding dQ * dq_static_scale
             (halves the atomic traffic; pick the scale so that |dQ| * scale stays inside FP16's range).
         grad_format: `"dense"` (dK, dV tensors) or `"mxfp8"`: dK and dV leave the kernel as
@@ -1208,7 +1256,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     hw = _hw_cast(q, hw_cast)
     on_gpu = q.is_cuda and not interpreter_enabled()
     bm, bn, warps, stages = _config("bwd_kv", dim, on_gpu, config)
-    atomic = broadcast_q or bwd_variant == "atomic"
+    atomic = bwd_variant == "atomic"
     mx = precision == "mxfp8"
     if mx or q.dtype == torch.float32:  # MX-exact (or, FP32 inputs of the 16-bit recipe, BF16) operands
         orients = (ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM, ORIENT_SQUARE) if mx else (ORIENT_NONE,) * 4
@@ -1221,6 +1269,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         delta = _operands([(do, g.o_offsets, ORIENT_NONE, False)], hw_cast=hw, o=o, dlse=dlse, producer=producer)[1]
     if atomic:
         dq_buf = torch.zeros(q.shape, dtype=torch.float16 if dq_accum == "fp16" else torch.float32, device=q.device)
+    elif broadcast_q:  # one FP32 partial dQ per sequence (at its output rows), summed below
+        dq_buf = torch.empty(g.num_out, heads, dim, dtype=torch.float32, device=q.device)
     else:
         dq_buf = torch.empty(q.shape, dtype=grad_dtype, device=q.device)
     mx_grads = grad_format == "mxfp8"
@@ -1276,11 +1326,13 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
             _attn_bwd_q_kernel[(upper, heads)](
                 q_op, k_op, v_op, do_op, lse, delta, dq, g.q_base, g.o_offsets, g.kv_offsets, tile_seq, tile_idx,
                 heads, scale * LOG2E, scale,
-                D=dim, BM=qbm, BN=qbn, CAUSAL=causal, DS_MX=mx, HW_CAST=hw, INTERPRET=interpreter_enabled(),
-                num_warps=qwarps, num_stages=qstages,
+                D=dim, BM=qbm, BN=qbn, CAUSAL=causal, DS_MX=mx, DQ_AT_O_ROWS=broadcast_q, HW_CAST=hw,
+                INTERPRET=interpreter_enabled(), num_warps=qwarps, num_stages=qstages,
             )
         else:
             dq.zero_()
+        if broadcast_q:
+            dq = dq.view(g.batch, q.shape[0], heads, dim).sum(0).to(grad_dtype)
     if mx_grads:
         return dq, grads[0], grads[1]
     return dq, dk_t, dv_t
@@ -1364,8 +1416,8 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                       kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
                       softmax_scale: float, p_quant: str, variant: str, warp_specialize: bool, q_in_kernel: bool,
-                      producer: str, validate_offsets: bool, bwd_variant: str, dq_accum: str, dq_static_scale: float,
-                      fwd_config: list[int], bwd_config: list[int], dq_config: list[int]
+                      kv_in_kernel: bool, producer: str, validate_offsets: bool, bwd_variant: str, dq_accum: str,
+                      dq_static_scale: float, fwd_config: list[int], bwd_config: list[int], dq_config: list[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """O and LSE of jagged attention (the backward options ride along for the autograd context)."""
     if validate_offsets:
@@ -1373,13 +1425,13 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
     return attention_forward(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
                              precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, variant=variant,
                              warp_specialize=warp_specialize, config=fwd_config, q_in_kernel=q_in_kernel,
-                             producer=producer)
+                             kv_in_kernel=kv_in_kernel, producer=producer)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, variant,
-      warp_specialize, q_in_kernel, producer, validate_offsets, bwd_variant, dq_accum, dq_static_scale, fwd_config,
-      bwd_config, dq_config):
+      warp_specialize, q_in_kernel, kv_in_kernel, producer, validate_offsets, bwd_variant, dq_accum, dq_static_scale,
+      fwd_config, bwd_config, dq_config):
     num_out = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty(num_out, q.shape[1], q.shape[2]), q.new_empty(num_out, q.shape[1], dtype=torch.float32)
 
@@ -1404,13 +1456,13 @@ def _(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, causal, broadcast_q, pre
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_FWD_OP_INPUTS = 21  # arguments of gem_lp::jagged_attention_fwd
+_FWD_OP_INPUTS = 22  # arguments of gem_lp::jagged_attention_fwd
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, _variant,
-     _warp_specialize, _q_in_kernel, producer, _validate, bwd_variant, dq_accum, dq_static_scale, _fwd_config,
-     bwd_config, dq_config) = inputs
+     _warp_specialize, _q_in_kernel, _kv_in_kernel, producer, _validate, bwd_variant, dq_accum, dq_static_scale,
+     _fwd_config, bwd_config, dq_config) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, q_offsets, kv_offsets)
     ctx.options = (causal, broadcast_q, precision, softmax_scale, p_quant, bwd_variant, dq_accum, dq_static_scale,
@@ -1438,7 +1490,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             kv_offsets: torch.Tensor | None = None, *, causal: bool = False,
                             broadcast_q: bool = False, precision: str = "bf16", softmax_scale: float | None = None,
                             p_quant: str = "const_p", return_lse: bool = False, variant: str = "producer",
-                            warp_specialize: bool = False, q_in_kernel: bool = True,
+                            warp_specialize: bool = False, q_in_kernel: bool = True, kv_in_kernel: bool = False,
                             producer: str = DEFAULT_PRODUCER,
                             validate_offsets: bool = True,
                             bwd_variant: str = "split", dq_accum: str = "fp32", dq_static_scale: float = 1.0,
@@ -1459,11 +1511,13 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         warp_specialize: run the forward KV loop with `tl.range(..., warp_specialize=True)` (GPU only).
         q_in_kernel: round Q to its operand in the forward kernel's prologue (default) instead of in the
             producer pass (`attention_forward`); the same bits either way.
+        kv_in_kernel: round K and V tiles in the forward kernel's loop instead of in the producer pass
+            (same bits; fewer HBM bytes when each KV tile meets few query tiles, as with broadcast_q).
         producer: the producer pass's kernel (forward and backward), `"blocks"` or `"strips"` (`_operands`).
         validate_offsets: check the offsets' values (start 0, non-decreasing, end at the rows), one host
             sync per call; False when the caller has checked them (the sync stalls the launch queue).
-        bwd_variant: `"split"` (dK/dV and dQ kernels, no atomics) or `"atomic"` (dQ by atomic adds);
-            broadcast_q always accumulates dQ atomically.
+        bwd_variant: `"split"` (dK/dV and dQ kernels, no atomics; broadcast_q sums one partial dQ per
+            sequence) or `"atomic"` (dQ by atomic adds).
         dq_accum, dq_static_scale: the atomic dQ buffer, FP32 or FP16 holding dQ * dq_static_scale.
         fwd_config, bwd_config, dq_config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) of the
             forward, backward key-tile and dQ kernels, 0 = default.
@@ -1481,11 +1535,12 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     if kv_offsets is None:
         kv_offsets = q_offsets
     if broadcast_q and q_offsets is None:
-        q_offsets = torch.tensor([0, q.shape[0]], dtype=torch.int64, device=q.device)
+        q_offsets = torch.arange(2, dtype=torch.int64, device=q.device) * q.shape[0]  # no host sync
     q_offs = q_offsets.to(device=q.device, dtype=torch.int64)
     kv_offs = kv_offsets.to(device=q.device, dtype=torch.int64)
     o, lse = _attention_fwd_op(q, k, v, q_offs, kv_offs, causal, broadcast_q, precision, float(softmax_scale),
-                               p_quant, variant, warp_specialize, bool(q_in_kernel), producer, validate_offsets,
+                               p_quant, variant, warp_specialize, bool(q_in_kernel), bool(kv_in_kernel), producer,
+                               validate_offsets,
                                bwd_variant, dq_accum, float(dq_static_scale), list(fwd_config or ()),
                                list(bwd_config or ()), list(dq_config or ()))
     return (o, lse) if return_lse else o
