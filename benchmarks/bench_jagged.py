@@ -10,6 +10,9 @@ Rows per workload:
       permute: that favours the peer).
   "<W> hdim only": ours hdim only, and the peer that needs no padding: the compiled dense cast of the
       packed [T*H, D].
+  "<W> host overhead": hdim+seq through the public `quantize_jagged`, through the custom op's dispatcher, as
+      a bare `launch` into preallocated outputs, and replayed from a CUDA graph (GPU time alone); each row
+      holds the host time per call (host_us) and its ms above the replay's (ms_over_replay_us).
   "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` (default first; `LaunchOptions` tuples (rows,
       thread_rows, row_blocks_in_thread, num_warps, max_registers)) for hdim+seq, hdim and square, launch
       only, each checked byte for byte against the default launch (PASS/FAIL), with its sm_90 build figures
@@ -158,25 +161,11 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
         bench.time(grp, label, lambda o=orients: quantize_jagged(values, layout, o, backend="triton"),
                    nbytes=nbytes, bytes_moved=nbytes, bytes_stored=n_pay * values.numel() + sbytes,
                    padded_rows=layout.padded_total, padding_ratio=padding_ratio)
-        ours_rows[label] = bench.rows[-1]
+        ours_rows[label] = (bench.rows[-1], grp)
 
-    # the same call replayed from a CUDA graph: GPU time without Python and launch overhead
-    try:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (compile) outside the capture
-            quantize_jagged(values, layout, ("hdim", "seq"), backend="triton")
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            quantize_jagged(values, layout, ("hdim", "seq"), backend="triton")
-        nbytes = useful_bytes(values, 2, scales_hs)
-        bench.time(group, "ours hdim+seq (CUDA graph replay)", graph.replay, nbytes=nbytes, bytes_moved=nbytes,
-                   bytes_stored=2 * values.numel() + scales_hs, padding_ratio=padding_ratio)
-        ours_rows["ours hdim+seq (CUDA graph replay)"] = bench.rows[-1]
-        del graph
-    except Exception as e:
-        log(f"{name}: CUDA graph row failed: {type(e).__name__}: {str(e)[:300]}")
+    graph_row = host_overhead(bench, name, values, layout, useful_bytes(values, 2, scales_hs), padding_ratio)
+    if graph_row is not None:
+        ours_rows["ours hdim+seq (CUDA graph replay)"] = (graph_row, group)
 
     # bit-identity on a sample of sequences (and every orientation)
     ours = quantize_jagged(values, layout, ("hdim", "seq", "square"), backend="triton")
@@ -227,15 +216,80 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
 
     # speed-up beside the padding ratio, in each of our rows
     peer_ms = {r["group"]: r["ms"] for r in bench.rows if r.get("peer") and "ms" in r}
-    for label, row in ours_rows.items():
-        if "ms" in row and row["group"] in peer_ms:
-            row["speedup_vs_peer"] = peer_ms[row["group"]] / row["ms"]
+    for label, (row, peer_group) in ours_rows.items():
+        if "ms" in row and peer_group in peer_ms:
+            row["speedup_vs_peer"] = peer_ms[peer_group] / row["ms"]
             log(f"{name}: {label}: {row['speedup_vs_peer']:.2f}x the peer of its group "
                 f"(padding ratio {padding_ratio:.2f})")
 
     tune(bench, name, values, layout, padding_ratio)
     del values, ours
     torch.cuda.empty_cache()
+
+
+def host_issue_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call of `fn` (the time to issue it; the GPU catches up afterwards)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, nbytes: int,
+                  padding_ratio: float) -> dict | None:
+    """hdim+seq four ways, in group "<W> host overhead": the public `quantize_jagged` call, the custom op
+    through the dispatcher (what compiled graphs call), the kernel launched into preallocated outputs
+    (`launch`: the Triton launch only) and the CUDA-graph replay of the public call (GPU time alone). Each
+    row holds `host_us`, the host time per call; ms above the replay's is host time the GPU waited for.
+    Returns the replay's row (None if it failed)."""
+    group = f"{name} host overhead"
+    orients = ("hdim", "seq")
+    payloads, scales = allocate_outputs(values, layout.padded_total, orients)
+    op_args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, True, True,
+               False, True)
+    ways = [
+        ("quantize_jagged (public call)", lambda: quantize_jagged(values, layout, orients, backend="triton")),
+        ("torch.ops.gem_lp.jagged_mx_quantize (custom-op dispatch)",
+         lambda: torch.ops.gem_lp.jagged_mx_quantize(*op_args)),
+        ("launch into preallocated outputs (Triton launch only)",
+         lambda: launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
+                        payloads, scales, True)),
+    ]
+    graph_row = None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compile) outside the capture
+            quantize_jagged(values, layout, orients, backend="triton")
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            quantize_jagged(values, layout, orients, backend="triton")
+        ways.append(("ours hdim+seq (CUDA graph replay)", graph.replay))
+    except Exception as e:
+        log(f"{name}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:300]}")
+    for label, fn in ways:
+        try:
+            host_us = host_issue_us(fn)
+        except Exception as e:
+            log(f"{group} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            bench.rows.append(dict(group=group, name=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        ms = bench.time(group, label, fn, nbytes=nbytes, bytes_moved=nbytes, host_us=host_us,
+                        padding_ratio=padding_ratio)
+        log(f"{group} {label}: host {host_us:.1f} us per call")
+        if ms is not None and label.endswith("(CUDA graph replay)"):
+            graph_row = bench.rows[-1]
+    replay = graph_row["ms"] if graph_row else None
+    for row in bench.rows:
+        if row.get("group") == group and "ms" in row and replay:
+            row["ms_over_replay_us"] = (row["ms"] - replay) * 1e3
+    del payloads, scales
+    return graph_row
 
 
 def allocate_outputs(values: torch.Tensor, padded_total: int, orientations: tuple[str, ...]):

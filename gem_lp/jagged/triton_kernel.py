@@ -18,6 +18,7 @@ payloads leave as 8-byte rows with no layout change. With `row_blocks_in_thread`
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -230,18 +231,45 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
                 row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
                 max_registers: int | None = None, hw_cast: bool | None = None):
-    """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA)."""
+    """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
+
+    `kwargs` may be shared between calls: do not modify it.
+    """
     t, heads, d = values.shape
-    hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
-    dummy = torch.empty(1, dtype=torch.uint8, device=values.device)
+    on_cuda = values.is_cuda
+    grid, scalars, kwargs = _launch_plan(
+        heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
+        rceil, on_cuda, interpreter_enabled(), chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
+        max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN)
+    # pointers of the orientations not requested are never dereferenced: any uint8 buffer will do
+    dummy = next(iter(scales.values()), None)
+    if dummy is None:
+        dummy = torch.empty(1, dtype=torch.uint8, device=values.device)
 
     def u8(x: torch.Tensor | None) -> torch.Tensor:
-        return dummy if x is None else x.view(torch.uint8)
+        return dummy if x is None else x if x.dtype == torch.uint8 else x.view(torch.uint8)
 
+    args = (values, offsets, scale_offsets, tile_seq,
+            u8(payloads.get("hdim")), u8(payloads.get("seq")), u8(payloads.get("square")),
+            u8(scales.get("hdim")), u8(scales.get("seq")), u8(scales.get("square_hdim")), u8(scales.get("square_seq")),
+            *scalars)
+    return grid, args, kwargs
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total: int, hdim: bool, seq: bool,
+                 square: bool, rceil: bool, on_cuda: bool, interpreter: bool, chunk_d: int | None, rows: int | None,
+                 thread_rows: int | None, row_blocks_in_thread: bool | None, num_warps: int | None,
+                 max_registers: int | None, hw_cast: bool, int32_span: int):
+    """(grid, scalar arguments, keyword arguments) of a launch: everything but the tensors, which depends on
+    ints only, so that repeated calls (same batch layout, shapes and options) reuse it. Offsets inside a
+    chunk at or above `int32_span` take int64 arithmetic."""
+    hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
     chunk_d = chunk_width(d) if chunk_d is None else chunk_d
     if chunk_d % 32 or d % chunk_d or chunk_d & (chunk_d - 1):
         raise ValueError(f"chunk_d must be a power-of-two multiple of 32 dividing D = {d}, got {chunk_d}")
-    base = default_launch(tuple(payloads), values.is_cuda)
+    orientations = tuple(o for o, want in (("hdim", hdim), ("seq", seq), ("square", square)) if want)
+    base = INTERPRETER_LAUNCH if interpreter and not on_cuda else default_launch(orientations, True)
     rows = base.rows if rows is None else rows
     thread_rows = base.thread_rows if thread_rows is None else thread_rows
     row_blocks_in_thread = base.row_blocks_in_thread if row_blocks_in_thread is None else row_blocks_in_thread
@@ -256,23 +284,17 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
     # Largest offset inside one chunk: its tokens' input rows, or its payload rows (H * D bytes each).
-    span = rows * (abs(values.stride(0)) + heads * d) + d * abs(values.stride(2))
+    span = rows * (abs(strides[0]) + heads * d) + d * abs(strides[2])
     grid = (padded_total // rows * heads,)
-    args = (values, offsets, scale_offsets, tile_seq,
-            u8(payloads.get("hdim")), u8(payloads.get("seq")), u8(payloads.get("square")),
-            u8(scales.get("hdim")), u8(scales.get("seq")), u8(scales.get("square_hdim")), u8(scales.get("square_seq")),
-            values.stride(0), values.stride(1), values.stride(2),
-            padded_total // 128, hdim_bytes, seq_bytes)
+    scalars = (*strides, padded_total // 128, hdim_bytes, seq_bytes)
     kwargs = dict(
         H=heads, D=d, CHUNK_D=chunk_d, ROWS=rows, THREAD_ROWS=thread_rows,
-        ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
-        DO_HDIM="hdim" in payloads, DO_SEQ="seq" in payloads, DO_SQUARE="square" in payloads,
-        RCEIL=rceil, HW_CAST=values.is_cuda if hw_cast is None else hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
-        num_warps=num_warps,
+        ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread), DO_HDIM=hdim, DO_SEQ=seq, DO_SQUARE=square,
+        RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, num_warps=num_warps,
     )
     if max_registers:
         kwargs["maxnreg"] = max_registers
-    return grid, args, kwargs
+    return grid, scalars, kwargs
 
 
 def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
@@ -330,10 +352,9 @@ def _flat(payloads: dict, scales: dict) -> list[torch.Tensor]:
     return out
 
 
-@torch.library.custom_op("gem_lp::jagged_mx_quantize", mutates_args=())
-def jagged_mx_quantize(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
-                       tile_seq: torch.Tensor, padded_total: int, hdim: bool, seq: bool, square: bool,
-                       rceil: bool) -> list[torch.Tensor]:
+def _jagged_mx_quantize_impl(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
+                             tile_seq: torch.Tensor, padded_total: int, hdim: bool, seq: bool, square: bool,
+                             rceil: bool) -> list[torch.Tensor]:
     """Jagged MX quantization in one launch; returns, for each requested orientation in the order hdim, seq,
     square: its payload `[T, H, D]` float8_e4m3fn and its blocked scales `[H, bytes]` uint8 (square: the
     hdim form, then the seq form)."""
@@ -342,24 +363,38 @@ def jagged_mx_quantize(values: torch.Tensor, offsets: torch.Tensor, scale_offset
     return _flat(payloads, scales)
 
 
+# The custom op is what traced and compiled graphs call; eager calls skip its dispatch (see `_direct_call`).
+jagged_mx_quantize = torch.library.custom_op("gem_lp::jagged_mx_quantize", _jagged_mx_quantize_impl,
+                                             mutates_args=())
+
+
 @jagged_mx_quantize.register_fake
 def _(values, offsets, scale_offsets, tile_seq, padded_total, hdim, seq, square, rceil):
     payloads, scales = _allocate(values, padded_total, hdim, seq, square)
     return _flat(payloads, scales)
 
 
+def _direct_call(*tensors: torch.Tensor) -> bool:
+    """True when the op's implementation may run without the dispatcher: plain tensors, not under
+    torch.compile, no dispatch mode (fake tensors, tracing) active. In eager mode the custom op's dispatch
+    costs about as much host time as the rest of the call."""
+    return (all(type(t) is torch.Tensor for t in tensors) and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
 def quantize_jagged_triton(values: torch.Tensor, layout, orientations: tuple[str, ...], scaling: str):
     """Triton backend of `quantize_jagged` (arguments already checked there)."""
-    flags = {o: o in orientations for o in ("hdim", "seq", "square")}
-    outs = iter(jagged_mx_quantize(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
-                                   layout.padded_total, flags["hdim"], flags["seq"], flags["square"],
-                                   scaling == "rceil"))
+    hdim, seq, square = "hdim" in orientations, "seq" in orientations, "square" in orientations
+    args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, hdim, seq, square,
+            scaling == "rceil")
+    direct = _direct_call(values, layout.offsets, layout.scale_offsets, layout.tile_seq)
+    outs = iter(_jagged_mx_quantize_impl(*args) if direct else jagged_mx_quantize(*args))
     t, heads, d = values.shape
     jmx = JaggedMXTensor(layout, scaling, values.dtype, heads, d)
-    if flags["hdim"]:
+    if hdim:
         jmx.payload_hdim, jmx.scale_hdim = next(outs), next(outs)
-    if flags["seq"]:
+    if seq:
         jmx.payload_seq, jmx.scale_seq = next(outs), next(outs)
-    if flags["square"]:
+    if square:
         jmx.payload_square, jmx.scale_square_hdim, jmx.scale_square_seq = next(outs), next(outs), next(outs)
     return jmx
