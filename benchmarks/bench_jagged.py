@@ -408,8 +408,8 @@ def programs_per_sm(regs: int, num_warps: int) -> int:
     return min(SM90_REGISTERS // (per_warp * num_warps), SM90_MAX_WARPS // num_warps, SM90_MAX_PROGRAMS)
 
 
-def sass_instructions(cubin: bytes) -> int:
-    """Instructions of a cubin (NOPs left out), from the cuobjdump bundled with Triton."""
+def sass_of(cubin: bytes) -> list[str]:
+    """Instructions of a cubin in order (NOPs left out), from the cuobjdump bundled with Triton."""
     import re
     import subprocess
     import tempfile
@@ -421,13 +421,40 @@ def sass_instructions(cubin: bytes) -> int:
         f.write(cubin)
         f.flush()
         text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return sum(1 for s in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text) if not s.strip().startswith("NOP"))
+    code = [s.strip() for s in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
+    return [s for s in code if not s.startswith("NOP")]
+
+
+def loads_before_first_use(code: list[str]) -> tuple[int, int]:
+    """(16-byte loads issued before an instruction first reads a register one of them filled, all 16-byte
+    loads). The first number below the second means the loads go out in more than one wave: the thread
+    waits a memory latency for its first rows before it requests the others."""
+    import re
+
+    loads = [i for i, s in enumerate(code) if "LDG.E.128" in s]
+    if not loads:
+        return 0, 0
+    filled: set[int] = set()
+    issued = 0
+    for s in code[loads[0]:]:
+        body = re.sub(r"^@!?U?P\w+\s+", "", s)
+        op, _, operands = body.partition(" ")
+        if "LDG.E.128" in op:
+            first = int(re.match(r"R(\d+)", operands).group(1))
+            filled |= set(range(first, first + 4))
+            issued += 1
+            continue
+        sources = operands if op.startswith(("ST", "BRA", "BAR", "EXIT")) else operands.partition(",")[2]
+        if any(int(n) in filled for n in re.findall(r"\bR(\d+)", sources)):
+            break
+    return issued, len(loads)
 
 
 def build_figures(orientations: tuple[str, ...], heads: int, dim: int, opts: LaunchOptions) -> dict:
     """The sm_90 build of one launch (bf16 values, rceil, hardware cast), from shapes only: registers, spill
     bytes, programs per SM, SASS instructions (whole kernel; D = 128 runs it once per program: one feature
-    chunk, no padding code) and per element of a full chunk, 16-byte loads."""
+    chunk, no padding code) and per element of a full chunk, 16-byte loads per thread and how many of them
+    go out before the first is used (`loads_before_first_use`)."""
     from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
     from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
 
@@ -441,10 +468,11 @@ def build_figures(orientations: tuple[str, ...], heads: int, dim: int, opts: Lau
     compiled = compile_for_target(_jagged_mx_kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)
-    sass = sass_instructions(compiled.asm["cubin"])
+    code = sass_of(compiled.asm["cubin"])
+    first_wave, loads = loads_before_first_use(code)
     return dict(regs=regs, spills=spills, programs_per_sm=programs_per_sm(regs, opts.num_warps),
-                sass=sass, sass_per_element=sass * 32 * opts.num_warps / (opts.rows * dim),
-                ld_v4=ptx.count("ld.global.v4"))
+                sass=len(code), sass_per_element=len(code) * 32 * opts.num_warps / (opts.rows * dim),
+                ld_v4=loads, ld_v4_first_wave=first_wave)
 
 
 def compile_only() -> int:
@@ -463,7 +491,7 @@ def compile_only() -> int:
                     continue
                 print(f"  {label}: registers {b['regs']:3d}  spill bytes {b['spills']}  programs/SM "
                       f"{b['programs_per_sm']}  SASS {b['sass']} ({b['sass_per_element']:.1f}/element)  "
-                      f"16-byte loads {b['ld_v4']}", flush=True)
+                      f"16-byte loads {b['ld_v4']} ({b['ld_v4_first_wave']} before the first use)", flush=True)
     # what each register limit of an occupancy step costs the defaults (a candidate lists only spill-free ones)
     for set_name in ("hdim+seq", "hdim"):
         default = default_launch(LAUNCH_SETS[set_name], True)

@@ -65,13 +65,14 @@ DEFAULT_LAUNCH = {
 # (row_blocks_in_thread: without the factor 4). All are spill-free on sm_90
 # (`python benchmarks/bench_jagged.py --compile-only` prints each build's registers, spills and programs per SM).
 # Register limits: 128, 96 and 80 are the occupancy steps of 64-thread programs on sm_90 (8, 10 and 12
-# programs per SM; the 146-153 registers of the defaults give 6). Only limits that spill nothing are listed:
-# hdim+seq (32, 8) spills 96 bytes at 96 registers and 160 at 80; the hdim default (64, 2, row blocks)
-# spills 76 bytes at 128, 208 at 96 and 316 at 80 (the plain hdim strips need 64-80 registers unlimited).
+# programs per SM), 72 and 64 those of 128-thread programs (7 and 8). Only limits that spill nothing are
+# listed: the hdim+seq default (32, 8; 128 registers unlimited) spills 56 bytes at 96 registers and 124 at
+# 80; the hdim default (64, 2, row blocks; 145 registers) spills 80 bytes at 128 and 288 at 96 (the plain
+# hdim strips need 64-80 registers unlimited).
 CANDIDATE_LAUNCHES = {
-    # hdim+seq: also 4-token strips of 32 elements per thread (4 or 8 warps: 79-80 registers, 24 warps per SM)
+    # hdim+seq: also 4-token strips (thread_rows 4), of 32 elements per thread with 4 or 8 warps
     "hdim+seq": ((64, 16, False, 2, 0), (128, 16, False, 4, 0), (32, 8, False, 2, 0), (64, 8, False, 4, 0),
-                 (128, 8, False, 8, 0), (32, 8, False, 2, 128), (32, 4, False, 2, 128), (32, 4, False, 4, 0),
+                 (128, 8, False, 8, 0), (32, 4, False, 2, 128), (32, 4, False, 4, 0), (32, 4, False, 4, 64),
                  (64, 4, False, 8, 0)),
     # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
     # 16-byte loads read 4 (thread_rows 4: 8) runs of 128 (64) contiguous bytes rather than 32 separate
@@ -127,14 +128,19 @@ def _jagged_mx_kernel(
     seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
     tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))  # packed token of row0
     n_valid = seq_end - tok0  # tokens of the sequence in this chunk (<= 0: a chunk of padding rows)
-    hdim_base = h.to(tl.int64) * hdim_head_bytes
-    seq_base = h.to(tl.int64) * seq_head_bytes
+    # Pointers to the chunk's first element are formed once (64-bit); offsets inside the chunk stay 32-bit
+    # unless LARGE_OFFSETS, and the token mask compares 32-bit ints (n_valid > -128: int32 after the clamp).
+    n_rows = tl.minimum(n_valid, ROWS).to(tl.int32)
+    s_hdim_head = s_hdim_ptr + h.to(tl.int64) * hdim_head_bytes
+    s_seq_head = s_seq_ptr + h.to(tl.int64) * seq_head_bytes
+    s_sq_hdim_head = s_sq_hdim_ptr + h.to(tl.int64) * hdim_head_bytes
+    s_sq_seq_head = s_sq_seq_ptr + h.to(tl.int64) * seq_head_bytes
 
     # token t = mb * 32 + c * THREAD_ROWS + r of the chunk, feature f = cb * 32 + g * 8 + e of a feature chunk
     g, c, cb, mb, r, e = tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     t = mb * 32 + c * THREAD_ROWS + r
     f_in = cb * 32 + g * 8 + e
-    valid = t < n_valid
+    valid = t < n_rows
     rows = row0 + t  # padded scale rows (hdim form)
     jb = (row0 % 128) // 32 + mb  # 32-token blocks within the tile (seq-form columns 4 * tile + jb)
     if LARGE_OFFSETS:  # some offset inside a chunk reaches 2^31
@@ -142,47 +148,50 @@ def _jagged_mx_kernel(
         f_in = f_in.to(tl.int64)
     x_chunk = x_ptr + tok0 * stride_t + h.to(tl.int64) * stride_h
     p_chunk = (tok0 * H + h) * D
+    p_hdim_chunk = p_hdim_ptr + p_chunk
+    p_seq_chunk = p_seq_ptr + p_chunk
+    p_square_chunk = p_square_ptr + p_chunk
 
     if n_valid > 0:
         for ci in tl.static_range(D // CHUNK_D):
             f = ci * CHUNK_D + f_in
             x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d, mask=valid, other=0.0))
             a = abs_bits(x)  # integer max: NaN/Inf cannot hide
-            p_off = p_chunk + t * (H * D) + f
+            p_off = t * (H * D) + f
             col = ci * CB + cb  # hdim-form scale columns of this feature chunk
             if DO_HDIM or DO_SQUARE:
                 hdim_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
             if DO_HDIM:
                 byte = block_scale(hdim_amax, RCEIL)
-                tl.store(p_hdim_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
-                tl.store(s_hdim_ptr + hdim_base + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
+                tl.store(p_hdim_chunk + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
             if DO_SEQ:  # 32x1 along tokens
                 byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
-                tl.store(p_seq_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
-                tl.store(s_seq_ptr + seq_base + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+                tl.store(p_seq_chunk + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
                          byte.to(tl.uint8))
             if DO_SQUARE:  # 32x32
                 byte = block_scale(max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
-                tl.store(p_square_ptr + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                tl.store(p_square_chunk + p_off, block_payload(x, byte, HW_CAST), mask=valid)
                 # the hdim form repeats the byte on each real token row (padding rows: 0), the seq form
                 # on each of the block's 32 features
                 on_rows = tl.where(valid, byte, 0)
-                tl.store(s_sq_hdim_ptr + hdim_base + _hdim_scale_offset(rows, col, N_COL_BLOCKS),
+                tl.store(s_sq_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS),
                          on_rows.to(tl.uint8))
-                tl.store(s_sq_seq_ptr + seq_base + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+                tl.store(s_sq_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
                          byte.to(tl.uint8))  # broadcast over the block's features
     else:  # padding rows only: every scale byte of the chunk is 0
         for ci in tl.static_range(D // CHUNK_D):
             col = ci * CB + cb
-            hdim_off = hdim_base + _hdim_scale_offset(rows, col, N_COL_BLOCKS)  # every (row, column) pair
-            seq_off = seq_base + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles)  # (feature, block)
+            hdim_off = _hdim_scale_offset(rows, col, N_COL_BLOCKS)  # every (row, column) pair
+            seq_off = _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles)  # (feature, block)
             if DO_HDIM:
-                tl.store(s_hdim_ptr + hdim_off, tl.zeros(hdim_off.shape, tl.uint8))
+                tl.store(s_hdim_head + hdim_off, tl.zeros(hdim_off.shape, tl.uint8))
             if DO_SEQ:
-                tl.store(s_seq_ptr + seq_off, tl.zeros(seq_off.shape, tl.uint8))
+                tl.store(s_seq_head + seq_off, tl.zeros(seq_off.shape, tl.uint8))
             if DO_SQUARE:
-                tl.store(s_sq_hdim_ptr + hdim_off, tl.zeros(hdim_off.shape, tl.uint8))
-                tl.store(s_sq_seq_ptr + seq_off, tl.zeros(seq_off.shape, tl.uint8))
+                tl.store(s_sq_hdim_head + hdim_off, tl.zeros(hdim_off.shape, tl.uint8))
+                tl.store(s_sq_seq_head + seq_off, tl.zeros(seq_off.shape, tl.uint8))
 
     # padding columns of the hdim form (D/32 not a multiple of 4): zeros in the last column block
     i = tl.arange(0, ROWS)
@@ -190,25 +199,25 @@ def _jagged_mx_kernel(
     if NC % 4 != 0:
         if DO_HDIM or DO_SQUARE:
             pc = (N_COL_BLOCKS - 1) * 4 + j
-            off = hdim_base + _hdim_scale_offset(row0 + i[:, None], pc[None, :], N_COL_BLOCKS)
+            off = _hdim_scale_offset(row0 + i[:, None], pc[None, :], N_COL_BLOCKS)
             pad = (pc[None, :] >= NC) & (i[:, None] >= 0)
             zero = tl.zeros([ROWS, 4], dtype=tl.uint8)
             if DO_HDIM:
-                tl.store(s_hdim_ptr + off, zero, mask=pad)
+                tl.store(s_hdim_head + off, zero, mask=pad)
             if DO_SQUARE:
-                tl.store(s_sq_hdim_ptr + off, zero, mask=pad)
+                tl.store(s_sq_hdim_head + off, zero, mask=pad)
     # padding rows of the seq form (D not a multiple of 128): zeros in the last row block
     if D % 128 != 0:
         if DO_SEQ or DO_SQUARE:
             fp = ((D + 127) // 128 - 1) * 128 + tl.arange(0, 128)
             jp = (row0 % 128) // 32 + tl.arange(0, NB)
-            off = seq_base + _seq_scale_offset(fp[None, :], tile, jp[:, None], num_tiles)  # [NB, 128]
+            off = _seq_scale_offset(fp[None, :], tile, jp[:, None], num_tiles)  # [NB, 128]
             pad = (fp[None, :] >= D) & (jp[:, None] >= 0)
             zero = tl.zeros([NB, 128], dtype=tl.uint8)
             if DO_SEQ:
-                tl.store(s_seq_ptr + off, zero, mask=pad)
+                tl.store(s_seq_head + off, zero, mask=pad)
             if DO_SQUARE:
-                tl.store(s_sq_seq_ptr + off, zero, mask=pad)
+                tl.store(s_sq_seq_head + off, zero, mask=pad)
 
 
 def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:

@@ -6,7 +6,7 @@ import torch
 
 from gem_lp.jagged import JaggedLayout, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LAUNCH_SETS, launch
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, launch
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -121,3 +121,6 @@ def test_candidate_launches_build_for_hopper_without_spills():
     for b in builds:
         limit = b["launch"][4]
         assert b["spills"] == 0 and (limit == 0 or b["regs"] <= limit), b
+    # the hdim+seq default fits 8 programs of 64 threads per SM (no more than 128 registers)
+    default = [b for b in builds if b["set"] == "hdim+seq" and tuple(b["launch"]) == DEFAULT_LAUNCH["seq"]]
+    assert len(default) == 1 and default[0]["regs"] <= 128, default
