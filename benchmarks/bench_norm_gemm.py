@@ -4,10 +4,12 @@ Run from the project root: `python -m benchmarks.bench_norm_gemm` (JSON under $O
 Sections (each one guarded: a failing variant or peer is recorded, the rest still runs):
 
 * norm: `rms_norm_mx` (rowwise + colwise MX, blocked scales, rstd) per launch configuration of
-  `triton_norm.CANDIDATE_CONFIGS` (the default first), bytes checked against the reference; peers:
-  `torch.compile` of RMSNorm + torchao `to_mx` in both layouts (or, without torchao, of our reference
-  RMSNorm + dual cast) and a copy of x. Effective bytes = x read once + every payload, scale and rstd byte
-  written.
+  `triton_norm.CANDIDATE_CONFIGS` (the default first), bytes checked against the reference; then host against
+  kernel time: the public `gem_lp.norm_gemm.rms_norm_quantize` (plain scales, checked too), the bare Triton
+  launch into preallocated outputs and a CUDA-graph replay (no host work) of the default and of the fastest
+  launch, each with its host microseconds per call (JSON `norm_host_us_per_call`); peers: `torch.compile` of
+  RMSNorm + torchao `to_mx` in both layouts (or, without torchao, of our reference RMSNorm + dual cast) and a
+  copy of x. Effective bytes = x read once + every payload, scale and rstd byte written.
 * gemm: `mx_gemm` per route from MX operands (the dequantize pass of the dequant routes included) beside
   cuBLAS BF16 `torch.mm` and cuBLAS FP8 rowwise `torch._scaled_mm`; every route's Y checked against the
   FP32 reference within the accumulation bound.
@@ -77,27 +79,27 @@ def _free() -> None:
 
 
 def _norm_bytes(M: int, K: int, out) -> int:
+    """x read once plus every byte written (`out`: `NormMXOutputs` or `RMSNormQuantized`)."""
     written = sum(t.numel() * t.element_size() for t in
                   (out.rowwise.data, out.rowwise.scale, out.colwise.data, out.colwise.scale, out.rstd))
-    if out.row_operand is not None:
+    if getattr(out, "row_operand", None) is not None:
         written += out.row_operand.numel() * 2
     return M * K * 2 + written
 
 
 def _norm_matches_reference(out, x, w) -> bool:
     """Bytes equal the reference quantization of y computed with the kernel's rstd; rstd within 4 ulp of the
-    exact value (FP64; torch's CUDA rsqrt is itself approximate, so it is not the oracle here)."""
+    exact value (FP64; torch's CUDA rsqrt is itself approximate, so it is not the oracle here). Scales blocked
+    or plain, as `out` says."""
     rstd64 = torch.rsqrt(x.double().square().mean(-1) + EPS)
     ok = bool(((out.rstd.double() - rstd64).abs() <= 4 * torch.finfo(torch.float32).eps * rstd64).all())
     del rstd64
     y = x.float() * out.rstd[:, None] * w.float()
-    row = quantize_reference(y, axis=1)
-    ok &= torch.equal(out.rowwise.data.view(torch.uint8), row.data.view(torch.uint8))
-    ok &= torch.equal(out.rowwise.scale, to_blocked(row.scale))
-    del row
-    col = quantize_reference(y.t(), axis=1, allow_partial=True)
-    ok &= torch.equal(out.colwise.data.view(torch.uint8), col.data.view(torch.uint8))
-    ok &= torch.equal(out.colwise.scale, to_blocked(col.scale))
+    for got, axis_of in ((out.rowwise, lambda t: t), (out.colwise, lambda t: t.t())):
+        want = quantize_reference(axis_of(y), axis=1, allow_partial=True)
+        ok &= torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        ok &= torch.equal(got.scale, to_blocked(want.scale) if got.scale_layout == "blocked" else want.scale)
+        del want
     return bool(ok)
 
 
@@ -133,11 +135,51 @@ def norm_configs(K: int) -> list[tn.NormConfig]:
 
 
 def _config_kwargs(cfg: tn.NormConfig) -> dict:
-    names = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm")
-    return dict(zip(names, cfg))
+    return dict(zip(tn.CONFIG_FIELDS, cfg))
+
+
+def _graph_replay(fn):
+    """`replay` of a CUDA graph holding one call of `fn` (run once before, outside the capture: compiled, the
+    allocator warm). A replay runs the same kernels without the host work of the call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _launch_only(x: torch.Tensor, w: torch.Tensor, cfg: tn.NormConfig):
+    """The bare Triton launch of `rms_norm_mx` for `cfg`, into outputs allocated once (no checks, no allocation)."""
+    out = rms_norm_mx(x, w, EPS, **_config_kwargs(cfg))
+    kernel, grid, args, kwargs = tn.forward_launch(
+        x, w, EPS, out.rstd, (out.rowwise.data, out.rowwise.scale), (out.colwise.data, out.colwise.scale), None,
+        None, blocked_scales=True, rceil=True, hw_cast=True, config=cfg)
+    return lambda: kernel[grid](*args, **kwargs)
+
+
+def _host_us_per_call(fn, n: int = 200) -> float:
+    """Host microseconds of one call of `fn`, called back to back without synchronizing (the GPU queue absorbs
+    the launches): when above the kernel's time, the GPU waits for the host."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / n * 1e6
 
 
 def bench_norm(bench: Bench, checks: dict) -> None:
+    """Per shape: every candidate launch of `rms_norm_mx` (bytes checked), then host against kernel time: the
+    public `rms_norm_quantize` call, the bare launch into preallocated outputs and CUDA-graph replays of the
+    default and the best launch (no host work), then the row operand and the peers."""
+    from gem_lp.norm_gemm import rms_norm_quantize
+
     for M, K in NORM_SHAPES:
         group = f"norm {M}x{K}"
         g = torch.Generator(device=DEVICE).manual_seed(M + K)
@@ -145,9 +187,10 @@ def bench_norm(bench: Bench, checks: dict) -> None:
         w = torch.rand(K, device=DEVICE, generator=g) + 0.5
         x_bytes = M * K * 2
         best = None
-        for i, cfg in enumerate(norm_configs(K)):
+        default = norm_configs(K)[0]
+        for cfg in norm_configs(K):
             kw = _config_kwargs(cfg)
-            name = f"ours rms_norm_mx {cfg!r}" + (" (default)" if i == 0 else "")
+            name = f"ours rms_norm_mx {cfg!r}" + (" (default)" if cfg == default else "")
             try:
                 out = rms_norm_mx(x, w, EPS, **kw)
                 ok = _norm_matches_reference(out, x, w)
@@ -165,26 +208,55 @@ def bench_norm(bench: Bench, checks: dict) -> None:
                             bit_identical=ok, **build)
             if ms is not None and ok and (best is None or ms < best[0]):
                 best = (ms, cfg)
+        nbytes = _norm_bytes(M, K, rms_norm_mx(x, w, EPS))  # the same useful bytes for every row below
+        host_us = bench.extra.setdefault("norm_host_us_per_call", {}).setdefault(group, {})
+        timed = [("ours rms_norm_quantize (public op, plain scales)", lambda: rms_norm_quantize(x, w, EPS),
+                  "public", None)]
+        for cfg in dict.fromkeys([default] + ([best[1]] if best else [])):  # the default, then the best if other
+            what = "default" if cfg == default else "best"
+            timed += [(f"ours bare launch {cfg!r} ({what}, outputs preallocated)", None, "launch", cfg),
+                      (f"ours CUDA graph replay {cfg!r} ({what})", None, "graph", cfg)]
+        for name, fn, kind, cfg in timed:
+            try:
+                if kind == "public":
+                    ok = _norm_matches_reference(fn(), x, w)
+                    checks[f"{group} {name}"] = ok
+                elif kind == "launch":
+                    fn = _launch_only(x, w, cfg)
+                else:
+                    fn = _graph_replay(lambda cfg=cfg: rms_norm_mx(x, w, EPS, **_config_kwargs(cfg)))
+                host_us[name] = _host_us_per_call(fn)
+                print(f"  [{group}] {name}: host {host_us[name]:.1f} us per call", flush=True)
+                bench.time(group, name, fn, nbytes=nbytes, host_us_per_call=host_us[name])
+            except Exception as e:
+                _fail(bench, group, name, e)
+            del fn
+            _free()
+        try:
+            host_us["ours rms_norm_mx (default)"] = _host_us_per_call(lambda: rms_norm_mx(x, w, EPS))
+            print(f"  [{group}] rms_norm_mx default: host {host_us['ours rms_norm_mx (default)']:.1f} us per call",
+                  flush=True)
+        except Exception as e:
+            _fail(bench, group, "host time of rms_norm_mx", e)
         if best is not None:
             bench.extra.setdefault("norm_best_configs", {})[group] = dict(config=list(best[1]), ms=best[0])
             kw = _config_kwargs(best[1])
             try:
-                nbytes = _norm_bytes(M, K, rms_norm_mx(x, w, EPS, row_operand=True, **kw))
+                nbytes_op = _norm_bytes(M, K, rms_norm_mx(x, w, EPS, row_operand=True, **kw))
                 bench.time(group, f"ours + bf16 row operand {best[1]!r}",
-                           lambda: rms_norm_mx(x, w, EPS, row_operand=True, **kw), nbytes=nbytes)
+                           lambda: rms_norm_mx(x, w, EPS, row_operand=True, **kw), nbytes=nbytes_op)
             except Exception as e:
                 _fail(bench, group, "ours + bf16 row operand", e)
         y = torch.empty_like(x)
         bench.time(group, "copy x (read + write)", lambda: y.copy_(x), nbytes=2 * x_bytes, peer=True)
         del y
-        ref_bytes = _norm_bytes(M, K, rms_norm_mx(x, w, EPS))  # the same useful bytes for the peers
         for name, fn in _compiled_norm_peers(w):
             try:
                 fn(x)
             except Exception as e:
                 _fail(bench, group, name, e)
                 continue
-            bench.time(group, name, lambda fn=fn: fn(x), nbytes=ref_bytes, peer=True)
+            bench.time(group, name, lambda fn=fn: fn(x), nbytes=nbytes, peer=True)
         del x, w
         _free()
 
@@ -211,12 +283,15 @@ def sass_of(cubin: bytes) -> list[tuple[int, str]]:
 
 
 def sass_per_row_block(code: list[tuple[int, str]], n_chunks: int) -> int:
-    """Instructions one thread issues for one row block: the main code, with each innermost loop (a backward
-    branch; one per sweep over K) run n_chunks times. A loop enclosing another (the persistent walk over row
-    blocks) counts once. Loops the compiler unrolled completely are already in the main code."""
+    """Instructions one thread issues for one row block: the main code, with each innermost loop that loads
+    from global memory (a backward branch; one per sweep over K) run n_chunks times. A loop enclosing another
+    (the persistent walk over row blocks) counts once, and so does a loop without loads (zeroing the padding of
+    the blocked scales, which only runs at unaligned shapes, is counted, once, although aligned ones skip it).
+    Loops the compiler unrolled completely are already in the main code."""
     loops = [(int(t, 16), a) for a, s in code for t in re.findall(r"BRA (0x[0-9a-f]+)", s) if int(t, 16) < a]
     innermost = [(t, a) for t, a in loops if not any(t < t2 and a2 < a for t2, a2 in loops)]
-    extra = sum((n_chunks - 1) * sum(1 for b, _ in code if t <= b <= a) for t, a in innermost)
+    sweeps = [(t, a) for t, a in innermost if any(t <= b <= a and "LDG" in s for b, s in code)]
+    extra = sum((n_chunks - 1) * sum(1 for b, _ in code if t <= b <= a) for t, a in sweeps)
     return len(code) + extra
 
 

@@ -8,7 +8,8 @@ Forward (`rms_norm_mx`), per program `block_m` rows of `x [M, K]`:
    `y = (fp32(x) * rstd) * fp32(w)` in the reference's operation order, then from the FP32 `y`:
    the rowwise MX cast (1x32 along K, payload `[M, K]`), the colwise MX cast (32x1 along M, payload of
    `y^T`, `[K, M]`; a last partial block takes its max over the real rows), scales plain or straight in
-   the 128x4 blocked layout, and optionally the MX-exact dequantized operands for a BF16/FP32 GEMM:
+   the 128x4 blocked layout (its padding bytes written too: no zero-fill launch), and optionally the
+   MX-exact dequantized operands for a BF16/FP32 GEMM:
    `deq(rowwise)` and `deq(colwise)`, both in `x`'s `[M, K]` layout.
 
 The second sweep is the dual cast of `gem_lp.mx.triton_quantize` applied to `y`, with its thread strips
@@ -19,9 +20,10 @@ scale and payload steps; the sum of squares reduces the same strips, and rstd go
 buffer so that one thread per row computes it (the strips hold a row's sum in many threads). On sm_90, bf16
 x with both casts, this is 17-18 instructions per element on full tiles (~24 at odd M, whose `y^T` payload
 is stored byte by byte) against 49-51 for the previous layout, 32x32-block tiles `[BLOCK_M/32, 32,
-BLOCK_K/32, 32]`, which `thread_rows=0` still selects (`_rms_norm_mx_kernel`) until the GPU has timed both.
-Rows of more than `block_k` elements are swept twice; `programs_per_sm` bounds the row blocks in flight so
-that the second sweep can find them in L2.
+BLOCK_K/32, 32]`, which `thread_rows=0` still selects (`_rms_norm_mx_kernel`, a candidate launch). The strips
+are the GPU default (`default_config`). Rows of more than `block_k` elements are swept twice; `programs_per_sm`
+bounds the row blocks in flight so that the second sweep can find them in L2, and `max_registers` caps the
+registers of a launch so that more programs fit on an SM.
 
 With `weight=None` the kernel skips the norm (`y = x`): a dual MX cast that also writes the dequantized
 operands, the producer pass of the MX GEMMs.
@@ -38,6 +40,7 @@ by one `sum` over programs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -55,8 +58,8 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class NormConfig(tuple):
-    """Launch configuration `(block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm)`
-    of `rms_norm_mx`.
+    """Launch configuration `(block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm,
+    max_registers)` of `rms_norm_mx`.
 
     `block_m` rows x `block_k` columns per tile (powers of two >= 32); a program owns `block_m` rows and
     sweeps K in chunks of `block_k` (`block_k >= K`: x is read once and kept in registers).
@@ -65,23 +68,27 @@ class NormConfig(tuple):
     `triton_quantize.CastConfig`). `thread_rows=0`: the 32x32-block tile kernel (block_m 32 or 64).
     `programs_per_sm` (strips only): 0 launches one program per row block; n > 0 launches n programs per
     SM that walk the row blocks, which bounds the bytes in flight between the two sweeps (L2 reuse).
+    `max_registers`: 0 leaves the register count to the compiler; n > 0 caps it at n per thread (Triton's
+    `maxnreg`, 16..255), so that more programs fit on an SM (the compiler spills what does not fit).
     The configuration only steers the layout and schedule: every one writes the same bytes.
     """
 
     def __new__(cls, block_m: int, block_k: int, num_warps: int, thread_rows: int = 8,
-                row_blocks_in_thread: bool = False, programs_per_sm: int = 0):
+                row_blocks_in_thread: bool = False, programs_per_sm: int = 0, max_registers: int = 0):
         return super().__new__(cls, (block_m, block_k, num_warps, thread_rows, bool(row_blocks_in_thread),
-                                     programs_per_sm))
+                                     programs_per_sm, max_registers))
 
     def __repr__(self) -> str:
-        bm, bk, nw, tr, rb, per_sm = self
+        bm, bk, nw, tr, rb, per_sm, max_regs = self
         return (f"{bm}x{bk} w{nw} " + (f"r{tr}" + (" rowblk" if rb else "") if tr else "blocks")
-                + (f" {per_sm}/SM" if per_sm else ""))
+                + (f" {per_sm}/SM" if per_sm else "") + (f" maxreg{max_regs}" if max_regs else ""))
 
 
-# The GPU default is MEASURED_CONFIG, the 32x32-block tile kernel's fastest launch on the H200 (1.26-1.33
-# TB/s, docs/PERF.md), until the thread-strip launches below have been timed and checked on the GPU.
-# `strip_config` gives the strip launch chosen by sm_90 instruction count
+CONFIG_FIELDS = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm",
+                 "max_registers")
+
+
+# `strip_config` gives the thread-strip launch chosen by sm_90 instruction count
 # (`python -m benchmarks.bench_norm_gemm --compile-only` prints the builds): per K, the fewest SASS
 # instructions per element among builds without register spills (also with a masked last row block) that an SM
 # holds at least twice, a tie (within 2%) going to the launch that keeps fewer bytes between the two sweeps.
@@ -94,19 +101,46 @@ ONE_PASS_CONFIGS = {  # K rounded up to a power of two -> configuration
     256: NormConfig(32, 256, 2, 16), 512: NormConfig(32, 512, 4, 16),
 }
 MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
-MEASURED_CONFIG = NormConfig(32, 128, 4, 0)
+# The GPU default at K = 1024 and 4096 (RMSNorm, M even, hardware conversion, no dequantized operands): 32x256
+# tiles in 4 warps, 8-row strips, measured fastest on the H200 at K=1024 and 4096 (0.099 / 0.263 ms for 32768
+# rows, docs/PERF.md) with 167-168 registers (3 programs per SM). The cap keeps that where M is not a multiple
+# of 128 (the build with the extra padding program takes 212 registers at K = 4096 when left alone); it does
+# not spill there, and at an aligned M the build is the measured one.
+MEASURED_CONFIG = NormConfig(32, 256, 4, 8, False, 0, 168)
+MEASURED_KS = (1024, 4096)
 # Odd M (the y^T payload stored byte by byte), dequantized operands or the integer E4M3 rounding need more
 # registers than those tiles leave: 32 rows (64 for K = 32) x at most 64 columns a program, in one warp.
 HEAVY_BLOCK_K = 64
 # The tuning space `benchmarks/bench_norm_gemm.py` times (each checked against the reference) and the GPU tests
-# run, for the K of the benchmark shapes: strips (programs_per_sm > 0: a persistent walk that bounds the re-read
-# bytes in flight) and the 32x32-block tile kernel's best measured launch (thread_rows=0). The strips keep
-# every thread busy when 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps.
+# run, for the K of the benchmark shapes: thread strips (programs_per_sm > 0: a persistent walk that bounds the
+# re-read bytes in flight; max_registers: a register cap for more programs per SM) and the 32x32-block tile
+# kernel's best measured launch (thread_rows=0). The strips keep every thread busy when
+# 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps.
+# Comments: sm_90 registers per thread (ptxas, M = 32768, bf16 x, RMSNorm + both casts, blocked scales) and the
+# programs an SM holds; none spills. Left out for spilling (bytes): 32x256 w4 r8 capped at 128 (120-144) and at
+# 96 (440-472), 32x128 w2 r8 capped at 128 (116).
 CANDIDATE_CONFIGS = {
-    1024: (NormConfig(64, 128, 4, 8), NormConfig(32, 1024, 8, 16), NormConfig(32, 256, 4, 8),
-           NormConfig(128, 64, 4, 8), NormConfig(32, 256, 4, 8, False, 2), NormConfig(32, 128, 4, 0)),
-    4096: (NormConfig(64, 128, 4, 8), NormConfig(32, 256, 4, 8), NormConfig(32, 512, 8, 8, False, 1),
-           NormConfig(64, 128, 4, 8, False, 1), NormConfig(32, 256, 4, 8, False, 2), NormConfig(32, 128, 4, 0)),
+    1024: (
+        MEASURED_CONFIG,  # 167, 3/SM
+        NormConfig(32, 256, 4, 8, False, 2),  # 238, 2/SM, persistent
+        NormConfig(32, 1024, 8, 16),  # 255, 1/SM, one pass: x read once
+        NormConfig(64, 128, 4, 8),  # 215, 2/SM
+        NormConfig(32, 128, 4, 4),  # 122, 4/SM: 32 elements a thread
+        NormConfig(32, 128, 4, 4, False, 0, 96),  # 96, 5/SM
+        NormConfig(32, 128, 2, 8),  # 168, 6/SM
+        NormConfig(32, 64, 1, 8, False, 0, 168),  # 167, 12/SM (224 and 9/SM uncapped)
+        NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
+    ),
+    4096: (
+        MEASURED_CONFIG,  # 168, 3/SM
+        NormConfig(32, 256, 4, 8, False, 2),  # 224, 2/SM, persistent
+        NormConfig(64, 128, 4, 8),  # 215, 2/SM
+        NormConfig(32, 512, 8, 8, False, 1),  # 215, 1/SM, persistent
+        NormConfig(32, 128, 4, 4),  # 120, 4/SM
+        NormConfig(32, 128, 4, 4, False, 0, 96),  # 96, 5/SM
+        NormConfig(32, 128, 2, 8),  # 168, 6/SM
+        NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
+    ),
 }
 # Under the interpreter the cost is per program and per op: one chunk when it fits.
 INTERPRETER_MAX_BLOCK_K = 128
@@ -169,6 +203,61 @@ def scale_offset(r, c, n_cols, BLOCKED: tl.constexpr):
         return r * n_cols + c
 
 
+# The 128x4 blocked scale layouts are written whole by the forward kernel, padding bytes (0) included, so that
+# the buffers need no zero-fill launch. Rows 128t .. 128t + 127 of x (group t) have one row of rowwise scale
+# tiles and one column of colwise scale tiles (their four 32-row blocks). K not a multiple of 128 pads the
+# last rowwise tile of every group (columns past K/32) and the colwise tile of every group in the last row of
+# tiles (rows past K): the row block holding row 128t zeroes those of group t, inside the main work (the
+# branch exists only in builds for such K). M not a multiple of 128 pads the last group's rowwise tiles (rows
+# past M) and, with ceil(M/32) not a multiple of 4, its colwise tiles (columns past it): one extra program
+# zeroes those (`M_PADDING`), so that the build of the row blocks stays that of an aligned M. A corner byte
+# may be zeroed twice; every other byte is written once.
+
+
+@triton.jit
+def _zero_padding_of_tile(ptr, tile, n_rows, n_cols):
+    """Zero the padding bytes (row >= n_rows or column >= n_cols) of 128x4 tile `tile` (a scalar tensor) of
+    the blocked layout of an `[n_rows, n_cols]` scale matrix: 512 contiguous bytes (see `gem_lp.mx.layout`)."""
+    w = tl.arange(0, 512)  # byte (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4 of the tile
+    n_col_tiles = (n_cols + 3) // 4
+    r = (tile // n_col_tiles) * 128 + ((w % 16) // 4) * 32 + w // 16
+    c = (tile % n_col_tiles) * 4 + w % 4
+    tl.store(ptr + tile.to(tl.int64) * 512 + w, tl.zeros((512,), tl.uint8), mask=(r >= n_rows) | (c >= n_cols))
+
+
+@triton.jit
+def _zero_k_padding(m0, M, K: tl.constexpr, row_scale_ptr, col_scale_ptr, BLOCK_M: tl.constexpr,
+                    ROW_MX: tl.constexpr, COL_MX: tl.constexpr):
+    """K % 128 != 0: zero the padding of the scale tiles of the groups that row block m0 owns (see above)."""
+    N_KB: tl.constexpr = K // 32  # columns of the rowwise scale matrix
+    N_ROW_COL_TILES: tl.constexpr = (N_KB + 3) // 4  # its tiles per row of tiles
+    N_COL_ROW_TILES: tl.constexpr = (K + 127) // 128  # rows of tiles of the colwise scale matrix
+    n_groups = (M + 127) // 128  # rows of rowwise tiles = columns of colwise tiles
+    for j in tl.static_range(max(BLOCK_M // 128, 1)):
+        t = m0 // 128 + j
+        if (m0 % 128 == 0) & (t < n_groups):
+            if ROW_MX:
+                _zero_padding_of_tile(row_scale_ptr, t * N_ROW_COL_TILES + N_ROW_COL_TILES - 1, M, N_KB)
+            if COL_MX:
+                _zero_padding_of_tile(col_scale_ptr, (N_COL_ROW_TILES - 1) * n_groups + t, K, (M + 31) // 32)
+
+
+@triton.jit
+def _zero_m_padding(M, K: tl.constexpr, row_scale_ptr, col_scale_ptr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr):
+    """M % 128 != 0: zero the padding of the last group's scale tiles, each of them (see above)."""
+    N_KB: tl.constexpr = K // 32
+    N_ROW_COL_TILES: tl.constexpr = (N_KB + 3) // 4
+    N_COL_ROW_TILES: tl.constexpr = (K + 127) // 128
+    n_groups = (M + 127) // 128
+    t = n_groups - 1
+    if ROW_MX:
+        for ct in range(N_ROW_COL_TILES):
+            _zero_padding_of_tile(row_scale_ptr, t * N_ROW_COL_TILES + ct, M, N_KB)
+    if COL_MX:
+        for kt in range(N_COL_ROW_TILES):
+            _zero_padding_of_tile(col_scale_ptr, kt * n_groups + t, K, (M + 31) // 32)
+
+
 # ----------------------------------------------------------------------------- forward kernel: 32x32-block tiles
 
 
@@ -219,18 +308,20 @@ def _quantize_chunk(
 
 
 @triton.jit
-def _rms_norm_mx_kernel(
-    x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
+def _blocks_row_block(
+    m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
 ):
+    """Rows m0 .. m0 + BLOCK_M - 1 in 32x32-block tiles: rstd, then every requested output."""
     # Tiles are [BLOCK_M/32, 32, BLOCK_K/32, 32] = (row block, row, column block, column): every MX block
     # max is a plain reduction over one axis. x's last dim is contiguous (checked by the wrapper).
     NMB: tl.constexpr = BLOCK_M // 32
     NKB: tl.constexpr = BLOCK_K // 32
-    m0 = tl.program_id(0) * BLOCK_M
+    if BLOCKED_SCALES and K % 128 != 0:
+        _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
     m = tl.arange(0, NMB)[:, None, None, None] * 32 + tl.arange(0, 32)[None, :, None, None]
     k = tl.arange(0, NKB)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
     if LARGE_OFFSETS:  # k * M or m * stride inside one chunk reaches 2^31
@@ -266,6 +357,25 @@ def _rms_norm_mx_kernel(
     if NORMALIZE:
         rows = m0 + tl.arange(0, NMB)[:, None] * 32 + tl.arange(0, 32)[None, :]
         tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+
+
+@triton.jit
+def _rms_norm_mx_kernel(
+    x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
+    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
+    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+    M_PADDING: tl.constexpr,
+):
+    # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take one row block each.
+    if M_PADDING and tl.program_id(0) == tl.num_programs(0) - 1:
+        _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
+    else:
+        _blocks_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
+                          row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                          BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES,
+                          RCEIL, HW_CAST, LARGE_OFFSETS)
 
 
 # ----------------------------------------------------------------------------- forward kernel: thread strips
@@ -341,8 +451,15 @@ def _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K: tl.constexpr, eps, BLOCK_M: 
     `rows`, which holds copies: the lanes and warps along a row share its sum).
 
     Computed in place the division and square root would run once per copy; instead the sums go through
-    rstd's output, one thread per row computes rstd there, and the tile reads it back. The barriers order
-    the steps within the program (global memory is visible across a program's threads after one).
+    rstd's output, one thread per row computes rstd there, and the tile reads it back. Race-free: each
+    `tl.debug_barrier()` is `bar.sync 0` (`__syncthreads`), which every thread of the program reaches (the
+    conditions around it, the walk over row blocks included, are the same for the whole program) and which
+    orders the global memory accesses before it, at CTA scope, before those after it (PTX memory model: a
+    barrier arrival synchronizes with the other threads' waits on it). So the sums are stored before any
+    thread loads them, every copy of a sum is loaded before its row's rstd overwrites it, and rstd is stored
+    before the tile loads it. The loads are plain `ld.global` (the buffer is written in the kernel, so the
+    read-only `ld.global.nc` path is not used), copies store equal values, and the next row block of a
+    persistent walk uses other addresses. The interpreter runs a program's steps in order.
     """
     own = m0 + tl.arange(0, BLOCK_M)
     if EVEN_M:
@@ -407,6 +524,8 @@ def _norm_row_block(
     NMB: tl.constexpr = BLOCK_M // 32
     NKB: tl.constexpr = BLOCK_K // 32
     EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0  # no masks anywhere
+    if BLOCKED_SCALES and K % 128 != 0:
+        _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
     g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     m_block = mb * 32  # first row of each element's 32-row block
     k_block = kb * 32  # first column of each element's 32-column block
@@ -455,19 +574,23 @@ def _rms_norm_mx_strips_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, PERSISTENT: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, PERSISTENT: tl.constexpr, M_PADDING: tl.constexpr,
 ):
-    # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_programs, ...), so
+    # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take the row blocks.
+    # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
     # that few row blocks are in flight and the second sweep finds its chunks in L2 (one row block of 32 x 4096
     # bf16 is 256 KiB).
-    if PERSISTENT:
+    n_walkers = tl.num_programs(0) - 1 if M_PADDING else tl.num_programs(0)
+    if M_PADDING and tl.program_id(0) == n_walkers:
+        _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
+    elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
             _norm_row_block(m0, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                             row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
                             BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP,
                             COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE)
-            m0 += tl.num_programs(0) * BLOCK_M
+            m0 += n_walkers * BLOCK_M
     else:
         _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                         row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
@@ -543,11 +666,17 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
-def default_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
-    """Launch configuration of the forward kernel when the caller gives none: the measured one on the GPU."""
-    if interpreter_enabled():
-        return strip_config(K, even_m, operands, hw_cast)
-    return MEASURED_CONFIG
+def default_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True,
+                   normalize: bool = True) -> NormConfig:
+    """Launch configuration of the forward kernel when the caller gives none.
+
+    On the GPU: `MEASURED_CONFIG` for the RMSNorm (`normalize`) at the K it was timed at, M even, with the
+    hardware conversion and no dequantized operands; otherwise `strip_config`'s choice (the other arguments are
+    its own). Without the norm (a dual cast) the measured launch's register cap would spill.
+    """
+    if K in MEASURED_KS and normalize and even_m and not operands and hw_cast and not interpreter_enabled():
+        return MEASURED_CONFIG
+    return strip_config(K, even_m, operands, hw_cast)
 
 
 def strip_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
@@ -566,11 +695,16 @@ def strip_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: b
     return MULTI_PASS_CONFIG
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 2 elsewhere (the interpreter, builds without a GPU)."""
     if device.type != "cuda":
         return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
@@ -580,20 +714,27 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
-    is given. Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU).
+    is given. Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
+    Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
-    block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm = config
+    block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers = config
     # Payloads are written as bytes; the kernel never sees an fp8 pointer.
-    ptrs = [None if t is None else t.view(torch.uint8) for pair in (row, col)
-            for t in (pair if pair is not None else (None, None))]
+    row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
+    col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
     span = max(block_m * max(x.stride(0), K), block_k * M)  # largest offset inside one tile
-    args = (x, x.stride(0), weight, M, K, float(eps), rstd, *ptrs, row_op, col_op)
+    args = (x, x.stride(0), weight, M, K, float(eps), rstd, row_data, row_scale, col_data, col_scale, row_op, col_op)
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
                   num_warps=num_warps)
-    n_blocks = n_programs = triton.cdiv(M, block_m)
+    if max_registers:
+        kwargs.update(maxnreg=max_registers)
+    # the blocked scales' padding past M, written by one more program (see `_zero_m_padding`)
+    m_padding = blocked_scales and ((row is not None and M % 128 != 0)
+                                    or (col is not None and ceil_div(M, BLOCK) % 4 != 0))
+    kwargs.update(M_PADDING=m_padding)
+    n_blocks = n_programs = ceil_div(M, block_m)  # (triton.cdiv costs microseconds on the host)
     if thread_rows == 0:
         kernel = _rms_norm_mx_kernel
         kwargs.update(ONE_PASS=block_k >= K)
@@ -604,7 +745,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
         kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
                       EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and M % 2 == 0 and thread_rows > 1,
                       PERSISTENT=programs_per_sm > 0)
-    return kernel, (n_programs,), args, kwargs
+    return kernel, (n_programs + m_padding,), args, kwargs
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:
@@ -614,7 +755,7 @@ def _check_2d(x: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if x.shape[1] > 1 and x.stride(1) != 1:
+    if x.stride(1) != 1 and x.shape[1] > 1:
         raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {x.stride()}")
     if not x.is_cuda and not interpreter_enabled():
         raise ValueError(f"the Triton RMSNorm kernels need CUDA tensors ({name} is on {x.device}); on a CPU "
@@ -633,7 +774,8 @@ def _check_weight(weight: torch.Tensor, K: int, x: torch.Tensor, name: str = "we
         raise ValueError(f"{name} must be on x's device {x.device}, got {weight.device}")
 
 
-def _check_config(block_m: int, block_k: int, num_warps: int, thread_rows: int, programs_per_sm: int) -> None:
+def _check_config(config: NormConfig) -> None:
+    block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers = config
     if thread_rows < 0 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
         raise ValueError(f"thread_rows must be 0 or a power of two in 1..{BLOCK}, got {thread_rows}")
     if thread_rows == 0 and block_m not in (32, 64):
@@ -645,6 +787,16 @@ def _check_config(block_m: int, block_k: int, num_warps: int, thread_rows: int, 
             raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {v}")
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps}")
+    if max_registers and not 16 <= max_registers <= 255:
+        raise ValueError(f"max_registers must be 0 (no cap) or in 16..255, got {max_registers}")
+
+
+def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized output buffer: the kernel writes every byte of it (padding included)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_NO_CONFIG = (None,) * len(CONFIG_FIELDS)
 
 
 def rms_norm_mx(
@@ -665,9 +817,11 @@ def rms_norm_mx(
     thread_rows: int | None = None,
     row_blocks_in_thread: bool | None = None,
     programs_per_sm: int | None = None,
+    max_registers: int | None = None,
     hw_cast: bool | None = None,
 ) -> NormMXOutputs:
-    """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch.
+    """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch (no other launch:
+    every output is allocated uninitialized and written whole by the kernel).
 
     Args:
         x: `[M, K]` float32/bfloat16/float16 with a contiguous last dim; K a multiple of 32, M >= 0.
@@ -679,9 +833,9 @@ def rms_norm_mx(
             `operand_dtype` (bfloat16 or float32): exact MX values a BF16/FP32 GEMM consumes (bfloat16
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
-        block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm: launch
+        block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers: launch
             configuration (see `NormConfig`); each None takes the value of `default_config` for K, M's
-            parity, the operands and `hw_cast`. The bytes written do not depend on it.
+            parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
     """
     _check_2d(x, "x")
@@ -697,30 +851,33 @@ def rms_norm_mx(
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype}")
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
-    given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm)
-    default = default_config(K, M % 2 == 0, row_operand or col_operand, hw_cast)
-    config = NormConfig(*(d if v is None else v for v, d in zip(given, default)))
-    _check_config(*config[:4], config[5])
+    config = default_config(K, M % 2 == 0, row_operand or col_operand, hw_cast, weight is not None)
+    given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers)
+    if given != _NO_CONFIG:  # the defaults are valid; what the caller gives is checked
+        config = NormConfig(*(d if v is None else v for v, d in zip(given, config)))
+        _check_config(config)
 
     dev = x.device
-    n_kb, n_mb = K // BLOCK, ceil_div(M, BLOCK)
-    row = col = None
+    row = col = rstd = row_op = col_op = None
     if rowwise:
-        shape = (blocked_size(M, n_kb),) if blocked_scales else (M, n_kb)
-        row = (torch.empty(M, K, dtype=PAYLOAD_DTYPE, device=dev),
-               (torch.zeros if blocked_scales else torch.empty)(shape, dtype=SCALE_DTYPE, device=dev))
+        n_kb = K // BLOCK
+        row = (_new_buffer((M, K), PAYLOAD_DTYPE, dev),
+               _new_buffer((blocked_size(M, n_kb),) if blocked_scales else (M, n_kb), SCALE_DTYPE, dev))
     if colwise:
-        shape = (blocked_size(K, n_mb),) if blocked_scales else (K, n_mb)
-        col = (torch.empty(K, M, dtype=PAYLOAD_DTYPE, device=dev),
-               (torch.zeros if blocked_scales else torch.empty)(shape, dtype=SCALE_DTYPE, device=dev))
-    rstd = torch.empty(M, dtype=torch.float32, device=dev) if weight is not None else None
-    row_op = torch.empty(M, K, dtype=operand_dtype, device=dev) if row_operand else None
-    col_op = torch.empty(M, K, dtype=operand_dtype, device=dev) if col_operand else None
+        n_mb = ceil_div(M, BLOCK)
+        col = (_new_buffer((K, M), PAYLOAD_DTYPE, dev),
+               _new_buffer((blocked_size(K, n_mb),) if blocked_scales else (K, n_mb), SCALE_DTYPE, dev))
+    if weight is not None:
+        rstd = _new_buffer((M,), torch.float32, dev)
+    if row_operand:
+        row_op = _new_buffer((M, K), operand_dtype, dev)
+    if col_operand:
+        col_op = _new_buffer((M, K), operand_dtype, dev)
 
     if M > 0:
         kernel, grid, args, kwargs = forward_launch(
-            x.detach(), None if weight is None else weight.detach(), eps, rstd, row, col, row_op, col_op,
-            blocked_scales=blocked_scales, rceil=scaling == "rceil", hw_cast=hw_cast, config=config)
+            x, weight, eps, rstd, row, col, row_op, col_op, blocked_scales=blocked_scales, rceil=scaling == "rceil",
+            hw_cast=hw_cast, config=config)
         kernel[grid](*args, **kwargs)
     layout = "blocked" if blocked_scales else "plain"
     orig = x.dtype if weight is None else torch.float32  # the normalized y is FP32, as in the reference
@@ -739,8 +896,10 @@ def rms_norm_quantize_triton(x2: torch.Tensor, weight: torch.Tensor, eps: float,
     `blocked_scales=False` the scales are plain `[M, K/32]` / `[K, ceil(M/32)]` matrices, as the reference
     returns them; with True they are in the 128x4 blocked layout (`scale_layout="blocked"`).
     """
-    x2 = x2 if x2.dim() != 2 or x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
-    weight = weight if weight.dim() != 1 or weight.stride(0) == 1 else weight.contiguous()
+    if x2.dim() == 2 and x2.stride(1) != 1 and x2.shape[1] > 1:
+        x2 = x2.contiguous()
+    if weight.dim() == 1 and weight.stride(0) != 1:
+        weight = weight.contiguous()
     out = rms_norm_mx(x2, weight, eps, scaling=scaling, blocked_scales=blocked_scales)
     return RMSNormQuantized(out.rowwise, out.colwise, out.rstd)
 
