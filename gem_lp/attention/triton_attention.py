@@ -468,17 +468,19 @@ def _operand_strips_kernel(
 
 @triton.jit
 def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
-              k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n, offs_m, shift,
+              k_ptr, v_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n, offs_m, shift,
               h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              P_QUANT: tl.constexpr, OPERANDS: tl.constexpr, KV_ROUND: tl.constexpr, HW_CAST: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              P_QUANT: tl.constexpr, OPERANDS: tl.constexpr, KV_ROUND: tl.constexpr, KV_TMA: tl.constexpr,
+              HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
     """One KV tile of the online softmax: returns the updated (acc, l_i, m_i).
 
     KV_ROUND (OPERANDS == 0): `ORIENT_AS_IS` when k_ptr, v_ptr hold the operands; `ORIENT_HDIM` when they
     hold the raw K, V and each tile is rounded here (K 1x32 along D, V 32 tokens x 1 feature: the tile
     starts BN tokens apart from its sequence's start, so its 32-token blocks are the producer's);
-    `ORIENT_NONE` rounds both to BF16."""
+    `ORIENT_NONE` rounds both to BF16. KV_TMA: full (unmasked) K and V tiles come through the host-side
+    tensor descriptors k_desc, v_desc (`[Tk, H*D]`, block [BN, D]: a TMA copy on Hopper); masked tiles,
+    and every tile without KV_TMA, through pointer loads."""
     offs_n = start_n + tl.arange(0, BN)
     n_mask = offs_n < Lk
     tok = kv_row0 + offs_n
@@ -502,6 +504,8 @@ def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
                               HW_CAST).to(tl.bfloat16)
         elif MASKED:
             k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        elif KV_TMA:
+            k = k_desc.load([(kv_row0 + start_n).to(tl.int32), h * D])
         else:
             k = tl.load(k_ptr + kv_off)
         k = _operand_tile(k, KV_ROUND, BN, D, HW_CAST, INTERPRET)
@@ -524,6 +528,8 @@ def _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
                          D, HW_CAST).to(tl.bfloat16)
     elif MASKED:
         v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    elif KV_TMA:
+        v = v_desc.load([(kv_row0 + start_n).to(tl.int32), h * D])
     else:
         v = tl.load(v_ptr + kv_off)
     if OPERANDS == 0:
@@ -545,18 +551,18 @@ def sequence_bounds(o_offsets_ptr, kv_offsets_ptr, b):
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     q_base_ptr, o_offsets_ptr, kv_offsets_ptr, q_srow_ptr, kv_srow_ptr, tile_seq_ptr, tile_idx_ptr,
     H, qk_scale, q_scale_head, k_scale_head, v_scale_head, v_num_tiles,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, P_QUANT: tl.constexpr,
-    OPERANDS: tl.constexpr, Q_ROUND: tl.constexpr, KV_ROUND: tl.constexpr, HW_CAST: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    OPERANDS: tl.constexpr, Q_ROUND: tl.constexpr, KV_ROUND: tl.constexpr, KV_TMA: tl.constexpr,
+    HW_CAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One BM-query tile of one sequence and head: O (input dtype) and LSE (FP32, natural log).
 
     Q_ROUND (OPERANDS == 0): `ORIENT_AS_IS` when q_ptr holds the Q operand, else the orientation the
     prologue rounds the raw Q tile to (`_operand_tile`: the producer pass's bits, read once per program).
-    KV_ROUND: the same for K and V in the loop (`_fwd_step`)."""
+    KV_ROUND: the same for K and V in the loop (`_fwd_step`); KV_TMA: full K, V tiles through k_desc, v_desc."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_seq_ptr + pid)
@@ -614,32 +620,32 @@ def _attn_fwd_kernel(
         start_n = 0
         while start_n < end:
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
-                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
-                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, start_n >= full_end, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
-                                      INTERPRET)
+                                      k_ptr, v_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk,
+                                      start_n, offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, start_n >= full_end, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, KV_TMA,
+                                      HW_CAST, INTERPRET)
             start_n += BN
     else:
         if WARP_SPECIALIZE:
             for start_n in tl.range(0, full_end, BN, warp_specialize=True):
                 acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
-                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
-                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
-                                      INTERPRET)
+                                      k_ptr, v_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk,
+                                      start_n, offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, KV_TMA,
+                                      HW_CAST, INTERPRET)
         else:
             for start_n in tl.range(0, full_end, BN):
                 acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
-                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
-                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
-                                      INTERPRET)
+                                      k_ptr, v_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk,
+                                      start_n, offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, False, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, KV_TMA,
+                                      HW_CAST, INTERPRET)
         for start_n in tl.range(full_end, end, BN):
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, q0, q1, q2, q3, sq0, sq1, sq2, sq3,
-                                      k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk, start_n,
-                                      offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
-                                      D, BM, BN, True, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, HW_CAST,
-                                      INTERPRET)
+                                      k_ptr, v_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, kv_row0, kv_srow0, Lk,
+                                      start_n, offs_m, shift, h, H, qk_scale, k_scale_head, v_scale_head, v_num_tiles,
+                                      D, BM, BN, True, CAUSAL, P_QUANT, OPERANDS, KV_ROUND, KV_TMA,
+                                      HW_CAST, INTERPRET)
 
     empty = l_i == 0.0
     denom = tl.where(empty, 1.0, l_i)
@@ -924,7 +930,7 @@ def _tile_map(lengths: torch.Tensor, block: int, upper: int, work_of) -> tuple[t
 def _broadcast_tiles(g: _Geometry, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The query tiles of broadcast_q: every sequence has the same Lq (a host integer), so the tiles are
     known without a search, B * ceil(Lq / block_m) of them: sequences in order of decreasing Lk (their
-    work), each one's last query tile (the most keys under causal) first. Four device ops, no host sync."""
+    work), each one's last query tile (the most keys under causal) first; a few device ops, no host sync."""
     n_tiles = triton.cdiv(g.q_rows, block_m)
     order = torch.argsort(g.kv_lengths(), descending=True, stable=True).to(torch.int32)
     tile_seq = order[:, None].expand(g.batch, n_tiles).reshape(-1)
@@ -985,6 +991,14 @@ def _forward_operands(xs, offsets, orients, hw_cast: bool, producer: str) -> lis
         for i, op in zip(todo, made):
             ops[i] = op
     return ops
+
+
+def _row_tiles(x: torch.Tensor, block_n: int):
+    """Host-side tensor descriptor of `[T, H, D]` viewed as `[T, H*D]`, block [block_n, D] (one head's rows)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t, heads, dim = x.shape
+    return TensorDescriptor.from_tensor(x.view(t, heads * dim), [block_n, dim])
 
 
 def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
@@ -1094,6 +1108,7 @@ def _strips_launch(device: torch.device, strips) -> tuple[int, int, bool, int]:
         raise ValueError(f"strips num_warps must be a power of two, got {warps}")
     return int(rows), int(thread_rows), bool(row_blocks_in_thread), int(warps)
 
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim; the GPU benchmark sweeps alternatives.
 # Backward "kv": the key-tile kernel (BLOCK_M = its query step, BLOCK_N = its key tile); "q": the dQ kernel.
 # Measured on the H200 (docs/PERF.md): the MXFP8 forward and both backward kernels prefer 4 warps at D=128.
@@ -1129,8 +1144,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
                       kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
                       precision: str = "mxfp8", softmax_scale: float | None = None, p_quant: str = "const_p",
                       variant: str = "producer", warp_specialize: bool = False, config=None,
-                      q_in_kernel: bool = True, kv_in_kernel: bool = False, producer: str = DEFAULT_PRODUCER,
-                      hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      q_in_kernel: bool = True, kv_in_kernel: bool = False, kv_tma: bool = False,
+                      producer: str = DEFAULT_PRODUCER, hw_cast: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of jagged attention (arguments checked by `jagged_attention_triton`; offsets trusted).
 
     Args:
@@ -1146,6 +1162,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
             bits): every query tile rounds it again, but K and V cross HBM once instead of three times.
             For few query tiles per sequence (broadcast_q with Lq <= BLOCK_M: each KV tile is read by one
             program); `"producer"` variant only.
+        kv_tma: load the full (unmasked) K and V tiles through host-side TMA tensor descriptors over the
+            `[Tk, H*D]` operands (block [BLOCK_N, D]); masked tiles keep pointer loads. Operands taken
+            as loaded (`kv_in_kernel` rounds them after the load); `"producer"` variant only.
         producer: the producer pass's kernel, `"blocks"` or `"strips"` (`_operands`; the same bits).
         hw_cast: E4M3 rounding by the hardware cast (default on CUDA) or by integer arithmetic.
 
@@ -1166,8 +1185,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
     q_scale = k_scale = v_scale = dummy_u8
     q_srow = kv_srow = g.q_base
     q_head = k_head = v_head = v_tiles = 0
-    if kv_in_kernel and variant != "producer":
-        raise ValueError(f"kv_in_kernel=True needs variant='producer', got {variant!r}")
+    for name, on in (("kv_in_kernel", kv_in_kernel), ("kv_tma", kv_tma)):
+        if on and variant != "producer" and precision == "mxfp8":
+            raise ValueError(f"{name}=True needs variant='producer', got {variant!r}")
     q_round = kv_round = ORIENT_AS_IS
     if precision == "bf16" or variant == "producer":
         operands = OPERANDS_16BIT
@@ -1207,13 +1227,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
             v_op = _operands([(v, g.kv_offsets, ORIENT_SEQ, True)], hw_cast=hw, producer=producer)[0][0]
     if g.batch == 0:
         return out, lse
+    k_desc, v_desc = (_row_tiles(k_op, bn), _row_tiles(v_op, bn)) if kv_tma else (k_op, v_op)
     tile_seq, tile_idx, upper = _fwd_tiles(g, bm, causal)
     _attn_fwd_kernel[(upper, heads)](
-        q_op, k_op, v_op, out, lse, q_scale, k_scale, v_scale,
+        q_op, k_op, v_op, k_desc, v_desc, out, lse, q_scale, k_scale, v_scale,
         g.q_base, g.o_offsets, g.kv_offsets, q_srow, kv_srow, tile_seq, tile_idx,
         heads, scale * LOG2E, q_head, k_head, v_head, v_tiles,
         D=dim, BM=bm, BN=bn, CAUSAL=causal, P_QUANT=p_code, OPERANDS=operands, Q_ROUND=q_round, KV_ROUND=kv_round,
-        HW_CAST=hw,
+        KV_TMA=bool(kv_tma), HW_CAST=hw,
         WARP_SPECIALIZE=warp_specialize, INTERPRET=interpreter_enabled(), num_warps=warps, num_stages=stages,
     )
     return out, lse
@@ -1416,8 +1437,9 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, broadcast_q: bool, precision: 
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                       kv_offsets: torch.Tensor, causal: bool, broadcast_q: bool, precision: str,
                       softmax_scale: float, p_quant: str, variant: str, warp_specialize: bool, q_in_kernel: bool,
-                      kv_in_kernel: bool, producer: str, validate_offsets: bool, bwd_variant: str, dq_accum: str,
-                      dq_static_scale: float, fwd_config: list[int], bwd_config: list[int], dq_config: list[int]
+                      kv_in_kernel: bool, kv_tma: bool, producer: str, validate_offsets: bool, bwd_variant: str,
+                      dq_accum: str, dq_static_scale: float, fwd_config: list[int], bwd_config: list[int],
+                      dq_config: list[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """O and LSE of jagged attention (the backward options ride along for the autograd context)."""
     if validate_offsets:
@@ -1425,13 +1447,13 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
     return attention_forward(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
                              precision=precision, softmax_scale=softmax_scale, p_quant=p_quant, variant=variant,
                              warp_specialize=warp_specialize, config=fwd_config, q_in_kernel=q_in_kernel,
-                             kv_in_kernel=kv_in_kernel, producer=producer)
+                             kv_in_kernel=kv_in_kernel, kv_tma=kv_tma, producer=producer)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, variant,
-      warp_specialize, q_in_kernel, kv_in_kernel, producer, validate_offsets, bwd_variant, dq_accum, dq_static_scale,
-      fwd_config, bwd_config, dq_config):
+      warp_specialize, q_in_kernel, kv_in_kernel, kv_tma, producer, validate_offsets, bwd_variant, dq_accum,
+      dq_static_scale, fwd_config, bwd_config, dq_config):
     num_out = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty(num_out, q.shape[1], q.shape[2]), q.new_empty(num_out, q.shape[1], dtype=torch.float32)
 
@@ -1456,13 +1478,13 @@ def _(do, q, k, v, o, lse, dlse, q_offsets, kv_offsets, causal, broadcast_q, pre
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_FWD_OP_INPUTS = 22  # arguments of gem_lp::jagged_attention_fwd
+_FWD_OP_INPUTS = 23  # arguments of gem_lp::jagged_attention_fwd
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, q_offsets, kv_offsets, causal, broadcast_q, precision, softmax_scale, p_quant, _variant,
-     _warp_specialize, _q_in_kernel, _kv_in_kernel, producer, _validate, bwd_variant, dq_accum, dq_static_scale,
-     _fwd_config, bwd_config, dq_config) = inputs
+     _warp_specialize, _q_in_kernel, _kv_in_kernel, _kv_tma, producer, _validate, bwd_variant, dq_accum,
+     dq_static_scale, _fwd_config, bwd_config, dq_config) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, q_offsets, kv_offsets)
     ctx.options = (causal, broadcast_q, precision, softmax_scale, p_quant, bwd_variant, dq_accum, dq_static_scale,
@@ -1491,7 +1513,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             broadcast_q: bool = False, precision: str = "bf16", softmax_scale: float | None = None,
                             p_quant: str = "const_p", return_lse: bool = False, variant: str = "producer",
                             warp_specialize: bool = False, q_in_kernel: bool = True, kv_in_kernel: bool = False,
-                            producer: str = DEFAULT_PRODUCER,
+                            kv_tma: bool = False, producer: str = DEFAULT_PRODUCER,
                             validate_offsets: bool = True,
                             bwd_variant: str = "split", dq_accum: str = "fp32", dq_static_scale: float = 1.0,
                             fwd_config=None, bwd_config=None, dq_config=None
@@ -1513,6 +1535,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
             producer pass (`attention_forward`); the same bits either way.
         kv_in_kernel: round K and V tiles in the forward kernel's loop instead of in the producer pass
             (same bits; fewer HBM bytes when each KV tile meets few query tiles, as with broadcast_q).
+        kv_tma: full K, V tiles of the forward through TMA tensor descriptors (`attention_forward`).
         producer: the producer pass's kernel (forward and backward), `"blocks"` or `"strips"` (`_operands`).
         validate_offsets: check the offsets' values (start 0, non-decreasing, end at the rows), one host
             sync per call; False when the caller has checked them (the sync stalls the launch queue).
@@ -1539,8 +1562,8 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     q_offs = q_offsets.to(device=q.device, dtype=torch.int64)
     kv_offs = kv_offsets.to(device=q.device, dtype=torch.int64)
     o, lse = _attention_fwd_op(q, k, v, q_offs, kv_offs, causal, broadcast_q, precision, float(softmax_scale),
-                               p_quant, variant, warp_specialize, bool(q_in_kernel), bool(kv_in_kernel), producer,
-                               validate_offsets,
+                               p_quant, variant, warp_specialize, bool(q_in_kernel), bool(kv_in_kernel),
+                               bool(kv_tma), producer, validate_offsets,
                                bwd_variant, dq_accum, float(dq_static_scale), list(fwd_config or ()),
                                list(bwd_config or ()), list(dq_config or ()))
     return (o, lse) if return_lse else o

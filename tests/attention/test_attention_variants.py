@@ -3,6 +3,7 @@
 * `q_in_kernel`: Q rounded to its operand in the forward kernel's prologue, or in the producer pass.
 * `producer="strips"`: the producer pass in thread strips, or in 32-token blocks of 4 heads.
 * `kv_in_kernel`: K and V tiles rounded in the forward loop, or in the producer pass.
+* `kv_tma`: full K and V tiles loaded through tensor descriptors, or by pointers.
 * broadcast_q (its own tile map, dQ as a sum of per-sequence partials): the same as the batch with the
   shared queries repeated for every sequence.
 
@@ -10,6 +11,10 @@ On CPU the kernels run in Triton's interpreter (tests/conftest.py) on tiny shape
 the checks with the hardware E4M3 conversion on realistic lengths.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,6 +157,26 @@ def test_kv_in_kernel_needs_the_producer_variant():
         attention_forward(x, x, x, offs, offs, precision="mxfp8", variant="fp8_qk", kv_in_kernel=True)
 
 
+# ----------------------------------------------------------------------------- K and V through tensor descriptors
+
+
+@pytest.mark.parametrize("precision,causal,kv_in_kernel,dtype", [
+    ("mxfp8", False, False, torch.bfloat16),
+    ("mxfp8", True, True, torch.bfloat16),
+    ("bf16", True, False, torch.float16),
+    ("bf16", False, True, torch.float32),
+])
+def test_kv_tma_is_bit_identical(precision, causal, kv_in_kernel, dtype):
+    """Full tiles through the descriptors (rows of one head of the `[T, H*D]` view), masked tiles by
+    pointers: O and LSE equal the pointer loads' on sequences with full and partial tiles, H = 3."""
+    q_offs, kv_offs = offsets_of([33, 0, 70, 5]), offsets_of([64, 3, 95, 31])
+    q = randn(int(q_offs[-1]), 3, 64, dtype)
+    k, v = randn(int(kv_offs[-1]), 3, 64, dtype), randn(int(kv_offs[-1]), 3, 64, dtype)
+    kw = dict(causal=causal, precision=precision, config=FWD_CFG, kv_in_kernel=kv_in_kernel)
+    assert_same(attention_forward(q, k, v, q_offs, kv_offs, kv_tma=True, **kw),
+                attention_forward(q, k, v, q_offs, kv_offs, kv_tma=False, **kw))
+
+
 # ----------------------------------------------------------------------------- broadcast_q
 
 
@@ -200,6 +225,23 @@ def test_broadcast_q_autograd_empty_batch_and_no_queries():
     o, lse = attention_forward(q0, k, v, None, kv_offs, broadcast_q=True)
     dq, dk, dv = attention_backward(o, q0, k, v, o, lse, None, kv_offs, broadcast_q=True)
     assert dq.shape == (0, 1, 64) and bool((dk == 0).all()) and bool((dv == 0).all())
+
+
+# ----------------------------------------------------------------------------- sm_90 builds
+
+
+def test_sm90_builds_of_the_default_launches():
+    """Every default launch (forward mxfp8 and bf16, backward, broadcast_q; the strips producer) builds for
+    sm_90 on this machine and fits a program's shared memory on the H200: the benchmark's `--compile-only
+    --defaults`, in a child process (under pytest on CPU the kernels are interpreted, which cannot compile)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join("benchmarks", "bench_attention.py"), "--compile-only",
+                           "--defaults"], env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    for kernel in ("_attn_fwd_kernel", "_operand_strips_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"):
+        assert kernel in done.stdout, done.stdout[-4000:]
+    assert "FAILED" not in done.stdout and "EXCEEDS" not in done.stdout, done.stdout[-4000:]
 
 
 # ----------------------------------------------------------------------------- GPU: hardware casts, real lengths
@@ -300,3 +342,14 @@ def test_gpu_kv_in_kernel_and_broadcast_q():
                                              bwd_variant="atomic", grad_dtype=torch.float32)
     assert_same((dk, dv), (dk_at, dv_at))
     torch.testing.assert_close(dq, dq_at, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_gpu_kv_tma_is_bit_identical(precision):
+    (q, k, v), offs = _gpu_batch(GPU_LENGTHS, 3, 128, seed=6)
+    for causal in (False, True):
+        for cfg in (None, (128, 128, 8, 2), (128, 64, 8, 3)):
+            kw = dict(causal=causal, precision=precision, config=cfg)
+            assert_same(attention_forward(q, k, v, offs, offs, kv_tma=True, **kw),
+                        attention_forward(q, k, v, offs, offs, **kw))

@@ -499,8 +499,8 @@ def test_autograd_matches_kernels_and_accuracy_table(capsys):
 def test_custom_op_registration():
     offs = offsets_of([20, 13])
     q, k, v = (randn(33, 1, 64) for _ in range(3))
-    args = (q, k, v, offs, offs, True, False, "mxfp8", 0.125, "const_p", "producer", False, True, False, "strips",
-            True, "split", "fp32", 1.0, [64, 32, 1, 1], [32, 64, 1, 1], [])
+    args = (q, k, v, offs, offs, True, False, "mxfp8", 0.125, "const_p", "producer", False, True, False, False,
+            "strips", True, "split", "fp32", 1.0, [64, 32, 1, 1], [32, 64, 1, 1], [])
     torch.library.opcheck(torch.ops.gem_lp.jagged_attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
