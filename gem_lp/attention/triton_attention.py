@@ -7,8 +7,9 @@ Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16
    read each `[T, H, D]` once, quantize each MX block (hdim 1x32 along D, seq 32 tokens x 1 feature,
    square 32x32; token blocks aligned to each sequence's first token), and write the dequantized, MX-exact
    BF16 operand; the dO slot also writes Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient).
-   The forward's Q, read once per program, is rounded the same way in the kernel's prologue instead
-   (`q_in_kernel=True`, the default; `_operand_tile`, the same bits). Two kernels write the same bits:
+   The forward's Q goes through the same pass (default); `q_in_kernel=True` rounds it in the kernel's
+   prologue instead (`_operand_tile`, the same bits), which measured slower on the H200 (the prologue's
+   register cost outweighs a third of the pass). Two kernels write the same bits:
    `producer="strips"` (default; `_operand_strips_kernel`, a program per 32-128-token chunk of one head,
    each thread a strip of tokens x 8 features as in the jagged quantize kernel) and `"blocks"`
    (`_operand_kernel`, a program per 32-token block of 4 heads);
@@ -1144,7 +1145,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
                       kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
                       precision: str = "mxfp8", softmax_scale: float | None = None, p_quant: str = "const_p",
                       variant: str = "producer", warp_specialize: bool = False, config=None,
-                      q_in_kernel: bool = True, kv_in_kernel: bool = False, kv_tma: bool = False,
+                      q_in_kernel: bool = False, kv_in_kernel: bool = False, kv_tma: bool = False,
                       producer: str = DEFAULT_PRODUCER, hw_cast: bool | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of jagged attention (arguments checked by `jagged_attention_triton`; offsets trusted).
@@ -1156,8 +1157,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offse
         config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages); 0 entries keep the default.
         q_in_kernel: where Q becomes its operand when it needs one (the `"producer"` variant, and FP32
             inputs of the 16-bit recipe): True rounds each Q tile in the kernel's prologue (Q is read once
-            per program; K and V, read by every query tile, stay in the producer pass), False puts Q in
-            the producer pass too. The same bits either way.
+            per program; K and V, read by every query tile, stay in the producer pass), False (default,
+            measured faster) puts Q in the producer pass too. The same bits either way.
         kv_in_kernel: round each K and V tile in the kernel's loop instead of in the producer pass (same
             bits): every query tile rounds it again, but K and V cross HBM once instead of three times.
             For few query tiles per sequence (broadcast_q with Lq <= BLOCK_M: each KV tile is read by one
@@ -1512,9 +1513,9 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             kv_offsets: torch.Tensor | None = None, *, causal: bool = False,
                             broadcast_q: bool = False, precision: str = "bf16", softmax_scale: float | None = None,
                             p_quant: str = "const_p", return_lse: bool = False, variant: str = "producer",
-                            warp_specialize: bool = False, q_in_kernel: bool = True, kv_in_kernel: bool = False,
-                            kv_tma: bool = False, producer: str = DEFAULT_PRODUCER,
-                            validate_offsets: bool = True,
+                            warp_specialize: bool = False, q_in_kernel: bool = False,
+                            kv_in_kernel: bool | None = None, kv_tma: bool = False,
+                            producer: str = DEFAULT_PRODUCER, validate_offsets: bool = True,
                             bwd_variant: str = "split", dq_accum: str = "fp32", dq_static_scale: float = 1.0,
                             fwd_config=None, bwd_config=None, dq_config=None
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -1531,10 +1532,11 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         return_lse: also return LSE `[T_out, H]` FP32 (natural log; differentiable).
         variant: mxfp8 forward variant, `"producer"` (default), `"dequant_in_loop"`, `"fp8_qk"`.
         warp_specialize: run the forward KV loop with `tl.range(..., warp_specialize=True)` (GPU only).
-        q_in_kernel: round Q to its operand in the forward kernel's prologue (default) instead of in the
-            producer pass (`attention_forward`); the same bits either way.
+        q_in_kernel: round Q to its operand in the forward kernel's prologue instead of in the producer
+            pass (default; `attention_forward`); the same bits either way.
         kv_in_kernel: round K and V tiles in the forward kernel's loop instead of in the producer pass
             (same bits; fewer HBM bytes when each KV tile meets few query tiles, as with broadcast_q).
+            None (default): True for mxfp8 broadcast_q (measured 2.6x faster there), else False.
         kv_tma: full K, V tiles of the forward through TMA tensor descriptors (`attention_forward`).
         producer: the producer pass's kernel (forward and backward), `"blocks"` or `"strips"` (`_operands`).
         validate_offsets: check the offsets' values (start 0, non-decreasing, end at the rows), one host
@@ -1555,6 +1557,8 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         softmax_scale = 1.0 / math.sqrt(dim)
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
+    if kv_in_kernel is None:
+        kv_in_kernel = broadcast_q and precision == "mxfp8"
     if kv_offsets is None:
         kv_offsets = q_offsets
     if broadcast_q and q_offsets is None:
