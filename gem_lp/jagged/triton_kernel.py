@@ -56,7 +56,7 @@ class LaunchOptions(NamedTuple):
 # Defaults: the fastest of CANDIDATE_LAUNCHES on the H200 for both workloads of docs/PERF.md ("Jagged").
 DEFAULT_LAUNCH = {
     "hdim": LaunchOptions(32, 8, False, 2),  # A 84% / B 90% of copy (row blocks per thread: 46% / 54%)
-    "square": LaunchOptions(64, 16, False, 2),  # 75% / 74%
+    "square": LaunchOptions(32, 8, False, 2),  # 83% / 85% (16-token strips of 64 rows: 75% / 74%)
     "seq": LaunchOptions(32, 4, False, 4, 64),  # any set with seq; hdim+seq 83% / 81% (8-token strips: 78% / 77%)
 }
 # The tuning space (D = 128): launch options `benchmarks/bench_jagged.py` times and the GPU tests run, as
