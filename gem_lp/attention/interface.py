@@ -8,7 +8,8 @@ import torch
 
 from ..backend import resolve_backend
 from ..mx.formats import BLOCK
-from .layout import check_offsets, check_qkv, make_plan
+from .layout import check_offsets, check_offsets_form, check_qkv, make_plan
+from .plan import cached_plan
 from .reference import P_QUANTS, PRECISIONS, attention_reference
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> None:
@@ -54,6 +55,13 @@ def _varlen_attention(q, k, v, q_offs, kv_offs, *, causal: bool, scale: float) -
     cu_k = kv_offs.to(device=q.device, dtype=torch.int32)
     out = varlen_attn(q, k, v, cu_q, cu_k, int(q_lens.max()), int(kv_lens.max()), **kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def _checked(offsets: torch.Tensor, name: str, total: int) -> torch.Tensor:
+    """`check_offsets` once per offsets tensor (and version) and token count: its copy to the CPU is a host sync,
+    and every attention layer of a step passes the same offsets (see `plan.cached_plan`)."""
+    check_offsets_form(offsets, name)
+    return cached_plan(offsets, ("checked", name, total), lambda: check_offsets(offsets, name, total))
 
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor | None,
@@ -102,16 +110,16 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         if kv_offsets is None:
             raise ValueError("kv_offsets is required with broadcast_q=True (q is one shared query sequence)")
         if q_offsets is not None:
-            q_offs = check_offsets(q_offsets, "q_offsets", q.shape[0])
+            q_offs = _checked(q_offsets, "q_offsets", q.shape[0])
             if q_offs.numel() != 2:
                 raise ValueError(f"q_offsets must be None or [0, Lq] with broadcast_q=True, got {q_offs.tolist()}")
-        kv_offs = check_offsets(kv_offsets, "kv_offsets", k.shape[0])
+        kv_offs = _checked(kv_offsets, "kv_offsets", k.shape[0])
         q_offs = None
     else:
         if q_offsets is None:
             raise ValueError("q_offsets is required unless broadcast_q=True")
-        q_offs = check_offsets(q_offsets, "q_offsets", q.shape[0])
-        kv_offs = q_offs if kv_offsets is None else check_offsets(kv_offsets, "kv_offsets", k.shape[0])
+        q_offs = _checked(q_offsets, "q_offsets", q.shape[0])
+        kv_offs = q_offs if kv_offsets is None else _checked(kv_offsets, "kv_offsets", k.shape[0])
         if kv_offs.numel() != q_offs.numel():
             raise ValueError(f"q_offsets and kv_offsets must describe the same number of sequences, got "
                              f"B={q_offs.numel() - 1} and B={kv_offs.numel() - 1}")

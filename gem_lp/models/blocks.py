@@ -105,7 +105,8 @@ class SequenceReadout(nn.Module):
 
         n_query = self.query_tokens.shape[0]
         q = self.query_proj(self.query_tokens.to(tokens.dtype)).view(n_query, h, d)
-        query_offsets = torch.tensor([0, n_query], dtype=torch.int64, device=tokens.device)
+        # built on the device: torch.tensor(..., device=cuda) is a blocking copy, a host sync every step
+        query_offsets = torch.arange(2, dtype=torch.int64, device=tokens.device) * n_query
         read = self.ops.attention(q, k, v, query_offsets, offsets, broadcast_q=True)  # [B*K, h, d]
         query_summary = self.query_out(read.reshape(b * n_query, h * d)).view(b, n_query, -1)
 
