@@ -13,10 +13,12 @@ Rows per workload:
   "<W> host overhead": hdim+seq through the public `quantize_jagged`, through the custom op's dispatcher, as
       a bare `launch` into preallocated outputs, and replayed from a CUDA graph (GPU time alone); each row
       holds the host time per call (host_us) and its ms above the replay's (ms_over_replay_us).
-  "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` (default first; `LaunchOptions` tuples (rows,
-      thread_rows, row_blocks_in_thread, num_warps, max_registers)) for hdim+seq, hdim and square, launch
-      only, each checked byte for byte against the default launch (PASS/FAIL), with its sm_90 build figures
-      (registers, spills, programs per SM, SASS instructions per element); the best is printed.
+  "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` and `PERSISTENT_LAUNCHES` (default first;
+      `LaunchOptions` tuples (rows, thread_rows, row_blocks_in_thread, num_warps, max_registers,
+      programs_per_sm)) for hdim+seq, hdim and square, launch only, each checked byte for byte against the
+      default launch (PASS/FAIL), with its sm_90 build figures (registers, spills, programs per SM, SASS
+      instructions per element; a persistent walk: whether its programs per SM all fit at once); the best is
+      printed.
 TB/s is effective: bf16 read once + payloads + scales written (the useful bytes of ours; the padded peer
 is credited with the same useful bytes). Each row's info holds the bytes it moves and stores, the padding
 ratio B*Lmax/T and the speed-up over the peer. Bit-identity against the per-sequence reference is checked
@@ -41,7 +43,8 @@ import torch
 from benchmarks.common import Bench, lognormal_lengths, offsets_of
 from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LAUNCH_SETS, LaunchOptions, default_launch, launch
+from gem_lp.jagged.triton_kernel import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
+                                         default_launch, launch)
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
 from gem_lp.mx.layout import from_blocked
 from gem_lp.mx.reference import quantize_reference
@@ -306,20 +309,23 @@ def allocate_outputs(values: torch.Tensor, padded_total: int, orientations: tupl
 def launch_label(opts: LaunchOptions, default: LaunchOptions) -> str:
     return (f"rows={opts.rows} thread_rows={opts.thread_rows}{' row_blocks' if opts.row_blocks_in_thread else ''} "
             f"num_warps={opts.num_warps}" + (f" max_registers={opts.max_registers}" if opts.max_registers else "")
+            + (f" programs_per_sm={opts.programs_per_sm}" if opts.programs_per_sm else "")
             + (" (default)" if opts == default else ""))
 
 
 def candidates(set_name: str) -> tuple[LaunchOptions, list[LaunchOptions]]:
-    """(default launch, every launch to time with the default first) of one orientation set."""
+    """(default launch, every launch to time with the default first) of one orientation set: the
+    one-program-per-chunk candidates, then the persistent walks."""
     default = default_launch(LAUNCH_SETS[set_name], True)
-    return default, [default] + [LaunchOptions(*c) for c in CANDIDATE_LAUNCHES[set_name] if tuple(c) != default]
+    pool = (*CANDIDATE_LAUNCHES[set_name], *PERSISTENT_LAUNCHES.get(set_name, ()))
+    return default, [default] + [LaunchOptions(*c) for c in pool if LaunchOptions(*c) != default]
 
 
 def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, padding_ratio: float) -> None:
     """Every launch of `CANDIDATE_LAUNCHES` (default first) per orientation set, launch only; each one's
     bytes compared with the default launch's (checked against the reference above and, for every launch,
     by the GPU tests): PASS/FAIL. Each row also holds the launch's sm_90 build figures (registers, spills,
-    programs per SM, SASS instructions per element)."""
+    programs per SM, SASS instructions per element, whether a persistent walk's programs all fit)."""
     t, h, d = values.shape
     hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
     scale_bytes = {"hdim+seq": h * (hdim_bytes + seq_bytes), "hdim": h * hdim_bytes,
@@ -454,7 +460,9 @@ def build_figures(orientations: tuple[str, ...], heads: int, dim: int, opts: Lau
     """The sm_90 build of one launch (bf16 values, rceil, hardware cast), from shapes only: registers, spill
     bytes, programs per SM, SASS instructions (whole kernel; D = 128 runs it once per program: one feature
     chunk, no padding code) and per element of a full chunk, 16-byte loads per thread and how many of them
-    go out before the first is used (`loads_before_first_use`)."""
+    go out before the first is used (`loads_before_first_use`; a persistent walk: counted from its first
+    load, the prologue's); for a persistent walk, `walk_fits`: its programs per SM are all resident at once
+    (else the grid's last programs start only when others end)."""
     from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
     from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
 
@@ -470,9 +478,13 @@ def build_figures(orientations: tuple[str, ...], heads: int, dim: int, opts: Lau
     regs, spills = ptxas_usage(ptx)
     code = sass_of(compiled.asm["cubin"])
     first_wave, loads = loads_before_first_use(code)
-    return dict(regs=regs, spills=spills, programs_per_sm=programs_per_sm(regs, opts.num_warps),
-                sass=len(code), sass_per_element=len(code) * 32 * opts.num_warps / (opts.rows * dim),
-                ld_v4=loads, ld_v4_first_wave=first_wave)
+    resident = programs_per_sm(regs, opts.num_warps)
+    figures = dict(regs=regs, spills=spills, programs_per_sm=resident, sass=len(code),
+                   sass_per_element=len(code) * 32 * opts.num_warps / (opts.rows * dim), ld_v4=loads,
+                   ld_v4_first_wave=first_wave)
+    if opts.programs_per_sm:
+        figures["walk_fits"] = opts.programs_per_sm <= resident
+    return figures
 
 
 def compile_only() -> int:
@@ -489,9 +501,12 @@ def compile_only() -> int:
                     failed += 1
                     print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
+                walk = ("" if "walk_fits" not in b else
+                        f"  walk of {opts.programs_per_sm}/SM {'fits' if b['walk_fits'] else 'DOES NOT FIT'}")
                 print(f"  {label}: registers {b['regs']:3d}  spill bytes {b['spills']}  programs/SM "
                       f"{b['programs_per_sm']}  SASS {b['sass']} ({b['sass_per_element']:.1f}/element)  "
-                      f"16-byte loads {b['ld_v4']} ({b['ld_v4_first_wave']} before the first use)", flush=True)
+                      f"16-byte loads {b['ld_v4']} ({b['ld_v4_first_wave']} before the first use){walk}",
+                      flush=True)
     # what each register limit of an occupancy step costs the defaults (a candidate lists only spill-free ones)
     for set_name in ("hdim+seq", "hdim"):
         default = default_launch(LAUNCH_SETS[set_name], True)

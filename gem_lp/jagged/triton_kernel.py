@@ -8,7 +8,9 @@ layout finds it on device (`torch.searchsorted` on `scale_offsets`). Each progra
 byte 0 under both rules), CHUNK_D features at a time, and for every requested orientation stores the
 payload at the packed token positions and every scale byte of its rows (hdim form) and of its 32-token
 blocks (seq form), padding bytes included: the scale buffers need no zero-fill. A chunk wholly past its
-sequence's end (the padding of the last tile) only writes its zero scale bytes.
+sequence's end (the padding of the last tile) only writes its zero scale bytes. With `programs_per_sm` the
+grid is persistent: fewer programs walk the same work items in the same order, each loading its next chunk's
+values before it quantizes and stores the current one.
 
 The seq payload sits at the same `[T, H, D]` positions as the input: only the direction of the block max
 differs from hdim. Each thread owns THREAD_ROWS consecutive tokens x 8 consecutive features (the strip
@@ -40,7 +42,9 @@ class LaunchOptions(NamedTuple):
     rows: padded rows per program (32, 64 or 128). thread_rows: consecutive tokens per thread strip (1..32,
     a power of two). row_blocks_in_thread: a thread holds whole 32-feature blocks instead of one 8-feature
     group. num_warps: warps per program. max_registers: registers per thread that ptxas may use (Triton's
-    `maxnreg`; 0: no limit); a limit below what the kernel needs spills to local memory.
+    `maxnreg`; 0: no limit); a limit below what the kernel needs spills to local memory. programs_per_sm: 0,
+    one program per chunk and head; else a persistent grid of programs_per_sm x SMs programs (at most one per
+    chunk and head), each walking the chunks and loading the next one's values before storing the current one.
     """
 
     rows: int
@@ -48,6 +52,7 @@ class LaunchOptions(NamedTuple):
     row_blocks_in_thread: bool
     num_warps: int
     max_registers: int = 0
+    programs_per_sm: int = 0
 
 
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
@@ -82,7 +87,25 @@ CANDIDATE_LAUNCHES = {
     "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0), (32, 8, False, 2, 0),
                (32, 4, False, 4, 0), (64, 8, False, 4, 0)),
 }
-# The orientation set of each group of CANDIDATE_LAUNCHES.
+# The persistent walk (programs_per_sm > 0; the same tuples with a 6th field), timed beside CANDIDATE_LAUNCHES:
+# the loads of a program's next chunk go out before it quantizes and stores the current one, instead of
+# waiting for a program slot to free. It costs registers: the double buffer (bf16: rows * chunk_d /
+# (64 * num_warps) per thread, 16 for (32, 4, w4), 32 for (32, 8, w2)) and the strip offsets, which the
+# compiler keeps live across the walk. sm_90 builds (H4/H16 D128; `--compile-only`), registers and the
+# programs an SM holds, none spills. Left out for spilling: (32, 4, w4) at 64 registers (hdim+seq 152 bytes,
+# hdim 32), hdim+seq at 72-96 (128-52 bytes) and (32, 8, w2) at 128 or 168 (288 / 168 bytes).
+PERSISTENT_LAUNCHES = {
+    "hdim+seq": ((32, 8, False, 2, 0, 8), (32, 8, False, 2, 0, 16),  # 206, 4/SM: more programs than fit
+                 (32, 8, False, 2, 0, 4),  # 206, 4/SM
+                 (32, 4, False, 4, 0, 4),  # 119, 4/SM
+                 (32, 8, False, 4, 0, 4)),  # 128, 4/SM
+    "hdim": ((32, 8, False, 2, 0, 8), (32, 8, False, 2, 0, 16),  # 190, 5/SM: more programs than fit
+             (32, 8, False, 2, 0, 5),  # 190, 5/SM
+             (32, 8, False, 2, 168, 6),  # 159, 6/SM
+             (32, 4, False, 4, 72, 7),  # 72, 7/SM
+             (32, 4, False, 4, 80, 6)),  # 80, 6/SM
+}
+# The orientation set of each group of CANDIDATE_LAUNCHES and PERSISTENT_LAUNCHES.
 LAUNCH_SETS = {"hdim+seq": ("hdim", "seq"), "hdim": ("hdim",), "square": ("square",)}
 # Under the interpreter the cost is per program and per op: few, large programs.
 INTERPRETER_LAUNCH = LaunchOptions(128, 4, False, 1)
@@ -103,32 +126,49 @@ def _seq_scale_offset(feature, tile, j, num_tiles):
 
 
 @triton.jit
-def _jagged_mx_kernel(
-    x_ptr, offsets_ptr, scale_offsets_ptr, tile_seq_ptr,
-    p_hdim_ptr, p_seq_ptr, p_square_ptr,
-    s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
-    stride_t, stride_h, stride_d,
-    num_tiles, hdim_head_bytes, seq_head_bytes,
-    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr, THREAD_ROWS: tl.constexpr,
-    ROW_BLOCKS_IN_THREAD: tl.constexpr,
-    DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
+def _chunk_of(item, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H: tl.constexpr, ROWS: tl.constexpr):
+    """(row0, h, tok0, n_valid) of work item `item` (chunk * H + head) of the persistent walk: first padded row
+    of the chunk, head, packed token of row0, tokens of the sequence in the chunk (<= 0: padding rows only).
+    An item at or past `n_items` looks up the last item (in bounds) and gets n_valid 0: no load reads for it."""
+    it = tl.minimum(item, n_items - 1)
+    row0 = (it // H) * ROWS
+    b = tl.load(tile_seq_ptr + row0 // 128)
+    seq_start = tl.load(offsets_ptr + b).to(tl.int64)
+    seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
+    tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))
+    n_valid = tl.where(item < n_items, seq_end - tok0, 0)
+    return row0, it % H, tok0, n_valid
+
+
+@triton.jit
+def _load_chunk(x_ptr, tok0, h, n_valid, t, f_in, stride_t, stride_h, stride_d, ROWS: tl.constexpr,
+                LARGE_OFFSETS: tl.constexpr):
+    """The first feature chunk of a chunk's values as stored (rows at or past n_valid: 0, not read)."""
+    valid = t < tl.minimum(n_valid, ROWS).to(tl.int32)
+    if LARGE_OFFSETS:
+        t = t.to(tl.int64)
+        f_in = f_in.to(tl.int64)
+    x_chunk = x_ptr + tok0 * stride_t + h.to(tl.int64) * stride_h
+    return tl.load(x_chunk + t * stride_t + f_in * stride_d, mask=valid, other=0.0)
+
+
+@triton.jit
+def _quantize_chunk(
+    x_first, PRELOADED: tl.constexpr, row0, h, tok0, n_valid, t, f_in, cb, mb,
+    x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
+    stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
+    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
+    ROW_BLOCKS_IN_THREAD: tl.constexpr, DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    chunk = pid // H
-    h = pid % H
+    """Every output byte of one chunk (ROWS padded rows from row0, head h). `t`, `f_in`, `cb`, `mb`: the
+    strip axes (int32); with PRELOADED, `x_first` holds the first feature chunk's values (`_load_chunk`),
+    else each feature chunk is loaded here."""
     NC: tl.constexpr = D // 32  # hdim-form scale columns
     N_COL_BLOCKS: tl.constexpr = (NC + 3) // 4
     CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per feature chunk
     NB: tl.constexpr = ROWS // 32  # 32-token blocks per program
-
-    row0 = chunk * ROWS  # first padded scale row of this program
     tile = row0 // 128
-    b = tl.load(tile_seq_ptr + tile)
-    seq_start = tl.load(offsets_ptr + b).to(tl.int64)
-    seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))  # packed token of row0
-    n_valid = seq_end - tok0  # tokens of the sequence in this chunk (<= 0: a chunk of padding rows)
     # Pointers to the chunk's first element are formed once (64-bit); offsets inside the chunk stay 32-bit
     # unless LARGE_OFFSETS, and the token mask compares 32-bit ints (n_valid > -128: int32 after the clamp).
     n_rows = tl.minimum(n_valid, ROWS).to(tl.int32)
@@ -137,10 +177,6 @@ def _jagged_mx_kernel(
     s_sq_hdim_head = s_sq_hdim_ptr + h.to(tl.int64) * hdim_head_bytes
     s_sq_seq_head = s_sq_seq_ptr + h.to(tl.int64) * seq_head_bytes
 
-    # token t = mb * 32 + c * THREAD_ROWS + r of the chunk, feature f = cb * 32 + g * 8 + e of a feature chunk
-    g, c, cb, mb, r, e = tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
-    t = mb * 32 + c * THREAD_ROWS + r
-    f_in = cb * 32 + g * 8 + e
     valid = t < n_rows
     rows = row0 + t  # padded scale rows (hdim form)
     jb = (row0 % 128) // 32 + mb  # 32-token blocks within the tile (seq-form columns 4 * tile + jb)
@@ -156,7 +192,10 @@ def _jagged_mx_kernel(
     if n_valid > 0:
         for ci in tl.static_range(D // CHUNK_D):
             f = ci * CHUNK_D + f_in
-            x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d, mask=valid, other=0.0))
+            if PRELOADED and ci == 0:
+                x = exact_f32(x_first)
+            else:
+                x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d, mask=valid, other=0.0))
             a = abs_bits(x)  # integer max: NaN/Inf cannot hide
             p_off = t * (H * D) + f
             col = ci * CB + cb  # hdim-form scale columns of this feature chunk
@@ -221,6 +260,68 @@ def _jagged_mx_kernel(
                 tl.store(s_sq_seq_head + off, zero, mask=pad)
 
 
+@triton.jit
+def _jagged_mx_kernel(
+    x_ptr, offsets_ptr, scale_offsets_ptr, tile_seq_ptr,
+    p_hdim_ptr, p_seq_ptr, p_square_ptr,
+    s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
+    stride_t, stride_h, stride_d,
+    num_tiles, hdim_head_bytes, seq_head_bytes,
+    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
+    RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # PERSISTENT: the grid's programs walk the work items (chunk * H + head) p, p + n_programs, ..., and load
+    # the next item's first feature chunk (its lookups one item further ahead) before quantizing and storing
+    # the current one, so that its loads are in flight during that work. Otherwise: one item per program.
+    CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per feature chunk
+    NB: tl.constexpr = ROWS // 32  # 32-token blocks per program
+    if PERSISTENT:
+        # token t = mb * 32 + c * THREAD_ROWS + r of the chunk, feature f = cb * 32 + g * 8 + e of a feature chunk
+        g, c, cb, mb, r, e = tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+        t = mb * 32 + c * THREAD_ROWS + r
+        f_in = cb * 32 + g * 8 + e
+        n_items = num_tiles * (128 // ROWS) * H
+        n_programs = tl.num_programs(0)
+        item = tl.program_id(0)  # < n_items: the grid has no more programs than items
+        row0, h, tok0, n_valid = _chunk_of(item, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H, ROWS)
+        x = _load_chunk(x_ptr, tok0, h, n_valid, t, f_in, stride_t, stride_h, stride_d, ROWS, LARGE_OFFSETS)
+        row0_next, h_next, tok0_next, n_valid_next = _chunk_of(
+            item + n_programs, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H, ROWS)
+        while item < n_items:
+            x_next = _load_chunk(x_ptr, tok0_next, h_next, n_valid_next, t, f_in, stride_t, stride_h, stride_d,
+                                 ROWS, LARGE_OFFSETS)
+            row0_after, h_after, tok0_after, n_valid_after = _chunk_of(
+                item + 2 * n_programs, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H, ROWS)
+            _quantize_chunk(x, True, row0, h, tok0, n_valid, t, f_in, cb, mb,
+                            x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr,
+                            s_sq_seq_ptr, stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
+                            H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
+                            LARGE_OFFSETS)
+            item += n_programs
+            x = x_next
+            row0, h, tok0, n_valid = row0_next, h_next, tok0_next, n_valid_next
+            row0_next, h_next, tok0_next, n_valid_next = row0_after, h_after, tok0_after, n_valid_after
+    else:
+        pid = tl.program_id(0)
+        h = pid % H
+        row0 = (pid // H) * ROWS  # first padded scale row of this program
+        b = tl.load(tile_seq_ptr + row0 // 128)
+        seq_start = tl.load(offsets_ptr + b).to(tl.int64)
+        seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
+        tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))  # packed token of row0
+        n_valid = seq_end - tok0  # tokens of the sequence in this chunk (<= 0: a chunk of padding rows)
+        g, c, cb, mb, r, e = tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+        t = mb * 32 + c * THREAD_ROWS + r
+        f_in = cb * 32 + g * 8 + e
+        _quantize_chunk(0, False, row0, h, tok0, n_valid, t, f_in, cb, mb,
+                        x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
+                        stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
+                        H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
+                        LARGE_OFFSETS)
+
+
 def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:
     """Launch options used when the caller gives none (see `launch`)."""
     if interpreter_enabled() and not on_cuda:
@@ -228,6 +329,18 @@ def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOption
     if "seq" in orientations or ("hdim" in orientations and "square" in orientations):
         return DEFAULT_LAUNCH["seq"]
     return DEFAULT_LAUNCH["hdim" if "hdim" in orientations else "square"]
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter, builds without a GPU)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def chunk_width(head_dim: int) -> int:
@@ -240,7 +353,7 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 scales: dict[str, torch.Tensor], rceil: bool, *,
                 chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
                 row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
-                max_registers: int | None = None, hw_cast: bool | None = None):
+                max_registers: int | None = None, programs_per_sm: int | None = None, hw_cast: bool | None = None):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
 
     `kwargs` may be shared between calls: do not modify it.
@@ -250,7 +363,8 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
     grid, scalars, kwargs = _launch_plan(
         heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
         rceil, on_cuda, interpreter_enabled(), chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-        max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN)
+        max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
+        _sm_count(values.device) if programs_per_sm else 1)
     # pointers of the orientations not requested are never dereferenced: any uint8 buffer will do
     dummy = next(iter(scales.values()), None)
     if dummy is None:
@@ -270,10 +384,12 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
 def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total: int, hdim: bool, seq: bool,
                  square: bool, rceil: bool, on_cuda: bool, interpreter: bool, chunk_d: int | None, rows: int | None,
                  thread_rows: int | None, row_blocks_in_thread: bool | None, num_warps: int | None,
-                 max_registers: int | None, hw_cast: bool, int32_span: int):
+                 max_registers: int | None, hw_cast: bool, int32_span: int, programs_per_sm: int | None = None,
+                 sm_count: int = 1):
     """(grid, scalar arguments, keyword arguments) of a launch: everything but the tensors, which depends on
     ints only, so that repeated calls (same batch layout, shapes and options) reuse it. Offsets inside a
-    chunk at or above `int32_span` take int64 arithmetic."""
+    chunk at or above `int32_span` take int64 arithmetic; a persistent grid has programs_per_sm x `sm_count`
+    programs at most."""
     hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
     chunk_d = chunk_width(d) if chunk_d is None else chunk_d
     if chunk_d % 32 or d % chunk_d or chunk_d & (chunk_d - 1):
@@ -285,6 +401,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     row_blocks_in_thread = base.row_blocks_in_thread if row_blocks_in_thread is None else row_blocks_in_thread
     num_warps = base.num_warps if num_warps is None else num_warps
     max_registers = base.max_registers if max_registers is None else max_registers
+    programs_per_sm = base.programs_per_sm if programs_per_sm is None else programs_per_sm
     if rows not in (32, 64, 128):
         raise ValueError(f"rows must be 32, 64 or 128, got {rows}")
     if thread_rows not in (1, 2, 4, 8, 16, 32):
@@ -293,14 +410,18 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
         raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps}")
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
+    if not isinstance(programs_per_sm, int) or programs_per_sm < 0:
+        raise ValueError(f"programs_per_sm must be an int >= 0 (0: one program per chunk), got {programs_per_sm!r}")
     # Largest offset inside one chunk: its tokens' input rows, or its payload rows (H * D bytes each).
     span = rows * (abs(strides[0]) + heads * d) + d * abs(strides[2])
-    grid = (padded_total // rows * heads,)
+    n_items = padded_total // rows * heads  # chunks x heads
+    grid = (min(n_items, programs_per_sm * sm_count) if programs_per_sm else n_items,)
     scalars = (*strides, padded_total // 128, hdim_bytes, seq_bytes)
     kwargs = dict(
         H=heads, D=d, CHUNK_D=chunk_d, ROWS=rows, THREAD_ROWS=thread_rows,
         ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread), DO_HDIM=hdim, DO_SEQ=seq, DO_SQUARE=square,
-        RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, num_warps=num_warps,
+        RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, PERSISTENT=programs_per_sm > 0,
+        num_warps=num_warps,
     )
     if max_registers:
         kwargs["maxnreg"] = max_registers
@@ -312,7 +433,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
            scales: dict[str, torch.Tensor], rceil: bool, *,
            chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
            row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
-           max_registers: int | None = None) -> None:
+           max_registers: int | None = None, programs_per_sm: int | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -322,18 +443,20 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         payloads: orientation -> `[T, H, D]` float8_e4m3fn (contiguous) for each requested orientation.
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
-        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers: launch tuning:
+        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm: launch
+            tuning:
             features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
             128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
             thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
-            0 for none); each None takes `default_launch`'s value. The bytes written do not depend on them.
+            0 for none, programs per SM of a persistent grid, 0 for one program per chunk); each None takes
+            `default_launch`'s value. The bytes written do not depend on them.
     """
     if padded_total == 0:
         return
     grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                      rceil, chunk_d=chunk_d, rows=rows, thread_rows=thread_rows,
                                      row_blocks_in_thread=row_blocks_in_thread, num_warps=num_warps,
-                                     max_registers=max_registers)
+                                     max_registers=max_registers, programs_per_sm=programs_per_sm)
     _jagged_mx_kernel[grid](*args, **kwargs)
 
 
