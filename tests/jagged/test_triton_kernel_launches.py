@@ -6,7 +6,7 @@ import torch
 
 from gem_lp.jagged import JaggedLayout, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, launch
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES, launch
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -82,7 +82,8 @@ def test_max_registers_option(mixed_batch):
 _HOPPER_CANDIDATES = """
 import json, torch
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LAUNCH_SETS, LaunchOptions, _jagged_mx_kernel, launch_args
+from gem_lp.jagged.triton_kernel import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
+                                         _jagged_mx_kernel, launch_args)
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
 heads, dim, t, tp = 4, 128, 1000, 1280
@@ -90,7 +91,8 @@ values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
 offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
 tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
 hb, sb = scale_sizes(tp, dim)
-for set_name, launches in CANDIDATE_LAUNCHES.items():
+for set_name in LAUNCH_SETS:
+    launches = (*CANDIDATE_LAUNCHES[set_name], *PERSISTENT_LAUNCHES.get(set_name, ()))
     orients = LAUNCH_SETS[set_name]
     payloads = {o: torch.empty(t, heads, dim, dtype=PAYLOAD_DTYPE) for o in orients}
     scales = {s: torch.empty(heads, hb if s.endswith("hdim") else sb, dtype=torch.uint8)
@@ -105,8 +107,8 @@ for set_name, launches in CANDIDATE_LAUNCHES.items():
 
 
 def test_candidate_launches_build_for_hopper_without_spills():
-    """Every candidate launch builds for sm_90 (hardware cast, H4 D128) within its register limit and
-    without spills."""
+    """Every candidate launch, persistent walks included, builds for sm_90 (hardware cast, H4 D128) within its
+    register limit and without spills."""
     import json
     import os
     import subprocess
@@ -117,9 +119,10 @@ def test_candidate_launches_build_for_hopper_without_spills():
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(builds) == sum(len(group) for group in CANDIDATE_LAUNCHES.values()), done.stdout
+    n_launches = sum(len(group) for group in (*CANDIDATE_LAUNCHES.values(), *PERSISTENT_LAUNCHES.values()))
+    assert len(builds) == n_launches, done.stdout
     for b in builds:
-        limit = b["launch"][4]
+        limit = b["launch"][4]  # LaunchOptions.max_registers
         assert b["spills"] == 0 and (limit == 0 or b["regs"] <= limit), b
     # the hdim+seq default fits 8 programs of 64 threads per SM (no more than 128 registers)
     default = [b for b in builds if b["set"] == "hdim+seq" and tuple(b["launch"]) == DEFAULT_LAUNCH["seq"]]
