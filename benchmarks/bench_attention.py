@@ -27,8 +27,9 @@ config sweeps; about 8-10 minutes with cold Triton caches), `--quick` (no sweeps
 `--sections jagged,broadcast` (any of accuracy, jagged, broadcast, sweep, dense, short). Prints the accuracy
 table, the variants table (match and host time), then the timing table last; JSON under $OUT.
 `--compile-only` (no GPU; TRITON_INTERPRET unset) builds every kernel launch the run makes for sm_90 on this
-machine and prints registers, spills, shared memory and programs per SM (`--defaults` only the default
-launches); it exits 1 when a default launch fails to build or exceeds a program's shared memory.
+machine and prints registers, spills, shared memory, programs per SM and whether ptxas serializes the wgmma
+instructions (`--defaults` only the default launches); it exits 1 when a default launch fails to build or
+exceeds a program's shared memory.
 """
 from __future__ import annotations
 
@@ -464,9 +465,13 @@ def broadcast(bench: Bench) -> None:
 FWD_SWEEP = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3),
              (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3))
 FWD_TMA_SWEEP = ((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3))
+# Backward: deeper software pipelining (3-5 stages) of the loop's loads, and the tile shapes of Triton's Hopper
+# fused-attention tutorial (key tile 128 x query step 32, dQ tile 128 queries x key step 32, 4 warps).
 BWD_KV_SWEEP = ((64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (128, 64, 8, 2), (64, 128, 8, 3),
-                (128, 128, 8, 2))
-BWD_Q_SWEEP = ((128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 2))
+                (128, 128, 8, 2), (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 4, 5), (64, 64, 4, 3), (64, 64, 4, 4),
+                (64, 128, 4, 3), (32, 64, 4, 3), (64, 64, 8, 3))
+BWD_Q_SWEEP = ((128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3),
+               (128, 32, 4, 4), (128, 32, 4, 5), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (64, 32, 4, 3))
 
 
 def config_sweep(bench: Bench) -> None:
@@ -684,9 +689,22 @@ def build_cases(defaults_only: bool):
     return cases
 
 
+def wgmma_serialized(ptx: str) -> bool:
+    """Whether ptxas serializes the kernel's wgmma instructions for sm_90a (its "Potential Performance Loss:
+    wgmma.mma_async instructions are serialized" note): each HGMMA then waits for the one before, a slowdown that
+    registers and spills do not show."""
+    import subprocess
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", "-", "-o", os.devnull], input=ptx,
+                         capture_output=True, text=True, check=True).stderr
+    return "wgmma.mma_async instructions are serialized" in log
+
+
 def compile_only(defaults_only: bool) -> int:
     """Build every launch of `build_cases` for sm_90; 1 when a default launch fails to build or does not fit
-    (spills are reported: the measured backward defaults spill a few bytes)."""
+    (spills and serialized wgmma are reported, not failed)."""
     from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -707,8 +725,9 @@ def compile_only(defaults_only: bool) -> int:
             try:
                 if key not in seen:
                     compiled = compile_for_target(kernel, args, kwargs)
-                    seen[key] = (*ptxas_usage(compiled.asm["ptx"]), compiled.metadata.shared)
-                regs, spills, smem = seen[key]
+                    ptx = compiled.asm["ptx"]
+                    seen[key] = (*ptxas_usage(ptx), compiled.metadata.shared, wgmma_serialized(ptx))
+                regs, spills, smem, serialized = seen[key]
             except Exception as e:
                 print(f"  {label}: {name} FAILED to build: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 bad_defaults += is_default
@@ -718,6 +737,7 @@ def compile_only(defaults_only: bool) -> int:
             per_sm = programs_per_sm(regs, warps, smem) if fits else 0
             flag = "" if fits else "  EXCEEDS the shared memory of a program (OutOfResources on the GPU)"
             flag += "  SPILLS" if spills else ""
+            flag += "  WGMMA SERIALIZED" if serialized else ""
             print(f"  {label:52s} {name:24s} warps {warps} stages {kwargs.get('num_stages', '-')}  registers {regs:3d}"
                   f"  spill bytes {spills:4d}  shared {smem:6d} B  programs/SM {per_sm}{flag}", flush=True)
             bad_defaults += is_default and not fits

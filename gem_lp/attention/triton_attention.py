@@ -681,17 +681,19 @@ def _bwd_kv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_row0
     o_tok = o_row0 + offs_m
     q = tl.load(q_ptr + (q_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
     do = tl.load(do_ptr + (o_tok[:, None] * H + h) * D + d[None, :], mask=m_mask[:, None], other=0.0)
-    lse = tl.load(lse_ptr + o_tok * H + h, mask=m_mask, other=float("inf"))
-    delta = tl.load(delta_ptr + o_tok * H + h, mask=m_mask, other=0.0)
-    # P^T = exp(S^T * scale - LSE), recomputed; queries without visible keys (LSE = -inf) give 0
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     s_t = _dot(k, tl.trans(q), None, INTERPRET) * qk_scale  # [BN, BM]
+    # P^T = exp(S^T * scale - LSE), recomputed; queries without visible keys (LSE = -inf) give 0. LSE and Δ are
+    # loaded next to their uses (the pipelined copies still go ahead; only the reads from shared memory move):
+    # at D=128 BLOCK_N=64 each is 16 registers a thread, which otherwise stay live across the GEMMs
+    lse = tl.load(lse_ptr + o_tok * H + h, mask=m_mask, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     visible = n_mask[:, None] & m_mask[None, :]
     if CAUSAL:
         visible = visible & (offs_n[:, None] <= offs_m[None, :] + shift)
     p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
     dv = _dot(_round_p(p_t, BN, BM, P_QUANT, True, do.dtype, HW_CAST, INTERPRET), do, dv, INTERPRET)
     dp_t = _dot(v, tl.trans(do), None, INTERPRET)
+    delta = tl.load(delta_ptr + o_tok * H + h, mask=m_mask, other=0.0)
     ds_t = p_t * (dp_t - delta[None, :])
     if DS_MX:  # 32x32 blocks: the same blocks as dS's, transposed
         ds_op = _mx_round_square_fast(ds_t, BN, BM, HW_CAST).to(q.dtype)
@@ -753,14 +755,20 @@ def _attn_bwd_kv_kernel(
                                   start_m, offs_n, n_mask, shift, h, H, qk_scale, sm_scale, dq_static_scale,
                                   D, BM, BN, CAUSAL, P_QUANT, DS_MX, ATOMIC_DQ, DQ_FP16, HW_CAST, INTERPRET)
     dk = dk * sm_scale
+    # store addresses from a 64-bit scalar base and 32-bit rows, not the loads' int64 `kv_off` (reused, its 16
+    # registers a thread stayed live across the loop: with Δ's, the default sm_90 build spilled 92 bytes)
+    kv_base = ((kv_row0 + kt * BN) * H + h) * D
+    kv_rows = (tl.arange(0, BN) * (H * D))[:, None]
     if MX_GRADS:
         _store_square_mx(dk, dk_pay_ptr, dk_s_hdim_ptr, dk_s_seq_ptr, kv_tok, n_mask, kv_srow_ptr, b, kt, Lk, h, H,
                          s_hdim_head, s_seq_head, s_num_col_tiles, D, BN, HW_CAST)
         _store_square_mx(dv, dv_pay_ptr, dv_s_hdim_ptr, dv_s_seq_ptr, kv_tok, n_mask, kv_srow_ptr, b, kt, Lk, h, H,
                          s_hdim_head, s_seq_head, s_num_col_tiles, D, BN, HW_CAST)
     else:
-        tl.store(dk_ptr + kv_off, _cast(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=n_mask[:, None])
-        tl.store(dv_ptr + kv_off, _cast(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=n_mask[:, None])
+        tl.store(dk_ptr + kv_base + kv_rows + d[None, :], _cast(dk, dk_ptr.dtype.element_ty, INTERPRET),
+                 mask=n_mask[:, None])
+        tl.store(dv_ptr + kv_base + kv_rows + d[None, :], _cast(dv, dv_ptr.dtype.element_ty, INTERPRET),
+                 mask=n_mask[:, None])
 
 
 @triton.jit
