@@ -67,6 +67,7 @@ from ..backend import interpreter_enabled
 from ..mx.triton_numerics import abs_bits, e4m3_bits, encode, inv_scale, scale_byte
 from ..mx.triton_quantize import max_cols_of_blocks, max_rows_of_blocks, tile_axes
 from .layout import check_offsets_form, check_qkv
+from .plan import cached_plan
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -947,7 +948,31 @@ def _broadcast_tiles(g: _Geometry, block_m: int) -> tuple[torch.Tensor, torch.Te
     return tile_seq, tile_idx, g.batch * n_tiles
 
 
+def _cached_for_batch(g: _Geometry, key: tuple, build):
+    """`build()` once per batch (`plan.cached_plan` on the kv offsets) when the plan is a function of the kv
+    offsets alone: self-attention (one offsets tensor) and broadcast_q (Lq a host integer); else built."""
+    if g.broadcast_q:
+        return cached_plan(g.kv_offsets, key + ("broadcast", g.q_rows, g.kv_rows), build)
+    if g.q_offsets is g.kv_offsets:
+        return cached_plan(g.kv_offsets, key + ("self", g.q_rows, g.kv_rows), build)
+    return build()
+
+
 def _fwd_tiles(g: _Geometry, block_m: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    return _cached_for_batch(g, ("fwd tiles", block_m, causal), lambda: _build_fwd_tiles(g, block_m, causal))
+
+
+def _bwd_tiles(g: _Geometry, block_n: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    return _cached_for_batch(g, ("bwd tiles", block_n, causal), lambda: _build_bwd_tiles(g, block_n, causal))
+
+
+def _block_map(offsets: torch.Tensor, rows: int, block: int = MX_BLOCK) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`block`-token chunks aligned to sequence starts: `blk_seq [upper]` int32 (-1 past the last chunk),
+    `blk_offsets [B+1]` int64 (first chunk of each sequence), and `upper`; built once per offsets tensor."""
+    return cached_plan(offsets, ("block map", rows, block), lambda: _build_block_map(offsets, rows, block))
+
+
+def _build_fwd_tiles(g: _Geometry, block_m: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     if g.broadcast_q:
         return _broadcast_tiles(g, block_m)
     lq, lk = g.q_lengths(), g.kv_lengths()
@@ -962,7 +987,7 @@ def _fwd_tiles(g: _Geometry, block_m: int, causal: bool) -> tuple[torch.Tensor, 
     return (*_tile_map(lq, block_m, upper, work), upper)
 
 
-def _bwd_tiles(g: _Geometry, block_n: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _build_bwd_tiles(g: _Geometry, block_n: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     lq, lk = g.q_lengths(), g.kv_lengths()
     upper = g.kv_rows // block_n + g.batch
 
@@ -975,9 +1000,7 @@ def _bwd_tiles(g: _Geometry, block_n: int, causal: bool) -> tuple[torch.Tensor, 
     return (*_tile_map(lk, block_n, upper, work), upper)
 
 
-def _block_map(offsets: torch.Tensor, rows: int, block: int = MX_BLOCK) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """`block`-token chunks aligned to sequence starts: `blk_seq [upper]` int32 (-1 past the last chunk),
-    `blk_offsets [B+1]` int64 (first chunk of each sequence), and `upper`."""
+def _build_block_map(offsets: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     batch = offsets.numel() - 1
     nb = (offsets[1:] - offsets[:-1] + block - 1) // block
     blk_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=offsets.device)
