@@ -39,14 +39,13 @@ import inspect
 import math
 import os
 import sys
-import time
 import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Bench, lognormal_lengths, offsets_of  # noqa: E402
+from benchmarks.common import Bench, host_us_per_call, lognormal_lengths, offsets_of  # noqa: E402
 from gem_lp.attention import jagged_attention  # noqa: E402
 from gem_lp.attention import triton_attention as ta  # noqa: E402
 from gem_lp.numerics import cosine, sqnr_db  # noqa: E402
@@ -94,18 +93,6 @@ def agreement(got, want) -> str:
     return "exact" if exact else f"~ {worst:.1e}"
 
 
-def host_ms(fn, calls: int = 20) -> float:
-    """Python milliseconds per call of `fn` with its launches queued (no sync inside the loop)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e3 / calls
-
-
 def note(bench: Bench, group: str, name: str, **fields) -> None:
     """Add fields (match, host time) to the latest row of (group, name) and to the variants table."""
     for r in reversed(bench.rows):
@@ -143,7 +130,7 @@ def time_fwd_bwd(bench: Bench, group: str, name: str, fwd, inputs, flop: float, 
                 fields["match"] = agreement((o[0] if isinstance(o, tuple) else o,), ref[0])
             if host:
                 with torch.no_grad():
-                    fields["host_ms"] = host_ms(fwd)
+                    fields["host_ms"] = host_us_per_call(fwd, calls=20) / 1e3
             note(bench, f"{group} fwd", name, **fields)
         except Exception as e:
             print(f"  [{group} fwd] {name}: output check FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

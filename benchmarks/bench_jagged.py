@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from benchmarks.common import Bench, lognormal_lengths, offsets_of
+from benchmarks.common import Bench, host_us_per_call, lognormal_lengths, offsets_of
 from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
 from gem_lp.jagged.triton_kernel import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
@@ -230,18 +230,6 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def host_issue_us(fn, calls: int = 200) -> float:
-    """Host microseconds per call of `fn` (the time to issue it; the GPU catches up afterwards)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
 def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, nbytes: int,
                   padding_ratio: float) -> dict | None:
     """hdim+seq four ways, in group "<W> host overhead": the public `quantize_jagged` call, the custom op
@@ -277,7 +265,7 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
         log(f"{name}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:300]}")
     for label, fn in ways:
         try:
-            host_us = host_issue_us(fn)
+            host_us = host_us_per_call(fn)
         except Exception as e:
             log(f"{group} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
             bench.rows.append(dict(group=group, name=label, error=f"{type(e).__name__}: {str(e)[:300]}"))

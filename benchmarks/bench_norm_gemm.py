@@ -38,7 +38,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Bench  # noqa: E402
+from benchmarks.common import Bench, host_us_per_call  # noqa: E402
 from gem_lp.mx import dequantize, quantize_reference, to_blocked  # noqa: E402
 from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
 from gem_lp.norm_gemm.reference import rms_norm_quantize_reference  # noqa: E402
@@ -161,19 +161,6 @@ def _launch_only(x: torch.Tensor, w: torch.Tensor, cfg: tn.NormConfig):
     return lambda: kernel[grid](*args, **kwargs)
 
 
-def _host_us_per_call(fn, n: int = 200) -> float:
-    """Host microseconds of one call of `fn`, called back to back without synchronizing (the GPU queue absorbs
-    the launches): when above the kernel's time, the GPU waits for the host."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / n * 1e6
-
-
 def bench_norm(bench: Bench, checks: dict) -> None:
     """Per shape: every candidate launch of `rms_norm_mx` (bytes checked), then host against kernel time: the
     public `rms_norm_quantize` call, the bare launch into preallocated outputs and CUDA-graph replays of the
@@ -225,7 +212,7 @@ def bench_norm(bench: Bench, checks: dict) -> None:
                     fn = _launch_only(x, w, cfg)
                 else:
                     fn = _graph_replay(lambda cfg=cfg: rms_norm_mx(x, w, EPS, **_config_kwargs(cfg)))
-                host_us[name] = _host_us_per_call(fn)
+                host_us[name] = host_us_per_call(fn)
                 print(f"  [{group}] {name}: host {host_us[name]:.1f} us per call", flush=True)
                 bench.time(group, name, fn, nbytes=nbytes, host_us_per_call=host_us[name])
             except Exception as e:
@@ -233,7 +220,7 @@ def bench_norm(bench: Bench, checks: dict) -> None:
             del fn
             _free()
         try:
-            host_us["ours rms_norm_mx (default)"] = _host_us_per_call(lambda: rms_norm_mx(x, w, EPS))
+            host_us["ours rms_norm_mx (default)"] = host_us_per_call(lambda: rms_norm_mx(x, w, EPS))
             print(f"  [{group}] rms_norm_mx default: host {host_us['ours rms_norm_mx (default)']:.1f} us per call",
                   flush=True)
         except Exception as e:

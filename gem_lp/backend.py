@@ -1,6 +1,7 @@
 """Backend selection shared by every op: `reference` (plain PyTorch, the oracle) or `triton`."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,3 +28,16 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
             f"TRITON_INTERPRET=1 before importing gem_lp to run the kernels in Triton's interpreter"
         )
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, off_gpu: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); `off_gpu` elsewhere (the interpreter, builds for a
+    target without a GPU), where a persistent launch's program count only shapes the walk, not the bytes."""
+    if device.type != "cuda":
+        return off_gpu
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)

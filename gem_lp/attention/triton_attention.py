@@ -65,7 +65,7 @@ import triton.language as tl
 
 from ..backend import interpreter_enabled
 from ..mx.triton_numerics import abs_bits, e4m3_bits, encode, inv_scale, scale_byte
-from ..mx.triton_quantize import max_cols_of_blocks, max_rows_of_blocks, tile_axes
+from ..mx.triton_quantize import check_strip_launch, max_cols_of_blocks, max_rows_of_blocks, tile_axes
 from .layout import check_offsets_form, check_qkv
 from .plan import cached_plan
 
@@ -1132,12 +1132,7 @@ def _strips_launch(device: torch.device, strips) -> tuple[int, int, bool, int]:
     if len(strips) != 4:
         raise ValueError(f"strips must be (rows, thread_rows, row_blocks_in_thread, num_warps), got {strips!r}")
     rows, thread_rows, row_blocks_in_thread, warps = strips
-    if rows not in (32, 64, 128):
-        raise ValueError(f"strips rows must be 32, 64 or 128, got {rows}")
-    if thread_rows not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"strips thread_rows must be 1, 2, 4, 8, 16 or 32, got {thread_rows}")
-    if warps < 1 or warps & (warps - 1):
-        raise ValueError(f"strips num_warps must be a power of two, got {warps}")
+    check_strip_launch(rows, thread_rows, warps, prefix="strips ")
     return int(rows), int(thread_rows), bool(row_blocks_in_thread), int(warps)
 
 

@@ -27,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreter_enabled
+from ..backend import interpreter_enabled, sm_count
 from ..mx.formats import PAYLOAD_DTYPE
 from ..mx.triton_numerics import abs_bits, exact_f32
-from ..mx.triton_quantize import (max_cols_of_blocks, max_rows_of_blocks, tile_axes, block_payload,
-                                  block_scale)
+from ..mx.triton_quantize import (block_payload, block_scale, check_strip_launch, max_cols_of_blocks,
+                                  max_rows_of_blocks, tile_axes)
 from .tensor import JaggedMXTensor, scale_sizes
 
 
@@ -331,17 +331,6 @@ def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOption
     return DEFAULT_LAUNCH["hdim" if "hdim" in orientations else "square"]
 
 
-@functools.lru_cache(maxsize=16)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter, builds without a GPU)."""
-    if device.type != "cuda":
-        return 1
-    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
-
 
 def chunk_width(head_dim: int) -> int:
     """Features per inner step: the largest of 128, 64, 32 that divides D."""
@@ -364,7 +353,7 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
         heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
         rceil, on_cuda, interpreter_enabled(), chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
         max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
-        _sm_count(values.device) if programs_per_sm else 1)
+        sm_count(values.device, off_gpu=1) if programs_per_sm else 1)
     # pointers of the orientations not requested are never dereferenced: any uint8 buffer will do
     dummy = next(iter(scales.values()), None)
     if dummy is None:
@@ -402,12 +391,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     num_warps = base.num_warps if num_warps is None else num_warps
     max_registers = base.max_registers if max_registers is None else max_registers
     programs_per_sm = base.programs_per_sm if programs_per_sm is None else programs_per_sm
-    if rows not in (32, 64, 128):
-        raise ValueError(f"rows must be 32, 64 or 128, got {rows}")
-    if thread_rows not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"thread_rows must be 1, 2, 4, 8, 16 or 32, got {thread_rows}")
-    if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps}")
+    check_strip_launch(rows, thread_rows, num_warps)
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
     if not isinstance(programs_per_sm, int) or programs_per_sm < 0:

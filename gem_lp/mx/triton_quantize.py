@@ -420,6 +420,17 @@ def _(x, rowwise, colwise, square, blocked_scales, rceil, block_m, block_k, num_
             output_specs(M, K, rowwise, colwise, square, blocked_scales)]
 
 
+def check_strip_launch(rows: int, thread_rows: int, num_warps: int, prefix: str = "") -> None:
+    """The launch of a kernel that walks `rows`-token chunks in thread strips (`tile_axes`): the jagged quantize
+    kernel and the attention producer. `prefix` names the option group in the errors."""
+    if rows not in (32, 64, 128):
+        raise ValueError(f"{prefix}rows must be 32, 64 or 128, got {rows}")
+    if thread_rows not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{prefix}thread_rows must be 1, 2, 4, 8, 16 or 32, got {thread_rows}")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"{prefix}num_warps must be a power of two >= 1, got {num_warps}")
+
+
 def _check_config(block_m: int, block_k: int, num_warps: int, thread_rows: int) -> None:
     for name, v in (("block_m", block_m), ("block_k", block_k)):
         if v < BLOCK or v & (v - 1):

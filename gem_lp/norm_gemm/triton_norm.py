@@ -40,13 +40,12 @@ by one `sum` over programs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreter_enabled
+from ..backend import interpreter_enabled, sm_count
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
@@ -335,7 +334,7 @@ def _blocks_row_block(
         x = load_f32(x_rows + k, in_bounds)
         if NORMALIZE:
             sum_sq = tl.sum(tl.sum(x * x, axis=3), axis=2)
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, tl.full((), K, tl.float32)) + eps))
+            rstd = _rstd(sum_sq, K, eps)
         _quantize_chunk(x, m, k, m0, 0, M, K, in_bounds, rstd, w_ptr,
                         row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
                         NMB, NKB, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST)
@@ -346,7 +345,7 @@ def _blocks_row_block(
                 x = load_f32(x_rows + k0 + k, row_ok & (k < K - k0))
                 acc += x * x
             sum_sq = tl.sum(tl.sum(acc, axis=3), axis=2)
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, tl.full((), K, tl.float32)) + eps))
+            rstd = _rstd(sum_sq, K, eps)
         for k0 in range(0, K, BLOCK_K):
             in_bounds = row_ok & (k < K - k0)
             x = load_f32(x_rows + k0 + k, in_bounds)
@@ -695,17 +694,6 @@ def strip_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: b
     return MULTI_PASS_CONFIG
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 2 elsewhere (the interpreter, builds without a GPU)."""
-    if device.type != "cuda":
-        return 2
-    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
-
 
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
@@ -741,7 +729,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     else:
         kernel = _rms_norm_mx_strips_kernel
         if programs_per_sm:
-            n_programs = min(n_blocks, programs_per_sm * _sm_count(x.device))
+            n_programs = min(n_blocks, programs_per_sm * sm_count(x.device, off_gpu=2))
         kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
                       EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and M % 2 == 0 and thread_rows > 1,
                       PERSISTENT=programs_per_sm > 0)

@@ -4,17 +4,17 @@ the chunk size and the reductions over them are what run), with the hardware cas
 import pytest
 import torch
 
-from gem_lp.jagged import JaggedLayout, quantize_jagged_reference
+from gem_lp.jagged import JaggedLayout
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES, launch
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES
 from gem_lp.mx.formats import PAYLOAD_DTYPE
+from jagged_launch_check import check_launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 # a short mix: a lone token, a partial 32-token block, a sequence crossing a 128-row tile, an empty one;
 # the fixture's NaN/Inf/huge/subnormal values wrap onto these sequences
 LENGTHS = (1, 33, 0, 129, 70)
-SCALE_NAMES = {"hdim": ("hdim",), "seq": ("seq",), "square": ("square_hdim", "square_seq")}
 
 
 def _cases():
@@ -40,23 +40,8 @@ def test_candidate_launch_every_byte(mixed_batch, case):
     options = dict(rows=rows, thread_rows=thread_rows, row_blocks_in_thread=row_blocks)
     if rest:
         options.update(num_warps=rest[0], max_registers=rest[1])
-    orientations = LAUNCH_SETS[set_name]
     values, offsets = mixed_batch(1, 128, torch.bfloat16, lengths=LENGTHS)
-    layout = JaggedLayout.from_offsets(offsets, values)
-    t, h, d = values.shape
-    hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
-    dev = values.device
-    payloads = {o: torch.full((t, h, d), 0xA5, dtype=torch.uint8, device=dev).view(PAYLOAD_DTYPE)
-                for o in orientations}
-    scales = {n: torch.full((h, hdim_bytes if n.endswith("hdim") else seq_bytes), 0xA5, dtype=torch.uint8,
-                            device=dev) for o in orientations for n in SCALE_NAMES[o]}
-    launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
-           True, **options)
-    ref = quantize_jagged_reference(values, layout, orientations, "rceil")
-    for o in orientations:
-        assert torch.equal(payloads[o].view(torch.uint8), ref.payload(o).view(torch.uint8)), f"payload_{o}"
-        for n in SCALE_NAMES[o]:
-            assert torch.equal(scales[n], getattr(ref, f"scale_{n}")), f"scale_{n}"
+    check_launch(values, offsets, LAUNCH_SETS[set_name], **options)
 
 
 def test_max_registers_option(mixed_batch):

@@ -5,17 +5,17 @@ hardware cast on a GPU)."""
 import pytest
 import torch
 
-from gem_lp.jagged import JaggedLayout, quantize_jagged_reference
+from gem_lp.jagged import JaggedLayout
 from gem_lp.jagged.tensor import scale_sizes
 from gem_lp.jagged.triton_kernel import LAUNCH_SETS, PERSISTENT_LAUNCHES, launch, launch_args
 from gem_lp.mx.formats import PAYLOAD_DTYPE
+from jagged_launch_check import check_launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 # zero-length sequences, a lone token (its chunk then 3 chunks of padding rows only), partial 32-token blocks
 # on both sides of a block edge, a sequence ending one short of its tile, one crossing into a second tile
 LENGTHS = (31, 0, 1, 127, 33, 0, 129)
-SCALE_NAMES = {"hdim": ("hdim",), "seq": ("seq",), "square": ("square_hdim", "square_seq")}
 CASES = sorted({(s, *c) for s, launches in PERSISTENT_LAUNCHES.items() for c in launches})
 if not torch.cuda.is_available():  # warps and register limits do not change what the interpreter runs
     CASES = sorted({(s, rows, t, b, 0, 0, per_sm) for s, rows, t, b, _, _, per_sm in CASES})
@@ -24,22 +24,7 @@ if not torch.cuda.is_available():  # warps and register limits do not change wha
 def _run(mixed_batch, orientations, heads, dim, lengths=LENGTHS, **options):
     """Launch into outputs filled with 0xA5 (every byte must be written) and compare with the reference."""
     values, offsets = mixed_batch(heads, dim, torch.bfloat16, lengths=lengths)
-    layout = JaggedLayout.from_offsets(offsets, values)
-    t, h, d = values.shape
-    hdim_bytes, seq_bytes = scale_sizes(layout.padded_total, d)
-    dev = values.device
-    payloads = {o: torch.full((t, h, d), 0xA5, dtype=torch.uint8, device=dev).view(PAYLOAD_DTYPE)
-                for o in orientations}
-    scales = {n: torch.full((h, hdim_bytes if n.endswith("hdim") else seq_bytes), 0xA5, dtype=torch.uint8,
-                            device=dev) for o in orientations for n in SCALE_NAMES[o]}
-    launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
-           True, **options)
-    ref = quantize_jagged_reference(values, layout, orientations, "rceil")
-    for o in orientations:
-        assert torch.equal(payloads[o].view(torch.uint8), ref.payload(o).view(torch.uint8)), f"payload_{o}"
-        for n in SCALE_NAMES[o]:
-            assert torch.equal(scales[n], getattr(ref, f"scale_{n}")), f"scale_{n}"
-    return layout
+    return check_launch(values, offsets, orientations, **options)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
