@@ -291,11 +291,12 @@ def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
 
 
 def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True, row_operand=False,
-               col_operand=False, normalize=True, hw_cast=True, x_dtype=torch.bfloat16) -> dict:
+               col_operand=False, normalize=True, hw_cast=True, x_dtype=torch.bfloat16, column_sums=False) -> dict:
     """sm_90 build of the launch `rms_norm_mx` makes for x [M, K] (bf16 unless `x_dtype`; fp32 weight, blocked
-    scales), from shapes only (meta tensors): registers, spill bytes, programs per SM, SASS instructions per element,
-    16-byte loads, vector stores, hardware E4M3 conversions, and the re-read bytes in flight (resident row
-    blocks of a multi-pass launch, H200)."""
+    scales; `column_sums` without the norm), from shapes only (meta tensors): registers, spill bytes, programs per
+    SM, SASS instructions per element, 16-byte loads, vector stores, hardware E4M3 conversions, float32 atomic
+    adds in the PTX (`atomics`), and the re-read bytes in flight (resident row blocks of a multi-pass launch,
+    H200)."""
     from gem_lp.mx.layout import blocked_size
     from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
 
@@ -308,8 +309,9 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
     col = (torch.empty(K, M, dtype=torch.float8_e4m3fn, device=dev),
            torch.empty(blocked_size(K, math.ceil(M / 32)), dtype=torch.uint8, device=dev)) if colwise else None
     ops = [torch.empty(M, K, dtype=torch.bfloat16, device=dev) if want else None for want in (row_operand, col_operand)]
+    sums = torch.empty(K, device=dev) if column_sums else None
     kernel, _, args, kwargs = tn.forward_launch(x, w, 1e-6, rstd, row, col, *ops, blocked_scales=True, rceil=True,
-                                                hw_cast=hw_cast, config=cfg)
+                                                hw_cast=hw_cast, config=cfg, column_sums=sums)
     compiled = compile_for_target(kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)
@@ -323,7 +325,9 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
     return dict(regs=regs, spills=spills, programs_per_sm=resident,
                 instructions_per_element=per_block * 32 * nw / (bm * n_chunks * bk),
                 ld_v4=ptx.count("ld.global.v4"), st_vec=ptx.count("st.global.v2") + ptx.count("st.global.v4"),
-                cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"), reread_mib_in_flight=in_flight / 2**20)
+                cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+                atomics=len(re.findall(r"(?:atom|red)\.[\w.]*add\.f32", ptx)),
+                reread_mib_in_flight=in_flight / 2**20)
 
 
 def compile_only() -> int:

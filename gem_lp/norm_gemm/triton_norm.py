@@ -58,7 +58,7 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
 class NormConfig(tuple):
     """Launch configuration `(block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm,
-    max_registers)` of `rms_norm_mx`.
+    max_registers, prefetch)` of `rms_norm_mx`.
 
     `block_m` rows x `block_k` columns per tile (powers of two >= 32); a program owns `block_m` rows and
     sweeps K in chunks of `block_k` (`block_k >= K`: x is read once and kept in registers).
@@ -69,22 +69,26 @@ class NormConfig(tuple):
     SM that walk the row blocks, which bounds the bytes in flight between the two sweeps (L2 reuse).
     `max_registers`: 0 leaves the register count to the compiler; n > 0 caps it at n per thread (Triton's
     `maxnreg`, 16..255), so that more programs fit on an SM (the compiler spills what does not fit).
+    `prefetch` (strips only; matters when `block_k < K`): each sweep over K loads the next chunk, kept in x's
+    dtype, before it works on the current one, so that a load is in flight during the work (more registers).
     The configuration only steers the layout and schedule: every one writes the same bytes.
     """
 
     def __new__(cls, block_m: int, block_k: int, num_warps: int, thread_rows: int = 8,
-                row_blocks_in_thread: bool = False, programs_per_sm: int = 0, max_registers: int = 0):
+                row_blocks_in_thread: bool = False, programs_per_sm: int = 0, max_registers: int = 0,
+                prefetch: bool = False):
         return super().__new__(cls, (block_m, block_k, num_warps, thread_rows, bool(row_blocks_in_thread),
-                                     programs_per_sm, max_registers))
+                                     programs_per_sm, max_registers, bool(prefetch)))
 
     def __repr__(self) -> str:
-        bm, bk, nw, tr, rb, per_sm, max_regs = self
+        bm, bk, nw, tr, rb, per_sm, max_regs, prefetch = self
         return (f"{bm}x{bk} w{nw} " + (f"r{tr}" + (" rowblk" if rb else "") if tr else "blocks")
-                + (f" {per_sm}/SM" if per_sm else "") + (f" maxreg{max_regs}" if max_regs else ""))
+                + (f" {per_sm}/SM" if per_sm else "") + (f" maxreg{max_regs}" if max_regs else "")
+                + (" prefetch" if prefetch else ""))
 
 
 CONFIG_FIELDS = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm",
-                 "max_registers")
+                 "max_registers", "prefetch")
 
 
 # `strip_config` gives the thread-strip launch chosen by sm_90 instruction count
@@ -307,12 +311,24 @@ def _quantize_chunk(
 
 
 @triton.jit
+def _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """colsum[k0 + k] += the sum over rows of the FP32 chunk `x [NMB, 32, NKB, 32]` (atomically; see
+    `_add_column_sums`). `k` holds the chunk's column indices, `[1, 1, NKB, 32]`."""
+    s = tl.sum(tl.sum(x, axis=1, keep_dims=True), axis=0, keep_dims=True)
+    if K % BLOCK_K == 0:
+        tl.atomic_add(colsum_ptr + k0 + k, s, sem="relaxed")
+    else:
+        tl.atomic_add(colsum_ptr + k0 + k, s, mask=k < K - k0, sem="relaxed")
+
+
+@triton.jit
 def _blocks_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+    COL_SUMS: tl.constexpr,
 ):
     """Rows m0 .. m0 + BLOCK_M - 1 in 32x32-block tiles: rstd, then every requested output."""
     # Tiles are [BLOCK_M/32, 32, BLOCK_K/32, 32] = (row block, row, column block, column): every MX block
@@ -332,6 +348,8 @@ def _blocks_row_block(
     if ONE_PASS:  # BLOCK_K covers K: one read of x
         in_bounds = row_ok & (k < K)
         x = load_f32(x_rows + k, in_bounds)
+        if COL_SUMS:
+            _add_column_sums_of_blocks(colsum_ptr, x, k, 0, K, BLOCK_K)
         if NORMALIZE:
             sum_sq = tl.sum(tl.sum(x * x, axis=3), axis=2)
             rstd = _rstd(sum_sq, K, eps)
@@ -349,6 +367,8 @@ def _blocks_row_block(
         for k0 in range(0, K, BLOCK_K):
             in_bounds = row_ok & (k < K - k0)
             x = load_f32(x_rows + k0 + k, in_bounds)
+            if COL_SUMS:
+                _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K, BLOCK_K)
             _quantize_chunk(x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
                             row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
                             NMB, NKB, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
@@ -361,11 +381,11 @@ def _blocks_row_block(
 @triton.jit
 def _rms_norm_mx_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    M_PADDING: tl.constexpr,
+    COL_SUMS: tl.constexpr, M_PADDING: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take one row block each.
     if M_PADDING and tl.program_id(0) == tl.num_programs(0) - 1:
@@ -373,8 +393,8 @@ def _rms_norm_mx_kernel(
     else:
         _blocks_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                           row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
-                          BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES,
-                          RCEIL, HW_CAST, LARGE_OFFSETS)
+                          colsum_ptr, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                          BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS)
 
 
 # ----------------------------------------------------------------------------- forward kernel: thread strips
@@ -509,13 +529,45 @@ def _norm_cast_strips(
 
 
 @triton.jit
+def _add_column_sums(colsum_ptr, x, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """colsum[k0 + k] += the sum over the rows of the FP32 strip chunk `x` (rows past M hold 0).
+
+    One float32 atomic add per column and row block (relaxed: only the final sums are read, after the kernel),
+    so the order of the additions differs from torch's `sum(0)`: the result agrees with it within FP32 rounding,
+    not bit for bit. Threads holding copies of a column's sum are masked out by Triton's lowering of atomics.
+    """
+    if ROW_BLOCKS_IN_THREAD:  # axes (c, kb, mb, g, r, e): rows are c, mb, r
+        s = tl.sum(tl.sum(tl.sum(x, axis=4, keep_dims=True), axis=2, keep_dims=True), axis=0, keep_dims=True)
+    else:  # axes (g, c, kb, mb, r, e)
+        s = tl.sum(tl.sum(tl.sum(x, axis=4, keep_dims=True), axis=3, keep_dims=True), axis=1, keep_dims=True)
+    if K % BLOCK_K == 0:
+        tl.atomic_add(colsum_ptr + k0 + k, s, sem="relaxed")
+    else:
+        tl.atomic_add(colsum_ptr + k0 + k, s, mask=k < K - k0, sem="relaxed")
+
+
+@triton.jit
+def _load_chunk(x_rows, k0, k, row_ok, K: tl.constexpr, EVEN: tl.constexpr, MAY_START_AT_K: tl.constexpr):
+    """Chunk k0 of x in x's dtype (columns k0 + k); rows outside the tile and columns past K read as 0.
+    `MAY_START_AT_K`: k0 may be K (the prefetch after the last chunk), a chunk of zeros without memory access
+    (on full tiles by a uniform predicate)."""
+    if not EVEN:
+        return tl.load(x_rows + k0 + k, mask=row_ok & (k < K - k0), other=0.0)
+    elif MAY_START_AT_K:
+        return tl.load(x_rows + k0 + k, mask=k0 < K, other=0.0)
+    else:
+        return tl.load(x_rows + k0 + k)
+
+
+@triton.jit
 def _norm_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Rows m0 .. m0 + BLOCK_M - 1: rstd, then every requested output."""
     # The tile is `triton_quantize`'s 6-D strip tile (see `tile_axes`): row mb * 32 + c * THREAD_ROWS + r,
@@ -536,10 +588,13 @@ def _norm_row_block(
         m = m.to(tl.int64)
         k = k.to(tl.int64)
     x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
+    row_ok = m < M - m0
     rstd = 0.0
     if BLOCK_K >= K:  # one chunk covers K: x is read once and stays in registers
-        in_bounds = (m < M - m0) & (k < K)
+        in_bounds = row_ok & (k < K)
         x = _load_strips(x_rows, 0, k, in_bounds, EVEN)
+        if COL_SUMS:
+            _add_column_sums(colsum_ptr, x, k, 0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
         if NORMALIZE:
             sum_sq = _sum_rows(x * x, ROW_BLOCKS_IN_THREAD)
             rstd = _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K, eps, BLOCK_M, EVEN_M)
@@ -549,17 +604,36 @@ def _norm_row_block(
                           BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES,
                           RCEIL, HW_CAST, EVEN_M, EVEN, PAIRED_COLWISE)
     else:
+        # PREFETCH: each sweep loads chunk k0 + BLOCK_K (kept in x's dtype) before it works on chunk k0, so that
+        # a load is in flight while the chunk before it is reduced or cast; the first chunk of the cast sweep is
+        # loaded before rstd is computed.
+        if PREFETCH:
+            nxt = _load_chunk(x_rows, 0, k, row_ok, K, EVEN, False)
         if NORMALIZE:
             acc = tl.zeros((m + k).shape, tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = _load_strips(x_rows, k0, k, (m < M - m0) & (k < K - k0), EVEN)
+            for k_start in range(0, K, BLOCK_K):
+                if PREFETCH:
+                    cur = nxt
+                    nxt = _load_chunk(x_rows, k_start + BLOCK_K, k, row_ok, K, EVEN, True)
+                else:
+                    cur = _load_chunk(x_rows, k_start, k, row_ok, K, EVEN, False)
+                xs = exact_f32(cur)
                 acc += xs * xs
             sum_sq = _sum_rows(acc, ROW_BLOCKS_IN_THREAD)
+            if PREFETCH:
+                nxt = _load_chunk(x_rows, 0, k, row_ok, K, EVEN, False)
             rstd = _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K, eps, BLOCK_M, EVEN_M)
         for k_start in range(0, K, BLOCK_K):
             k0 = tl.cast(k_start, tl.int32)  # a tensor also in the interpreter (the stores call k0.to)
-            chunk_in_bounds = (m < M - m0) & (k < K - k0)
-            xc = _load_strips(x_rows, k0, k, chunk_in_bounds, EVEN)
+            chunk_in_bounds = row_ok & (k < K - k0)
+            if PREFETCH:
+                cur = nxt
+                nxt = _load_chunk(x_rows, k0 + BLOCK_K, k, row_ok, K, EVEN, True)
+            else:
+                cur = _load_chunk(x_rows, k0, k, row_ok, K, EVEN, False)
+            xc = exact_f32(cur)
+            if COL_SUMS:
+                _add_column_sums(colsum_ptr, xc, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
             _norm_cast_strips(xc, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, chunk_in_bounds,
                               row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
                               BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
@@ -569,11 +643,12 @@ def _norm_row_block(
 @triton.jit
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, PERSISTENT: tl.constexpr, M_PADDING: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
+    PERSISTENT: tl.constexpr, M_PADDING: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take the row blocks.
     # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
@@ -587,14 +662,16 @@ def _rms_norm_mx_strips_kernel(
         while m0 < M:
             _norm_row_block(m0, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                             row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
-                            BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP,
-                            COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE)
+                            colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX,
+                            COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M,
+                            PAIRED_COLWISE, COL_SUMS, PREFETCH)
             m0 += n_walkers * BLOCK_M
     else:
         _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                         row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
-                        BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP,
-                        COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE)
+                        colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX,
+                        ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE,
+                        COL_SUMS, PREFETCH)
 
 
 # ----------------------------------------------------------------------------- backward kernel
@@ -652,6 +729,8 @@ class NormMXOutputs:
         row_operand: `deq(rowwise)`, `[M, K]` in `operand_dtype`: the forward GEMM operand.
         col_operand: `deq(colwise)` laid out as `y`, `[M, K]` in `operand_dtype`: the operand of a GEMM
             contracting over M (read transposed).
+        column_sums: `x.float().sum(0)`, `[K]` float32 (weight None only), summed in another order than
+            torch's: equal within FP32 rounding, not bit for bit.
     """
 
     rowwise: MXTensor | None
@@ -659,6 +738,7 @@ class NormMXOutputs:
     rstd: torch.Tensor | None
     row_operand: torch.Tensor | None
     col_operand: torch.Tensor | None
+    column_sums: torch.Tensor | None = None
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -698,24 +778,27 @@ def strip_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: b
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
                    row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
-                   hw_cast: bool, config: NormConfig):
+                   hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None):
     """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
-    is given. Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
+    is given; `column_sums`: float32 `[K]` of zeros, to which the kernel adds `x`'s column sums (weight None).
+    Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
     Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
-    block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers = config
+    (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
+     prefetch) = config
     # Payloads are written as bytes; the kernel never sees an fp8 pointer.
     row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
     span = max(block_m * max(x.stride(0), K), block_k * M)  # largest offset inside one tile
-    args = (x, x.stride(0), weight, M, K, float(eps), rstd, row_data, row_scale, col_data, col_scale, row_op, col_op)
+    args = (x, x.stride(0), weight, M, K, float(eps), rstd, row_data, row_scale, col_data, col_scale, row_op, col_op,
+            column_sums)
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
-                  num_warps=num_warps)
+                  COL_SUMS=column_sums is not None, num_warps=num_warps)
     if max_registers:
         kwargs.update(maxnreg=max_registers)
     # the blocked scales' padding past M, written by one more program (see `_zero_m_padding`)
@@ -732,7 +815,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
             n_programs = min(n_blocks, programs_per_sm * sm_count(x.device, off_gpu=2))
         kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
                       EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and M % 2 == 0 and thread_rows > 1,
-                      PERSISTENT=programs_per_sm > 0)
+                      PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0)
     return kernel, (n_programs + m_padding,), args, kwargs
 
 
@@ -763,13 +846,15 @@ def _check_weight(weight: torch.Tensor, K: int, x: torch.Tensor, name: str = "we
 
 
 def _check_config(config: NormConfig) -> None:
-    block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers = config
+    block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch = config
     if thread_rows < 0 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
         raise ValueError(f"thread_rows must be 0 or a power of two in 1..{BLOCK}, got {thread_rows}")
     if thread_rows == 0 and block_m not in (32, 64):
         raise ValueError(f"block_m must be 32 or 64 with thread_rows=0, got {block_m}")
     if programs_per_sm < 0 or (programs_per_sm and thread_rows == 0):
         raise ValueError(f"programs_per_sm must be >= 0, and 0 with thread_rows=0, got {programs_per_sm}")
+    if prefetch and thread_rows == 0:
+        raise ValueError("prefetch must be False with thread_rows=0 (the 32x32-block tile kernel has no prefetch)")
     for name, v in (("block_m", block_m), ("block_k", block_k)):
         if v < BLOCK or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {v}")
@@ -806,10 +891,12 @@ def rms_norm_mx(
     row_blocks_in_thread: bool | None = None,
     programs_per_sm: int | None = None,
     max_registers: int | None = None,
+    prefetch: bool | None = None,
     hw_cast: bool | None = None,
+    column_sums: bool = False,
 ) -> NormMXOutputs:
     """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch (no other launch:
-    every output is allocated uninitialized and written whole by the kernel).
+    every output is allocated uninitialized and written whole by the kernel; `column_sums` adds a zero fill).
 
     Args:
         x: `[M, K]` float32/bfloat16/float16 with a contiguous last dim; K a multiple of 32, M >= 0.
@@ -821,10 +908,14 @@ def rms_norm_mx(
             `operand_dtype` (bfloat16 or float32): exact MX values a BF16/FP32 GEMM consumes (bfloat16
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
-        block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers: launch
-            configuration (see `NormConfig`); each None takes the value of `default_config` for K, M's
-            parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
+        block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
+            prefetch: launch configuration (see `NormConfig`); each None takes the value of `default_config` for
+            K, M's parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
+        column_sums: also return `x.float().sum(0)` as float32 `[K]` (`weight` must be None: the bias
+            gradient of a linear layer from the pass that casts its dY). Each row block's partial sums are
+            added atomically into a zero-filled buffer, so the summation order differs from torch's (and
+            between runs): equal to it within FP32 rounding, not bit for bit.
     """
     _check_2d(x, "x")
     check_scaling(scaling)
@@ -837,10 +928,13 @@ def rms_norm_mx(
         raise ValueError("at least one of rowwise, colwise, row_operand, col_operand must be True")
     if operand_dtype not in OPERAND_DTYPES:
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype}")
+    if column_sums and weight is not None:
+        raise ValueError("column_sums=True needs weight=None (the sums are of x, for a dual cast without the norm)")
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
     config = default_config(K, M % 2 == 0, row_operand or col_operand, hw_cast, weight is not None)
-    given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers)
+    given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
+             prefetch)
     if given != _NO_CONFIG:  # the defaults are valid; what the caller gives is checked
         config = NormConfig(*(d if v is None else v for v, d in zip(given, config)))
         _check_config(config)
@@ -861,18 +955,20 @@ def rms_norm_mx(
         row_op = _new_buffer((M, K), operand_dtype, dev)
     if col_operand:
         col_op = _new_buffer((M, K), operand_dtype, dev)
+    # the kernel adds to it: zero-filled (not a `_new_buffer`)
+    col_sums = torch.zeros(K, dtype=torch.float32, device=dev) if column_sums else None
 
     if M > 0:
         kernel, grid, args, kwargs = forward_launch(
             x, weight, eps, rstd, row, col, row_op, col_op, blocked_scales=blocked_scales, rceil=scaling == "rceil",
-            hw_cast=hw_cast, config=config)
+            hw_cast=hw_cast, config=config, column_sums=col_sums)
         kernel[grid](*args, **kwargs)
     layout = "blocked" if blocked_scales else "plain"
     orig = x.dtype if weight is None else torch.float32  # the normalized y is FP32, as in the reference
     return NormMXOutputs(
         rowwise=None if row is None else MXTensor(row[0], row[1], "1d", 1, scaling, orig, layout),
         colwise=None if col is None else MXTensor(col[0], col[1], "1d", 1, scaling, orig, layout),
-        rstd=rstd, row_operand=row_op, col_operand=col_op,
+        rstd=rstd, row_operand=row_op, col_operand=col_op, column_sums=col_sums,
     )
 
 
