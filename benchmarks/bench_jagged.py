@@ -10,9 +10,11 @@ Rows per workload:
       permute: that favours the peer).
   "<W> hdim only": ours hdim only, and the peer that needs no padding: the compiled dense cast of the
       packed [T*H, D].
-  "<W> host overhead": hdim+seq through the public `quantize_jagged`, through the custom op's dispatcher, as
-      a bare `launch` into preallocated outputs, and replayed from a CUDA graph (GPU time alone); each row
-      holds the host time per call (host_us) and its ms above the replay's (ms_over_replay_us).
+  "<W> host overhead": hdim+seq through the public `quantize_jagged`, through Triton's JIT on every call
+      (what `launch` did before it relaunched the compiled kernel directly), through the custom op's
+      dispatcher, as a bare `launch` into preallocated outputs, and replayed from a CUDA graph (GPU time
+      alone); each row holds the host time per call (host_us) and its ms above the replay's
+      (ms_over_replay_us).
   "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` and `PERSISTENT_LAUNCHES` (default first;
       `LaunchOptions` tuples (rows, thread_rows, row_blocks_in_thread, num_warps, max_registers,
       programs_per_sm)) for hdim+seq, hdim and square, launch only, each checked byte for byte against the
@@ -242,8 +244,14 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
     payloads, scales = allocate_outputs(values, layout.padded_total, orients)
     op_args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, True, True,
                False, True)
+    from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
+
+    grid, jit_args, jit_kwargs = launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
+                                             layout.padded_total, payloads, scales, True)
     ways = [
         ("quantize_jagged (public call)", lambda: quantize_jagged(values, layout, orients, backend="triton")),
+        ("Triton JIT launch every call (no direct relaunch)",
+         lambda: _jagged_mx_kernel[grid](*jit_args, **jit_kwargs)),
         ("torch.ops.gem_lp.jagged_mx_quantize (custom-op dispatch)",
          lambda: torch.ops.gem_lp.jagged_mx_quantize(*op_args)),
         ("launch into preallocated outputs (Triton launch only)",

@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _knobs
+from triton.runtime import driver as _driver
 
 from ..backend import interpreter_enabled, sm_count
 from ..mx.formats import PAYLOAD_DTYPE
@@ -185,9 +187,10 @@ def _quantize_chunk(
         f_in = f_in.to(tl.int64)
     x_chunk = x_ptr + tok0 * stride_t + h.to(tl.int64) * stride_h
     p_chunk = (tok0 * H + h) * D
-    p_hdim_chunk = p_hdim_ptr + p_chunk
-    p_seq_chunk = p_seq_ptr + p_chunk
-    p_square_chunk = p_square_ptr + p_chunk
+    # payloads arrive as float8 (on CUDA) or uint8 (interpreter) pointers; bytes are stored either way
+    p_hdim_chunk = p_hdim_ptr.to(tl.pointer_type(tl.uint8)) + p_chunk
+    p_seq_chunk = p_seq_ptr.to(tl.pointer_type(tl.uint8)) + p_chunk
+    p_square_chunk = p_square_ptr.to(tl.pointer_type(tl.uint8)) + p_chunk
 
     if n_valid > 0:
         for ci in tl.static_range(D // CHUNK_D):
@@ -347,26 +350,49 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
 
     `kwargs` may be shared between calls: do not modify it.
     """
+    grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
+                                      rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
+                                      max_registers, programs_per_sm, hw_cast)
+    return grid, args, plan.kwargs
+
+
+def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
+                   rows=None, thread_rows=None, row_blocks_in_thread=None, num_warps=None, max_registers=None,
+                   programs_per_sm=None, hw_cast=None):
+    """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch_args`)."""
     t, heads, d = values.shape
     on_cuda = values.is_cuda
-    grid, scalars, kwargs = _launch_plan(
+    interpreter = not on_cuda and interpreter_enabled()  # only CPU tensors run in the interpreter
+    plan = _launch_plan(
         heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
-        rceil, on_cuda, interpreter_enabled(), chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
+        rceil, on_cuda, interpreter, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
         max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
         sm_count(values.device, off_gpu=1) if programs_per_sm else 1)
     # pointers of the orientations not requested are never dereferenced: any uint8 buffer will do
     dummy = next(iter(scales.values()), None)
     if dummy is None:
         dummy = torch.empty(1, dtype=torch.uint8, device=values.device)
+    # float8 payloads go to the kernel as they are (it stores bytes through a uint8 view of the pointer);
+    # the interpreter, which has no float8 arrays, gets uint8 views
+    p_hdim, p_seq, p_square = (payloads.get(o, dummy) for o in ("hdim", "seq", "square"))
+    if interpreter and not on_cuda:
+        p_hdim, p_seq, p_square = (p.view(torch.uint8) for p in (p_hdim, p_seq, p_square))
+    args = (values, offsets, scale_offsets, tile_seq, p_hdim, p_seq, p_square,
+            scales.get("hdim", dummy), scales.get("seq", dummy), scales.get("square_hdim", dummy),
+            scales.get("square_seq", dummy), *plan.scalars)
+    return plan.grid, args, plan
 
-    def u8(x: torch.Tensor | None) -> torch.Tensor:
-        return dummy if x is None else x if x.dtype == torch.uint8 else x.view(torch.uint8)
 
-    args = (values, offsets, scale_offsets, tile_seq,
-            u8(payloads.get("hdim")), u8(payloads.get("seq")), u8(payloads.get("square")),
-            u8(scales.get("hdim")), u8(scales.get("seq")), u8(scales.get("square_hdim")), u8(scales.get("square_seq")),
-            *scalars)
-    return grid, args, kwargs
+class _LaunchPlan(NamedTuple):
+    """Everything of a launch but the tensors (`_launch_plan`). `constexprs`: the kwargs that are kernel
+    parameters, in parameter order (what a compiled kernel's launcher takes after the other arguments);
+    `compiled`: the compiled kernel of each (device, pointer specialization) launched with this plan."""
+
+    grid: tuple[int]
+    scalars: tuple[int, ...]
+    kwargs: dict
+    constexprs: tuple
+    compiled: dict
 
 
 @functools.lru_cache(maxsize=256)
@@ -374,11 +400,11 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
                  square: bool, rceil: bool, on_cuda: bool, interpreter: bool, chunk_d: int | None, rows: int | None,
                  thread_rows: int | None, row_blocks_in_thread: bool | None, num_warps: int | None,
                  max_registers: int | None, hw_cast: bool, int32_span: int, programs_per_sm: int | None = None,
-                 sm_count: int = 1):
-    """(grid, scalar arguments, keyword arguments) of a launch: everything but the tensors, which depends on
-    ints only, so that repeated calls (same batch layout, shapes and options) reuse it. Offsets inside a
-    chunk at or above `int32_span` take int64 arithmetic; a persistent grid has programs_per_sm x `sm_count`
-    programs at most."""
+                 sm_count: int = 1) -> _LaunchPlan:
+    """The `_LaunchPlan` (grid, scalar arguments, keyword arguments) of a launch: everything but the tensors,
+    which depends on ints only, so that repeated calls (same batch layout, shapes and options) reuse it.
+    Offsets inside a chunk at or above `int32_span` take int64 arithmetic; a persistent grid has
+    programs_per_sm x `sm_count` programs at most."""
     hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
     chunk_d = chunk_width(d) if chunk_d is None else chunk_d
     if chunk_d % 32 or d % chunk_d or chunk_d & (chunk_d - 1):
@@ -409,7 +435,8 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     )
     if max_registers:
         kwargs["maxnreg"] = max_registers
-    return grid, scalars, kwargs
+    constexprs = tuple(kwargs[name] for name in _jagged_mx_kernel.arg_names[_N_TENSOR_ARGS + len(scalars):])
+    return _LaunchPlan(grid, scalars, kwargs, constexprs, {})
 
 
 def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
@@ -437,16 +464,62 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
     """
     if padded_total == 0:
         return
-    grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
-                                     rceil, chunk_d=chunk_d, rows=rows, thread_rows=thread_rows,
-                                     row_blocks_in_thread=row_blocks_in_thread, num_warps=num_warps,
-                                     max_registers=max_registers, programs_per_sm=programs_per_sm)
-    _jagged_mx_kernel[grid](*args, **kwargs)
+    grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
+                                      rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
+                                      max_registers, programs_per_sm)
+    _run(grid, args, plan)
+
+
+# Tensor arguments of `_jagged_mx_kernel` (values, 3 metadata, 3 payloads, 4 scales): what a compiled kernel is
+# specialized on besides the plan's ints and constexprs (dtype and 16-byte alignment of each).
+_N_TENSOR_ARGS = 11
+
+
+def _run(grid: tuple[int], args: tuple, plan: _LaunchPlan) -> None:
+    """Launch `_jagged_mx_kernel`. The first launch of each (device, dtypes and 16-byte alignment of the
+    tensors) with a plan goes through Triton's JIT, which binds and specializes the arguments and finds (or
+    compiles) the kernel; later ones call that compiled kernel's launcher directly with the same arguments,
+    skipping the JIT's per-call binding, specialization and cache lookup (host time the GPU may wait for)."""
+    if not _compiled_launch(args[0]):
+        _jagged_mx_kernel[grid](*args, **plan.kwargs)
+        return
+    device = _driver.active.get_current_device()
+    tensors = args[:_N_TENSOR_ARGS]
+    key = (device, *(t.dtype for t in tensors[:4]), *(t.data_ptr() % 16 == 0 for t in tensors))
+    kernel = plan.compiled.get(key)
+    if kernel is None:
+        kernel = _jagged_mx_kernel[grid](*args, **plan.kwargs)
+        if _relaunchable(kernel):
+            plan.compiled[key] = kernel
+        return
+    stream = _driver.active.get_current_stream(device)
+    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    # the launch metadata only feeds the enter hooks (profilers): built when one is registered, as the JIT does
+    metadata = (kernel.launch_metadata(grid, stream, *args, *plan.constexprs) if getattr(enter, "calls", True)
+                else None)
+    kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
+               *args, *plan.constexprs)
+
+
+def _compiled_launch(values: torch.Tensor) -> bool:
+    """True when the launch runs a compiled kernel (CUDA values), not the interpreter."""
+    return values.is_cuda
+
+
+def _relaunchable(kernel) -> bool:
+    """A compiled kernel whose launcher `_run` knows how to call (Triton 3.6's `CompiledKernel`), with the
+    JIT's debug and instrumentation settings off (those are part of the JIT's key, not of the plan's)."""
+    return (all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+            and not _knobs.runtime.debug and not _knobs.compilation.instrumentation_mode
+            and not getattr(_jagged_mx_kernel, "debug", False))
+
+
+_scale_sizes = functools.lru_cache(maxsize=256)(scale_sizes)
 
 
 def _allocate(values: torch.Tensor, padded_total: int, hdim: bool, seq: bool, square: bool):
     t, heads, d = values.shape
-    hdim_bytes, seq_bytes = scale_sizes(padded_total, d)
+    hdim_bytes, seq_bytes = _scale_sizes(padded_total, d)
     dev = values.device
     payloads, scales = {}, {}
     for name, want in (("hdim", hdim), ("seq", seq), ("square", square)):
@@ -476,7 +549,10 @@ def _jagged_mx_quantize_impl(values: torch.Tensor, offsets: torch.Tensor, scale_
     square: its payload `[T, H, D]` float8_e4m3fn and its blocked scales `[H, bytes]` uint8 (square: the
     hdim form, then the seq form)."""
     payloads, scales = _allocate(values, padded_total, hdim, seq, square)
-    launch(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil)
+    if padded_total:
+        grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads,
+                                          scales, rceil)
+        _run(grid, args, plan)
     return _flat(payloads, scales)
 
 

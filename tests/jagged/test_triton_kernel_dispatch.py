@@ -71,10 +71,13 @@ def test_launch_plan_reuse_follows_the_ints(mixed_batch):
             False, True, None, None, None, None, None, None, False, tk._INT32_SPAN)
     assert tk._launch_plan(*args) is tk._launch_plan(*args)
     longer = (*args[:3], layout.padded_total + 128, *args[4:])
-    grid, scalars, _ = tk._launch_plan(*longer)
-    assert grid != tk._launch_plan(*args)[0] and scalars[3] == (layout.padded_total + 128) // 128
+    plan = tk._launch_plan(*longer)
+    assert plan.grid != tk._launch_plan(*args).grid and plan.scalars[3] == (layout.padded_total + 128) // 128
     # a lower int32 limit (forced int64 offsets) is a different plan
-    assert tk._launch_plan(*args[:-1], 0)[2]["LARGE_OFFSETS"] and not tk._launch_plan(*args)[2]["LARGE_OFFSETS"]
+    assert tk._launch_plan(*args[:-1], 0).kwargs["LARGE_OFFSETS"] and not tk._launch_plan(*args).kwargs["LARGE_OFFSETS"]
+    # the constexpr arguments follow the kernel's parameter order
+    names = tk._jagged_mx_kernel.arg_names[-len(plan.constexprs):]
+    assert names[0] == "H" and plan.constexprs == tuple(plan.kwargs[n] for n in names)
 
 
 @pytest.mark.parametrize("bad", [dict(rows=16), dict(max_registers=300)])
@@ -88,3 +91,87 @@ def test_invalid_options_raise_every_time(mixed_batch, bad):
         with pytest.raises(ValueError):
             launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads,
                    scales, True, **bad)
+
+
+class _FakeCompiled:
+    """Stands in for Triton's compiled kernel: records what its launcher is called with."""
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+    def launch_metadata(self, *args):
+        return None
+
+
+class _FakeJit:
+    """Stands in for the JIT kernel: each launch through it returns a new compiled kernel."""
+
+    def __init__(self, arg_names):
+        self.arg_names = arg_names
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return _FakeCompiled()
+        return run
+
+
+class _FakeDriver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
+    """With a compiled kernel (CUDA), the first launch of a plan and pointer specialization goes through the
+    JIT and later ones straight to that kernel's launcher with the same arguments plus the constexprs in
+    parameter order; other dtypes or a pointer off 16-byte alignment go through the JIT again."""
+    values, layout = _batch(mixed_batch)
+    jit = _FakeJit(tk._jagged_mx_kernel.arg_names)
+    monkeypatch.setattr(tk, "_jagged_mx_kernel", jit)
+    monkeypatch.setattr(tk, "_compiled_launch", lambda v: True)
+    monkeypatch.setattr(tk, "_driver", _FakeDriver)
+    tk._launch_plan.cache_clear()
+    payloads, scales = tk._allocate(values, layout.padded_total, True, True, False)
+
+    def go(v):
+        tk.launch(v, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
+                  True)
+
+    go(values)
+    assert len(jit.launches) == 1
+    grid, args, kwargs = jit.launches[0]
+    (compiled,) = _plans_compiled()
+    go(values)
+    go(values)
+    assert len(jit.launches) == 1 and len(compiled.runs) == 2
+    run = compiled.runs[0]
+    assert run[:7] == (grid[0], 1, 1, 1234, "function", "packed", None)  # no enter hook: no metadata
+    assert run[7:9] == (tk._knobs.runtime.launch_enter_hook, tk._knobs.runtime.launch_exit_hook)
+    names = jit.arg_names[len(args):]
+    same = [(a.data_ptr(), a.dtype) == (b.data_ptr(), b.dtype) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(run[9:9 + len(args)], args)]
+    assert len(run) == 9 + len(args) + len(names) and all(same), same
+    assert run[9 + len(args):] == tuple(kwargs[n] for n in names) and names[0] == "H" 
+    # values at an address 2 bytes off 16-byte alignment, same shape and strides: a new specialization
+    shifted = torch.empty(values.numel() + 1, dtype=values.dtype)[1:].view(values.shape).copy_(values)
+    go(shifted)
+    assert len(jit.launches) == 2
+    go(values.float())  # another dtype
+    assert len(jit.launches) == 3
+    go(values)
+    assert len(jit.launches) == 3 and len(compiled.runs) == 3
+    tk._launch_plan.cache_clear()
+
+
+def _plans_compiled():
+    """The compiled kernels recorded by every cached launch plan."""
+    import gc
+
+    plans = [o for o in gc.get_objects() if isinstance(o, tk._LaunchPlan)]
+    return [k for p in plans for k in p.compiled.values()]
