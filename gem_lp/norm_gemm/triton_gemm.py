@@ -30,16 +30,18 @@ and their autograd Functions), built on these GEMMs and on `triton_norm`'s produ
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
 from ..backend import interpreter_enabled
-from ..mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
+from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, scale_byte
-from .triton_norm import e4m3_value, load_f32, scale_offset, scale_value, store_operand
+from .triton_norm import (e4m3_value, load_f32, rms_norm_backward, rms_norm_mx, scale_offset, scale_value,
+                          store_operand)
 
 GEMM_VARIANTS = ("fp8", "dot_scaled", "dequant_triton", "dequant_cublas")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -284,15 +286,20 @@ def mx_dequantize_operand(mx: MXTensor, dtype: torch.dtype = torch.bfloat16) -> 
     check_mx_operand(mx, "mx")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
-    R, C = mx.data.shape
-    out = torch.empty(R, C, dtype=dtype, device=mx.device)
-    if out.numel() == 0:
+    return _dequantize(mx.data, mx.scale, mx.scale_layout == "blocked", dtype)
+
+
+def _dequantize(data: torch.Tensor, scale: torch.Tensor, blocked: bool, dtype: torch.dtype) -> torch.Tensor:
+    """`mx_dequantize_operand`'s launch for a checked payload `data [R, C]` and its scales (no checks)."""
+    R, C = data.shape
+    out = torch.empty(R, C, dtype=dtype, device=data.device)
+    if R == 0 or C == 0:
         return out
-    on_gpu = mx.device.type == "cuda" and not interpreter_enabled()
+    on_gpu = data.is_cuda and not interpreter_enabled()
     br, bc = (32, 256) if on_gpu else (32, 64)
-    _mx_dequantize_kernel[(triton.cdiv(R, br) * triton.cdiv(C, bc),)](
-        mx.data.view(torch.uint8), mx.scale, out, R, C, BLOCKED=mx.scale_layout == "blocked", HW_CAST=on_gpu,
-        BLOCK_R=br, BLOCK_C=bc, num_warps=4 if on_gpu else 1)
+    _mx_dequantize_kernel[(ceil_div(R, br) * ceil_div(C, bc),)](
+        data.view(torch.uint8), scale, out, R, C, BLOCKED=blocked, HW_CAST=on_gpu, BLOCK_R=br, BLOCK_C=bc,
+        num_warps=4 if on_gpu else 1)
     return out
 
 
@@ -311,10 +318,14 @@ def _launch(a, a_scale, b, b_scale, a_blocked, b_blocked, operands, M, N, Kc, *,
             scaling, blocked_out, config, hw_cast):
     """Allocate the requested outputs and run `_mx_gemm_kernel` once."""
     dev = a.device
-    cfg = config or (INTERPRETER_CONFIG if interpreter_enabled() else DEFAULT_CONFIGS[operands])
-    _check_config(cfg, operands)
+    interpret = interpreter_enabled()
+    if config is None:  # the defaults are valid
+        cfg = INTERPRETER_CONFIG if interpret else DEFAULT_CONFIGS[operands]
+    else:
+        cfg = config
+        _check_config(cfg, operands)
     if hw_cast is None:
-        hw_cast = dev.type == "cuda" and not interpreter_enabled()
+        hw_cast = dev.type == "cuda" and not interpret
     y = torch.empty(M, N, dtype=out_dtype, device=dev) if out_dtype is not None else None
     row = col = None
     if row_mx:
@@ -336,7 +347,7 @@ def _launch(a, a_scale, b, b_scale, a_blocked, b_blocked, operands, M, N, Kc, *,
             M, N, Kc, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             OPERANDS=operands, A_BLOCKED=a_blocked, B_BLOCKED=b_blocked, EVEN_K=Kc % cfg.block_k == 0,
             HAS_BIAS=bias is not None, OUT_PLAIN=y is not None, OUT_ROW_MX=row_mx, OUT_COL_MX=col_mx,
-            BLOCKED_OUT=blocked_out, RCEIL=scaling == "rceil", HW_CAST=hw_cast, INTERPRET=interpreter_enabled(),
+            BLOCKED_OUT=blocked_out, RCEIL=scaling == "rceil", HW_CAST=hw_cast, INTERPRET=interpret,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -476,13 +487,20 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, variant: str = "fp8", bias: torch.Tenso
 #
 # * "cublas" / "triton_bf16": the producer passes write MX-exact BF16 (FP32 for FP32 inputs) operands and
 #   a BF16 GEMM consumes them (cuBLAS `torch.mm`, or our Triton GEMM);
-# * "fp8" / "dot_scaled": the producers write MX payloads + blocked scales and `mx_gemm` consumes them.
+# * "fp8" / "dot_scaled": the producers write MX payloads + blocked scales and our MX GEMM consumes them.
 #
 # Saved for the backward: X's colwise MX tensor (payload `[K, M]` + scales, half of a BF16 X). W's two
 # quantizations (along K for Y, along N for dX) are cached per weight until `weight._version` (or its
 # storage) changes, i.e. once per optimizer step. dY is quantized once, in both layouts, by one dual pass.
-
-from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
+#
+# Host work per call: at small and mid shapes the GPU waits for the host, so a call does little besides its
+# launches. The entry points (`mx_linear_triton`, `rms_norm_mx_linear_triton`, and `ops.mx_linear`) check the
+# arguments once; the autograd Functions trust them and call the GEMMs and the dequantize pass by their bare
+# launches; the cuBLAS route's bias is cast to Y's dtype once per bias version, not per call; nothing reads
+# device memory on the host (no synchronization). A fwd+bwd call makes, besides the cuBLAS GEMMs and dY's column
+# sums: "cublas" 3 Triton launches (X's producer, dY's dual cast, the saved X's dequantize), "triton_bf16" 6,
+# "fp8" / "dot_scaled" 5, and one more (W's quantization) after each weight update; the RMSNorm variant adds
+# its backward kernel.
 
 LINEAR_GEMMS = ("cublas", "triton_bf16", "fp8", "dot_scaled")
 _MX_GEMMS = ("fp8", "dot_scaled")
@@ -491,6 +509,41 @@ _MX_GEMMS = ("fp8", "dot_scaled")
 def check_linear_gemm(gemm: str) -> None:
     if gemm not in LINEAR_GEMMS:
         raise ValueError(f"gemm must be one of {LINEAR_GEMMS}, got {gemm!r}")
+
+
+def check_linear_args(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      norm_weight: torch.Tensor | None = None) -> None:
+    """The MXLinear Triton path's tensors: `x2 [M, K]`, `weight [N, K]`, `bias [N]` or None, `norm_weight [K]`
+    or None, float32/bfloat16/float16 on one device (CUDA, or the CPU under TRITON_INTERPRET=1), K and N
+    multiples of 32. Any strides (a last dim that is not contiguous is copied). Straight-line: it runs on
+    every call."""
+    _check_float(x2, "x2", 2)
+    _check_float(weight, "weight", 2)
+    (M, K), (N, Kw) = x2.shape, weight.shape
+    if K != Kw or K % BLOCK or N % BLOCK:
+        raise ValueError(f"x2 [M, K] and weight [N, K] must share K, with K and N multiples of {BLOCK}, got "
+                         f"{tuple(x2.shape)} and {tuple(weight.shape)}")
+    dev = x2.device
+    if weight.device != dev:
+        raise ValueError(f"weight must be on x2's device {dev}, got {weight.device}")
+    if bias is not None:
+        _check_float(bias, "bias", 1)
+        if bias.shape[0] != N or bias.device != dev:
+            raise ValueError(f"bias must be [N={N}] on {dev}, got {tuple(bias.shape)} on {bias.device}")
+    if norm_weight is not None:
+        _check_float(norm_weight, "norm_weight", 1)
+        if norm_weight.shape[0] != K or norm_weight.device != dev:
+            raise ValueError(f"norm_weight must be [K={K}] on {dev}, got {tuple(norm_weight.shape)} on "
+                             f"{norm_weight.device}")
+    if not x2.is_cuda:
+        _check_runnable(x2, "x2")
+
+
+def _check_float(t: torch.Tensor, name: str, dims: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype not in INPUT_DTYPES:
+        raise ValueError(f"{name} must be a {dims}-D float32/bfloat16/float16 tensor, got "
+                         + (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                            else type(t).__name__))
 
 
 def operand_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -512,27 +565,55 @@ class WeightOperands:
     col: object
 
 
-_WEIGHT_CACHE = WeakIdKeyDictionary()  # keyed by tensor identity, entries die with the weight
+class _PerTensorCache:
+    """Values keyed by a live tensor's identity: a dict on `id(t)` holding a weak reference to `t` (checked on
+    lookup, so a reused id never matches); the entry leaves with the tensor. A lookup costs a dict access, a
+    fraction of `WeakIdKeyDictionary`'s."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, t: torch.Tensor):
+        entry = self._entries.get(id(t))
+        return None if entry is None or entry[0]() is not t else entry[1]
+
+    def put(self, t: torch.Tensor, value) -> None:
+        key, entries = id(t), self._entries
+        entries[key] = (weakref.ref(t, lambda _, key=key: entries.pop(key, None)), value)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_WEIGHT_CACHE = _PerTensorCache()  # weight -> {(scaling, MX GEMM, operand dtype): WeightOperands}
+_BIAS_CACHE = _PerTensorCache()  # bias -> (version, data_ptr, the bias in Y's dtype)
 
 
 def clear_weight_cache() -> None:
-    """Forget every cached weight quantization (needed only after writes through `weight.data`)."""
+    """Forget every cached weight quantization and bias cast (needed only after writes through `.data`)."""
     _WEIGHT_CACHE.clear()
+    _BIAS_CACHE.clear()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured: what is made now belongs to its memory pool, so it is not cached."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def weight_operands(weight: torch.Tensor, scaling: str, gemm: str, operand_dtype: torch.dtype,
                     need_col: bool) -> WeightOperands:
     """W's cached quantizations, remade when the weight changed (`_version` or storage) since they were made."""
     key = (scaling, gemm in _MX_GEMMS, operand_dtype)
-    per_weight = _WEIGHT_CACHE.setdefault(weight, {})
-    entry = per_weight.get(key)
-    fresh = entry is not None and entry.version == weight._version and entry.data_ptr == weight.data_ptr()
-    if fresh and (entry.col is not None or not need_col):
+    per_weight = _WEIGHT_CACHE.get(weight)
+    entry = None if per_weight is None else per_weight.get(key)
+    if (entry is not None and entry.version == weight._version and entry.data_ptr == weight.data_ptr()
+            and (entry.col is not None or not need_col)):
         return entry
     w = weight.detach()
     w = w if w.stride(-1) == 1 else w.contiguous()
-    from .triton_norm import rms_norm_mx
-
     if gemm in _MX_GEMMS:
         out = rms_norm_mx(w, None, scaling=scaling, rowwise=True, colwise=need_col)
         row, col = out.rowwise, out.colwise
@@ -541,21 +622,45 @@ def weight_operands(weight: torch.Tensor, scaling: str, gemm: str, operand_dtype
                           col_operand=need_col, operand_dtype=operand_dtype)
         row, col = out.row_operand, out.col_operand
     entry = WeightOperands(weight._version, weight.data_ptr(), row, col)
-    per_weight[key] = entry
+    if not _capturing(weight):
+        if per_weight is None:
+            per_weight = {}
+            _WEIGHT_CACHE.put(weight, per_weight)
+        per_weight[key] = entry
     return entry
 
 
+def _bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`bias` in `dtype` (for cuBLAS's addmm), cast once per version of the bias instead of once per call."""
+    if bias.dtype == dtype:
+        return bias
+    entry = _BIAS_CACHE.get(bias)
+    if entry is not None and entry[0] == bias._version and entry[1] == bias.data_ptr() and entry[2].dtype == dtype:
+        return entry[2]
+    cast = bias.detach().to(dtype)
+    if not _capturing(bias):
+        _BIAS_CACHE.put(bias, (bias._version, bias.data_ptr(), cast))
+    return cast
+
+
 def _gemm_nt(a, b, gemm: str, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`a b^T (+ bias)` for operands of the route: `a [M, Kc]`, `b [N, Kc]` (MX tensors or exact values).
+    """`a b^T (+ bias)` for operands of the route: `a [M, Kc]`, `b [N, Kc]` (MX tensors with blocked scales, or
+    exact values, any strides); `bias` contiguous. Bare launches: the operands come from this file's producers.
 
     cuBLAS adds a bias in Y's dtype (the bias is rounded to it first); the Triton routes add it in FP32.
     """
     if gemm in _MX_GEMMS:
-        return mx_gemm(a, b, variant=gemm, bias=bias, out_dtype=out_dtype).y
+        (M, Kc), N = a.data.shape, b.data.shape[0]
+        operands = _OPERANDS_FP8 if gemm == "fp8" else _OPERANDS_SCALED
+        return _launch(a.data, a.scale, b.data, b.scale, True, True, operands, M, N, Kc, bias=bias,
+                       out_dtype=out_dtype, row_mx=False, col_mx=False, scaling="rceil", blocked_out=True,
+                       config=None, hw_cast=None).y
     if gemm == "triton_bf16":
-        return gemm_operands(a, b, bias=bias, out_dtype=out_dtype).y
+        (M, Kc), N = a.shape, b.shape[0]
+        return _launch(a, None, b, None, False, False, _OPERANDS_PLAIN, M, N, Kc, bias=bias, out_dtype=out_dtype,
+                       row_mx=False, col_mx=False, scaling="rceil", blocked_out=True, config=None, hw_cast=None).y
     if bias is not None and a.dtype == out_dtype:
-        return torch.addmm(bias.to(out_dtype), a, b.t())
+        return torch.addmm(_bias_as(bias, out_dtype), a, b.t())
     y = _mm_dtype_out(a, b.t(), out_dtype)
     return y if bias is None else (y.float() + bias.float()).to(out_dtype)
 
@@ -566,8 +671,6 @@ def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str):
     Returns `(row, col_t)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[M, N]` and the
     `[N, M]` transposed view of the colwise values.
     """
-    from .triton_norm import rms_norm_mx
-
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     if gemm in _MX_GEMMS:
         out = rms_norm_mx(dy, None, scaling=scaling, rowwise=True, colwise=True)
@@ -578,9 +681,10 @@ def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str):
 
 
 def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype):
-    """The saved colwise MX tensor of X (`X^T [K, M]` along M) as the dW GEMM's B operand."""
-    mx = MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked")
-    return mx if gemm in _MX_GEMMS else mx_dequantize_operand(mx, operand_dtype_for(dtype))
+    """The saved colwise MX tensor of X (`X^T [K, M]` along M, blocked scales) as the dW GEMM's B operand."""
+    if gemm in _MX_GEMMS:
+        return MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked")
+    return _dequantize(data, scale, True, operand_dtype_for(dtype))
 
 
 def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b):
@@ -596,27 +700,40 @@ def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_
     if need_w:
         d_w = _gemm_nt(dy_col_t, x_col, gemm, dw_dtype)
     if need_b:
-        d_b = dy.sum(0, dtype=torch.float32)  # FP32 accumulation without an FP32 copy of dY
+        # FP32 column sums of dY, its own read of dY. (They can come from dY's dual cast above instead: ask
+        # `_dy_operands`' rms_norm_mx for column sums and return them here.)
+        d_b = dy.sum(0, dtype=torch.float32)
     return d_in, d_w, d_b
 
 
+def _as_dtype(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bias_for(bias: torch.Tensor | None, gemm: str) -> torch.Tensor | None:
+    """The Triton GEMM epilogue reads the bias as a contiguous `[N]` vector; cuBLAS takes any strides."""
+    return bias if bias is None or gemm == "cublas" or bias.stride(0) == 1 else bias.contiguous()
+
+
 class MXLinearTritonFunction(torch.autograd.Function):
-    """`Y [M, N] = X [M, K] W^T + b` by the MXLinear recipe on the Triton path (see the section comment)."""
+    """`Y [M, N] = X [M, K] W^T + b` by the MXLinear recipe on the Triton path (see the section comment).
+
+    Arguments as `mx_linear_triton`'s, checked by the caller (`mx_linear_triton`, `ops.mx_linear`)."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, scaling: str, gemm: str):
-        from .triton_norm import rms_norm_mx
-
         check_linear_gemm(gemm)
         opd = operand_dtype_for(x2.dtype)
-        x = x2.detach()
-        x = x if x.stride(-1) == 1 else x.contiguous()
         mx_ops = gemm in _MX_GEMMS
-        need_w = ctx.needs_input_grad[1]  # only dW reads X's colwise cast
-        out = rms_norm_mx(x, None, scaling=scaling, rowwise=mx_ops, colwise=need_w, row_operand=not mx_ops,
-                          operand_dtype=opd)
-        w_ops = weight_operands(weight, scaling, gemm, opd, need_col=ctx.needs_input_grad[0])
-        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, bias)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # only dW reads X's colwise cast
+        out = rms_norm_mx(_contiguous_last(x2), None, scaling=scaling, rowwise=mx_ops, colwise=need_w,
+                          row_operand=not mx_ops, operand_dtype=opd)
+        w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_x)
+        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, _bias_for(bias, gemm))
         col = out.colwise
         ctx.save_for_backward(col.data if need_w else None, col.scale if need_w else None, weight)
         ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
@@ -632,40 +749,37 @@ class MXLinearTritonFunction(torch.autograd.Function):
             if need_x and ctx.w_ops.col is None else ctx.w_ops
         x_col = _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype) if need_w else None
         dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b)
-        return dx, dw, None if db is None else db.to(b_dtype), None, None
+        return dx, dw, _as_dtype(db, b_dtype), None, None
 
 
 class RMSNormMXLinearTritonFunction(torch.autograd.Function):
     """`Y = RMSNorm(X) W^T + b` on the Triton path: the fused norm kernel produces the forward operand and
     the saved colwise MX tensor; the backward runs the MXLinear GEMMs (dYn in FP32) and the norm backward kernel.
+
+    Arguments as `rms_norm_mx_linear_triton`'s, checked by the caller.
     """
 
     @staticmethod
     def forward(ctx, x2, norm_weight, weight, bias, eps: float, scaling: str, gemm: str):
-        from .triton_norm import rms_norm_mx
-
         check_linear_gemm(gemm)
         opd = operand_dtype_for(x2.dtype)
-        x = x2.detach()
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        x = _contiguous_last(x2)
+        g = _contiguous_last(norm_weight)
         mx_ops = gemm in _MX_GEMMS
         need_w = ctx.needs_input_grad[2]  # only dW reads the colwise cast of the normalized activation
-        out = rms_norm_mx(x, norm_weight.detach().contiguous(), eps, scaling=scaling, rowwise=mx_ops, colwise=need_w,
-                          row_operand=not mx_ops, operand_dtype=opd)
+        out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=need_w, row_operand=not mx_ops,
+                          operand_dtype=opd)
         need_dyn = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_dyn)
-        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, bias)
+        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, _bias_for(bias, gemm))
         col = out.colwise
-        ctx.save_for_backward(x, norm_weight, out.rstd, col.data if need_w else None,
-                              col.scale if need_w else None, weight)
+        ctx.save_for_backward(x, g, out.rstd, col.data if need_w else None, col.scale if need_w else None, weight)
         ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
         ctx.dtypes = (x2.dtype, norm_weight.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from .triton_norm import rms_norm_backward
-
         x, norm_weight, rstd, yn_data, yn_scale, weight = ctx.saved_tensors
         x_dtype, g_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_g, need_w, need_b = ctx.needs_input_grad[:4]
@@ -676,18 +790,19 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         dyn, dw, db = _linear_backward(ctx, dy, w_ops, yn_col, torch.float32, w_dtype, need_dyn, need_w, need_b)
         dx = dg = None
         if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
-            dx, dg = rms_norm_backward(x, norm_weight.detach().contiguous(), rstd, dyn)
-            dg = dg.to(g_dtype)
-        return dx, dg, dw, None if db is None else db.to(b_dtype), None, None, None
+            dx, dg = rms_norm_backward(x, norm_weight, rstd, dyn)
+            dg = _as_dtype(dg, g_dtype)
+        return dx, dg, dw, _as_dtype(db, b_dtype), None, None, None
 
 
 def mx_linear_triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      scaling: str = "rceil", gemm: str = "cublas") -> torch.Tensor:
     """`x2 [M, K] @ weight [N, K]^T + bias` by the MXLinear recipe on the Triton path (differentiable).
 
-    K and N multiples of 32; x2 on CUDA (or CPU under TRITON_INTERPRET=1). Output `[M, N]` in x2's dtype.
-    `gemm`: one of `LINEAR_GEMMS`.
+    K and N multiples of 32; x2 on CUDA (or CPU under TRITON_INTERPRET=1), see `check_linear_args`. Output
+    `[M, N]` in x2's dtype. `gemm`: one of `LINEAR_GEMMS`.
     """
+    check_linear_args(x2, weight, bias)
     check_scaling(scaling)
     check_linear_gemm(gemm)
     return MXLinearTritonFunction.apply(x2, weight, bias, scaling, gemm)
@@ -697,6 +812,7 @@ def rms_norm_mx_linear_triton(x2: torch.Tensor, norm_weight: torch.Tensor, weigh
                               bias: torch.Tensor | None = None, eps: float = 1e-6, scaling: str = "rceil",
                               gemm: str = "cublas") -> torch.Tensor:
     """`RMSNorm(x2) @ weight^T + bias` with the fused norm+quantize kernel (differentiable), `[M, N]`."""
+    check_linear_args(x2, weight, bias, norm_weight)
     check_scaling(scaling)
     check_linear_gemm(gemm)
     return RMSNormMXLinearTritonFunction.apply(x2, norm_weight, weight, bias, float(eps), scaling, gemm)
