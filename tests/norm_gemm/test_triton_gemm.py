@@ -8,6 +8,7 @@ by the sm_90 / sm_100 compilations). Two kinds of inputs:
 * generic: quantized randn; the routes differ from the reference only by the order of FP32 sums, bounded
   by `Kc * 2^-23 * (|deq A| |deq B|^T)` per element (plus the output rounding).
 """
+import gc
 import math
 import os
 import re
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gem_lp.mx import MXTensor, dequantize, quantize_reference, to_blocked
 from gem_lp.norm_gemm import triton_gemm as tg
@@ -357,6 +359,163 @@ def test_weight_quantizations_are_cached_until_the_weight_changes():
     assert_same_values(y.detach(), MXLinearFunction.apply(x, w.detach(), None, "rceil"), "after the update")
 
 
+def test_bias_cast_is_cached_until_the_bias_changes():
+    """The cuBLAS route adds the bias in Y's dtype: cast once per bias version, remade after an update."""
+    tg.clear_weight_cache()
+    M, K, N = 33, 64, 32
+    g = _gen(21)
+    x = torch.randn(M, K, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEVICE)
+    b = torch.randn(N, generator=g).to(DEVICE).requires_grad_()
+    mx_linear_triton(x, w, b)
+    version, _, cast = tg._BIAS_CACHE.get(b)
+    assert cast.dtype == torch.bfloat16 and version == b._version
+    assert_same_values(cast, b.detach().bfloat16(), "cached bias cast")
+    mx_linear_triton(x, w, b)
+    assert tg._BIAS_CACHE.get(b)[2] is cast  # no new cast
+    with torch.no_grad():  # an optimizer step
+        b.add_(100.0)
+    y = mx_linear_triton(x, w, b)
+    assert_same_values(tg._BIAS_CACHE.get(b)[2], b.detach().bfloat16(), "bias cast after the update")
+    _close(y, MXLinearFunction.apply(x, w, b.detach(), "rceil"), "Y after the bias update", 2.0**-7)
+
+
+def test_cache_entries_leave_with_their_tensors():
+    tg.clear_weight_cache()
+    x = torch.randn(40, 64, device=DEVICE, dtype=torch.bfloat16)
+    w, b = torch.randn(32, 64, device=DEVICE), torch.randn(32, device=DEVICE)
+    with torch.no_grad():
+        mx_linear_triton(x, w, b)
+    assert len(tg._WEIGHT_CACHE) == 1 and len(tg._BIAS_CACHE) == 1
+    w2 = torch.randn(32, 64, device=DEVICE)
+    assert tg._WEIGHT_CACHE.get(w2) is None
+    del w, b
+    gc.collect()
+    assert len(tg._WEIGHT_CACHE) == 0 and len(tg._BIAS_CACHE) == 0
+
+
+def test_linear_argument_errors():
+    x = torch.randn(40, 64, device=DEVICE)
+    w, b, gw = torch.randn(32, 64, device=DEVICE), torch.randn(32, device=DEVICE), torch.ones(64, device=DEVICE)
+    bad = [
+        ((x.int(), w, b), "x2 must be a 2-D float"),
+        ((x[:, None], w, b), "x2 must be a 2-D float"),
+        ((x, w[:, :48], b), "must share K"),
+        ((x[:, :48], w[:, :48], b), "multiples of 32"),
+        ((x, w[:16], b[:16]), "multiples of 32"),
+        ((x, w, b[:16]), r"bias must be \[N=32\]"),
+        ((x, w, b.double()), "bias must be a 1-D float"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            mx_linear_triton(*args)
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        mx_linear_triton(x, w, b, "rceil", "cutlass")
+    with pytest.raises(ValueError, match="scaling"):
+        mx_linear_triton(x, w, b, "nearest")
+    with pytest.raises(ValueError, match=r"norm_weight must be \[K=64\]"):
+        rms_norm_mx_linear_triton(x, gw[:32], w, b)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="weight must be on x2's device"):
+            mx_linear_triton(x, w.to("meta"), b)
+
+
+# ----------------------------------------------------------------------------- host work per call
+#
+# At small and mid shapes the GPU waits for the host: a call must make its launches and little else. The
+# kernels' launches are recorded instead of run (their outputs stay uninitialized: only the calls are counted),
+# with every aten op the call dispatches.
+
+_FREE_OPS = {"empty", "empty_strided", "view", "t", "detach", "alias", "transpose", "as_strided"}
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten ops dispatched inside, by name, allocations and views left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _FREE_OPS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Names of the Triton kernels launched (not run) while the fixture is active."""
+    launches = []
+    kernel_type = type(tg._mx_gemm_kernel)  # JITFunction on the GPU, InterpretedFunction in the interpreter
+    monkeypatch.setattr(kernel_type, "run", lambda self, *args, grid, warmup, **kwargs: launches.append(
+        getattr(self, "__name__", None) or self.fn.__name__))
+    return launches
+
+
+def _linear_call(norm: bool, gemm: str, dtype: torch.dtype, backward: bool):
+    M, K, N = 40, 64, 32
+    g = _gen(5)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE).requires_grad_()
+    gw = (torch.rand(K, generator=g) + 0.5).to(DEVICE).requires_grad_()
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEVICE).requires_grad_()
+    b = torch.randn(N, generator=g).to(DEVICE).requires_grad_()
+    dy = torch.randn(M, N, generator=g).to(dtype).to(DEVICE)
+    inputs = (x, gw, w, b) if norm else (x, w, b)
+
+    def call():
+        y = (rms_norm_mx_linear_triton(x, gw, w, b, 1e-6, "rceil", gemm) if norm
+             else mx_linear_triton(x, w, b, "rceil", gemm))
+        return torch.autograd.grad(y, inputs, dy) if backward else y
+
+    return call, w
+
+
+# (norm, gemm) -> (Triton launches of a forward, of a forward + backward; the other aten ops of each), FP32
+# activations (on the CPU a BF16 dW takes FP32 copies of its operands; cuBLAS takes BF16 with an FP32 output).
+_EXPECTED_PER_CALL = {
+    (False, "cublas"): (1, 3, ["addmm"], ["addmm", "mm", "mm", "sum"]),
+    (False, "triton_bf16"): (2, 6, [], ["sum"]),
+    (False, "fp8"): (2, 5, [], ["sum"]),
+    (True, "cublas"): (1, 4, ["addmm"], ["addmm", "mm", "mm", "sum", "sum"]),
+    (True, "triton_bf16"): (2, 7, [], ["sum", "sum"]),
+    (True, "fp8"): (2, 6, [], ["sum", "sum"]),
+}
+
+
+@pytest.mark.parametrize("norm,gemm", list(_EXPECTED_PER_CALL), ids=lambda v: str(v))
+def test_launches_and_ops_per_call(norm, gemm, recorded_launches):
+    """Steady state (W quantized at the first call): the launches of the section comment, the GEMMs and dY's
+    column sums (the RMSNorm variant also sums its norm weight's partial gradients), and nothing else: no
+    copy, no cast, no read of a device value on the host (`item`, `_local_scalar_dense`, `nonzero`)."""
+    n_fwd, n_step, ops_fwd, ops_step = _EXPECTED_PER_CALL[(norm, gemm)]
+    for backward, n_launches, ops in ((False, n_fwd, ops_fwd), (True, n_step, ops_step)):
+        call, w = _linear_call(norm, gemm, torch.float32, backward)
+        call()  # quantizes W (both casts: x needs a gradient)
+        recorded_launches.clear()
+        with _AtenOps() as aten:
+            call()
+        what = f"{'fwd+bwd' if backward else 'fwd'} norm={norm} gemm={gemm}"
+        assert len(recorded_launches) == n_launches, f"{what}: launches {recorded_launches}"
+        assert sorted(aten.ops) == sorted(ops), f"{what}: aten ops {aten.ops}"
+        with torch.no_grad():  # an optimizer step: W's two casts are remade by one more launch
+            w.mul_(0.5)
+        recorded_launches.clear()
+        call()
+        assert len(recorded_launches) == n_launches + 1, f"{what} after a weight update: {recorded_launches}"
+
+
+def test_bf16_forward_casts_nothing(recorded_launches):
+    """BF16 activations with an FP32 bias (the cuBLAS route adds it in BF16): after the first call the
+    forward is the producer launch and the addmm, the bias cast coming from the cache."""
+    call, _ = _linear_call(False, "cublas", torch.bfloat16, False)
+    call()
+    recorded_launches.clear()
+    with _AtenOps() as aten:
+        call()
+    assert len(recorded_launches) == 1 and aten.ops == ["addmm"], (recorded_launches, aten.ops)
+
+
 # ----------------------------------------------------------------------------- compiled for sm_90
 
 _HOPPER_COMPILE = """
@@ -465,3 +624,38 @@ def test_gpu_mx_linear_and_norm_linear(gemm):
     # gradient get the activation's bound, not the GEMM's.
     for got, want, what in zip(grads, grads_ref, ("dX", "dnorm_weight", "dW", "db")):
         _close(got, want, f"norm {what}", 1e-3 if what == "db" else 2.0**-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", tg.LINEAR_GEMMS)
+def test_gpu_linear_calls_never_sync(gemm):
+    """No forward or backward call waits for the GPU or copies device memory to the host (both would stall the
+    launch queue): CUDA's sync debug mode turns any such call into an error. Includes the first call after a
+    weight and bias update (W re-quantized, the bias re-cast)."""
+    M, K, N = 1000, 256, 96
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gw = (torch.rand(K, device="cuda") + 0.5).requires_grad_()
+    w = (torch.randn(N, K, device="cuda") * 0.05).requires_grad_()
+    b = torch.randn(N, device="cuda", requires_grad=True)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+    def steps():
+        y = mx_linear_triton(x, w, b, "rceil", gemm)
+        torch.autograd.grad(y, (x, w, b), dy)
+        y = rms_norm_mx_linear_triton(x, gw, w, b, 1e-6, "rceil", gemm)
+        torch.autograd.grad(y, (x, gw, w, b), dy)
+        with torch.no_grad():
+            mx_linear_triton(x, w, b, "rceil", gemm)
+
+    steps()  # compiles the kernels
+    with torch.no_grad():
+        w.mul_(0.5)
+        b.add_(1.0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        steps()
+        steps()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
