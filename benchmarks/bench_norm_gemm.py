@@ -14,7 +14,9 @@ Sections (each one guarded: a failing variant or peer is recorded, the rest stil
   cuBLAS BF16 `torch.mm` and cuBLAS FP8 rowwise `torch._scaled_mm`; every route's Y checked against the
   FP32 reference within the accumulation bound.
 * linear: `mx_linear_triton` forward+backward per GEMM route beside `nn.Linear` in BF16, with the bytes
-  each saves for the backward and the SQNR of Y, dX, dW against FP32.
+  each saves for the backward and the SQNR of Y, dX, dW against FP32; the public `MXLinear` module once. Each
+  of these rows holds its host milliseconds per call (`host_ms_per_call`; `host_bound` when it reaches the
+  row's time, i.e. the row measures the host; JSON `linear_host_ms_per_call`).
 
 `python -m benchmarks.bench_norm_gemm --compile-only` (no GPU needed) builds every norm launch the GPU run
 times for sm_90 and prints its registers, spills, programs per SM, sm_90 (SASS) instructions per element
@@ -452,9 +454,31 @@ def _saved_bytes(fn, params) -> int:
     return total
 
 
+def _time_with_host(bench: Bench, group: str, name: str, fn, **info) -> float | None:
+    """`bench.time` plus the host milliseconds per call (`host_ms_per_call`, launches queued without waiting):
+    a row whose host time reaches its measured time (`host_bound`) measures the host, not the GPU."""
+    try:
+        host_ms = host_us_per_call(fn, calls=50) / 1e3
+    except Exception as e:
+        _fail(bench, group, name, e)
+        return None
+    ms = bench.time(group, name, fn, host_ms_per_call=host_ms, **info)
+    if ms is not None:
+        bound = host_ms >= 0.9 * ms
+        bench.rows[-1]["host_bound"] = bound
+        bench.extra.setdefault("linear_host_ms_per_call", {})[f"{group} | {name}"] = dict(
+            host_ms=host_ms, ms=ms, host_bound=bound)
+        print(f"  [{group}] {name}: host {host_ms:.3f} ms/call"
+              + ("  HOST-BOUND (the row measures the host)" if bound else ""), flush=True)
+    return ms
+
+
 def bench_linear(bench: Bench, accuracy: dict) -> None:
+    """MXLinear forward+backward and forward per GEMM route beside nn.Linear; each of these rows also holds its
+    host time per call (`host_ms_per_call`, `host_bound`)."""
     for M, K, N in LINEAR_SHAPES:
         group = f"linear fwd+bwd {M}x{K}->{N}"
+        fwd_group = group.replace("fwd+bwd", "fwd")
         flop = 3 * 2.0 * M * N * K
         g = torch.Generator(device=DEVICE).manual_seed(M + K + N)
         x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -467,9 +491,9 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
             y = F.linear(x, w16, b16)
             return torch.autograd.grad(y, (x, w16, b16), dy)
 
-        bench.time(group, "nn.Linear bf16 (cuBLAS)", bf16_step, flop=flop, peer=True)
-        bench.time(group.replace("fwd+bwd", "fwd"), "nn.Linear bf16 (cuBLAS)", lambda: F.linear(x, w16, b16),
-                   flop=flop / 3, peer=True)
+        _time_with_host(bench, group, "nn.Linear bf16 (cuBLAS)", bf16_step, flop=flop, peer=True)
+        _time_with_host(bench, fwd_group, "nn.Linear bf16 (cuBLAS)", lambda: F.linear(x, w16, b16), flop=flop / 3,
+                        peer=True)
         saved_bf16 = _saved_bytes(lambda: F.linear(x, w16, b16), (w16, b16))
         # FP32 reference for the accuracy figures
         with torch.no_grad():
@@ -502,10 +526,32 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
             except Exception as e:
                 _fail(bench, group, name, e)
                 continue
-            bench.time(group, name, step, flop=flop, saved_bytes=saved)
-            bench.time(group, name + " (W re-quantized)", step_new_weight, flop=flop)
-            bench.time(group.replace("fwd+bwd", "fwd"), name, lambda gemm=gemm: mx_linear_triton(
-                x, w, bias, "rceil", gemm), flop=flop / 3)
+            _time_with_host(bench, group, name, step, flop=flop, saved_bytes=saved)
+            _time_with_host(bench, group, name + " (W re-quantized)", step_new_weight, flop=flop)
+            _time_with_host(bench, fwd_group, name, lambda gemm=gemm: mx_linear_triton(x, w, bias, "rceil", gemm),
+                            flop=flop / 3)
+        if (M, K, N) == LINEAR_SHAPES[-1]:  # the public module (ops.mx_linear's checks and dispatch) once
+            try:
+                from gem_lp.norm_gemm import MXLinear
+
+                layer = MXLinear(K, N, backend="triton").to(DEVICE)
+                with torch.no_grad():
+                    layer.weight.copy_(w)
+                    layer.bias.copy_(bias)
+                params = (x, layer.weight, layer.bias)
+
+                def module_step():
+                    return torch.autograd.grad(layer(x), params, dy)
+
+                module_step()
+            except Exception as e:
+                _fail(bench, group, "ours MXLinear module", e)
+            else:
+                _time_with_host(bench, group, "ours MXLinear module (gem_lp.norm_gemm.MXLinear, cuBLAS route)",
+                                module_step, flop=flop)
+                _time_with_host(bench, fwd_group, "ours MXLinear module (gem_lp.norm_gemm.MXLinear, cuBLAS route)",
+                                lambda: layer(x), flop=flop / 3)
+                del layer, params
         if (M, K, N) == LINEAR_SHAPES[0]:  # the fused RMSNorm + linear once
             gw = torch.ones(K, device=DEVICE, requires_grad=True)
             gw16 = gw.detach().bfloat16().requires_grad_()
@@ -515,7 +561,8 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
                 y = F.linear(F.rms_norm(x, (K,), gw16, EPS), w16, b16)
                 return torch.autograd.grad(y, (x, gw16, w16, b16), dy)
 
-            bench.time(ngroup, "F.rms_norm + nn.Linear bf16 (eager)", bf16_norm_step, flop=flop, peer=True)
+            _time_with_host(bench, ngroup, "F.rms_norm + nn.Linear bf16 (eager)", bf16_norm_step, flop=flop,
+                            peer=True)
             try:
                 compiled = torch.compile(bf16_norm_step)
                 compiled()
@@ -532,7 +579,7 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
                 except Exception as e:
                     _fail(bench, ngroup, f"ours gemm={gemm}", e)
                     continue
-                bench.time(ngroup, f"ours RMSNormMXLinear gemm={gemm}", norm_step, flop=flop)
+                _time_with_host(bench, ngroup, f"ours RMSNormMXLinear gemm={gemm}", norm_step, flop=flop)
         del x, w, bias, dy, w16, b16
         tg.clear_weight_cache()
         _free()
