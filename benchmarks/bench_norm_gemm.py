@@ -318,7 +318,7 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)
     bm, bk, nw = cfg[:3]
-    n_chunks = math.ceil(K / bk)
+    n_chunks = 1 if cfg[8] else math.ceil(K / bk)  # tile programs: one chunk a program, no loop
     per_block = sass_per_row_block(sass_of(compiled.asm["cubin"]), n_chunks)
     resident = programs_per_sm(regs, nw, compiled.metadata.shared)
     if cfg[5]:
@@ -328,7 +328,7 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
                 instructions_per_element=per_block * 32 * nw / (bm * n_chunks * bk),
                 ld_v4=ptx.count("ld.global.v4"), st_vec=ptx.count("st.global.v2") + ptx.count("st.global.v4"),
                 cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
-                atomics=len(re.findall(r"(?:atom|red)\.[\w.]*add\.f32", ptx)),
+                atomics=len(re.findall(r"(?:atom|red)\.[\w.]*add(?:\.v[24])?\.f32", ptx)),
                 reread_mib_in_flight=in_flight / 2**20)
 
 

@@ -26,7 +26,11 @@ bounds the row blocks in flight so that the second sweep can find them in L2, an
 registers of a launch so that more programs fit on an SM.
 
 With `weight=None` the kernel skips the norm (`y = x`): a dual MX cast that also writes the dequantized
-operands, the producer pass of the MX GEMMs.
+operands, the producer pass of the MX GEMMs. It has no row reduction and reads x once, either one program per
+row block looping over K or (`tile_programs`) one program per tile as `triton_quantize`'s dual cast; with
+`column_sums` it also adds each row block's column sums of x into a zero-filled FP32 `[K]` buffer by atomic
+adds (the bias gradient of a linear layer, from the pass that casts its dY). `prefetch` double-buffers the
+chunk loads of the sweeps over K.
 
 The MX steps are `gem_lp.mx.triton_quantize` / `triton_numerics` device functions, so the bytes equal
 `quantize_reference`'s for the same FP32 `y`. The sum of squares is accumulated in the kernel's own order,
@@ -58,7 +62,7 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
 class NormConfig(tuple):
     """Launch configuration `(block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm,
-    max_registers, prefetch)` of `rms_norm_mx`.
+    max_registers, prefetch, tile_programs)` of `rms_norm_mx`.
 
     `block_m` rows x `block_k` columns per tile (powers of two >= 32); a program owns `block_m` rows and
     sweeps K in chunks of `block_k` (`block_k >= K`: x is read once and kept in registers).
@@ -71,24 +75,27 @@ class NormConfig(tuple):
     `maxnreg`, 16..255), so that more programs fit on an SM (the compiler spills what does not fit).
     `prefetch` (strips only; matters when `block_k < K`): each sweep over K loads the next chunk, kept in x's
     dtype, before it works on the current one, so that a load is in flight during the work (more registers).
+    `tile_programs` (strips without the norm, `weight=None`, only): one program per `block_m x block_k` tile, a
+    2-D grid flattened as in `triton_quantize`'s dual cast, instead of one per row block sweeping K: no loop,
+    no loop-carried addresses, and the GPU overlaps the tiles of its resident programs.
     The configuration only steers the layout and schedule: every one writes the same bytes.
     """
 
     def __new__(cls, block_m: int, block_k: int, num_warps: int, thread_rows: int = 8,
                 row_blocks_in_thread: bool = False, programs_per_sm: int = 0, max_registers: int = 0,
-                prefetch: bool = False):
+                prefetch: bool = False, tile_programs: bool = False):
         return super().__new__(cls, (block_m, block_k, num_warps, thread_rows, bool(row_blocks_in_thread),
-                                     programs_per_sm, max_registers, bool(prefetch)))
+                                     programs_per_sm, max_registers, bool(prefetch), bool(tile_programs)))
 
     def __repr__(self) -> str:
-        bm, bk, nw, tr, rb, per_sm, max_regs, prefetch = self
+        bm, bk, nw, tr, rb, per_sm, max_regs, prefetch, tiles = self
         return (f"{bm}x{bk} w{nw} " + (f"r{tr}" + (" rowblk" if rb else "") if tr else "blocks")
                 + (f" {per_sm}/SM" if per_sm else "") + (f" maxreg{max_regs}" if max_regs else "")
-                + (" prefetch" if prefetch else ""))
+                + (" prefetch" if prefetch else "") + (" tiles" if tiles else ""))
 
 
 CONFIG_FIELDS = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm",
-                 "max_registers", "prefetch")
+                 "max_registers", "prefetch", "tile_programs")
 
 
 # `strip_config` gives the thread-strip launch chosen by sm_90 instruction count
@@ -119,14 +126,22 @@ HEAVY_BLOCK_K = 64
 # re-read bytes in flight; max_registers: a register cap for more programs per SM) and the 32x32-block tile
 # kernel's best measured launch (thread_rows=0). The strips keep every thread busy when
 # 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps.
-# Comments: sm_90 registers per thread (ptxas, M = 32768, bf16 x, RMSNorm + both casts, blocked scales) and the
-# programs an SM holds; none spills. Left out for spilling (bytes): 32x256 w4 r8 capped at 128 (120-144) and at
-# 96 (440-472), 32x128 w2 r8 capped at 128 (116).
+# Comments: sm_90 registers per thread (ptxas, M = 32768, bf16 x, RMSNorm + both casts, blocked scales), the
+# programs an SM holds and the warps that makes; none spills. Left out for spilling (bytes): 32x256 w4 r8 capped
+# at 128 (120-144) and at 96 (440-472), 32x128 w2 r8 capped at 128 (116), prefetch under a cap of 168 (~300),
+# 32x1024 w16 r8 uncapped (4), one pass in 32 warps (capped at 64: 12-16), 32x512 w16 r4 at K = 4096 (20-112).
+# At K = 4096 a row block is 256 KiB: 4 resident per SM would re-read 132 MiB, more than the L2 holds, so
+# the second sweep there comes from DRAM unless few row blocks are in flight (1-2 per SM).
 CANDIDATE_CONFIGS = {
     1024: (
-        MEASURED_CONFIG,  # 167, 3/SM
+        MEASURED_CONFIG,  # 167, 3/SM, 12 warps
         NormConfig(32, 256, 4, 8, False, 2),  # 238, 2/SM, persistent
         NormConfig(32, 1024, 8, 16),  # 255, 1/SM, one pass: x read once
+        NormConfig(32, 1024, 16, 8, False, 0, 128),  # 128, 1/SM, 16 warps, one pass, 64 elements a thread
+        NormConfig(32, 1024, 16, 4, False, 0, 128),  # 126, 1/SM, 16 warps, one pass, 2 strips of 4 rows
+        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 120, 4/SM, 16 warps, prefetch
+        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 125, 2/SM, 16 warps, prefetch
+        NormConfig(32, 512, 16, 4, False, 0, 128, True),  # 127, 1/SM, 16 warps, prefetch, 8 MiB re-read in flight
         NormConfig(64, 128, 4, 8),  # 215, 2/SM
         NormConfig(32, 128, 4, 4),  # 122, 4/SM: 32 elements a thread
         NormConfig(32, 128, 4, 4, False, 0, 96),  # 96, 5/SM
@@ -135,14 +150,34 @@ CANDIDATE_CONFIGS = {
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
     ),
     4096: (
-        MEASURED_CONFIG,  # 168, 3/SM
+        MEASURED_CONFIG,  # 168, 3/SM, 12 warps, 99 MiB re-read in flight
         NormConfig(32, 256, 4, 8, False, 2),  # 224, 2/SM, persistent
         NormConfig(64, 128, 4, 8),  # 215, 2/SM
         NormConfig(32, 512, 8, 8, False, 1),  # 215, 1/SM, persistent
+        NormConfig(32, 256, 8, 4, False, 1),  # 163, 1/SM, persistent, 33 MiB in flight
+        NormConfig(32, 256, 8, 4, False, 1, 0, True),  # 187, 1/SM, persistent, prefetch
+        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 125, 2/SM, 16 warps, prefetch, 66 MiB in flight
+        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 120, 4/SM, 16 warps, prefetch, 132 MiB in flight
         NormConfig(32, 128, 4, 4),  # 120, 4/SM
         NormConfig(32, 128, 4, 4, False, 0, 96),  # 96, 5/SM
         NormConfig(32, 128, 2, 8),  # 168, 6/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
+    ),
+}
+# The dual cast without the norm into both dequantized operands (weight None, row_operand + col_operand, no
+# payloads: MXLinear's dY, 32768 x 3072 in the benchmark), per K: the launches the benchmark times beside the
+# default (`strip_config(K, operands=True)`: 32x64 w1 r8, 226 registers because the program's loop over K keeps
+# its addresses live, so 8 warps per SM). Tile programs drop the loop. Comments as above (sm_90, M = 32768, bf16);
+# with `column_sums` the same launches take 70-138 registers and 1.5-3 more instructions per element.
+OPERAND_CAST_CANDIDATE_CONFIGS = {
+    3072: (
+        NormConfig(32, 64, 1, 8, tile_programs=True),  # 137, 14/SM, 14 warps, 64 elements a thread
+        NormConfig(32, 64, 2, 4, tile_programs=True),  # 72, 14/SM, 28 warps, 32 elements a thread
+        NormConfig(32, 128, 4, 4, tile_programs=True),  # 72, 7/SM, 28 warps
+        NormConfig(64, 128, 8, 4, tile_programs=True),  # 78, 3/SM, 24 warps
+        NormConfig(64, 64, 2, 8, tile_programs=True),  # 140, 7/SM, 14 warps
+        NormConfig(32, 64, 2, 2, tile_programs=True),  # 64, 16/SM, 32 warps, 16 elements a thread
+        NormConfig(32, 64, 1, 4),  # 128, 16/SM, 16 warps, the loop over K
     ),
 }
 # Under the interpreter the cost is per program and per op: one chunk when it fits.
@@ -641,6 +676,42 @@ def _norm_row_block(
 
 
 @triton.jit
+def _cast_tile(
+    m0, k0, x_ptr, stride_xm, M, K: tl.constexpr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
+    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr,
+):
+    """Without the norm: the casts of the one tile at rows m0 + [0, BLOCK_M), columns k0 + [0, BLOCK_K)."""
+    NMB: tl.constexpr = BLOCK_M // 32
+    NKB: tl.constexpr = BLOCK_K // 32
+    EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0
+    if BLOCKED_SCALES and K % 128 != 0:
+        if k0 == 0:  # once per row block
+            _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
+    g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    m_block = mb * 32
+    k_block = kb * 32
+    m_strip = m_block + c * THREAD_ROWS
+    m = m_strip + r
+    k = k_block + g * 8 + e
+    if LARGE_OFFSETS:
+        m = m.to(tl.int64)
+        k = k.to(tl.int64)
+    x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
+    in_bounds = (m < M - m0) & (k < K - k0)
+    x = _load_strips(x_rows, k0, k, in_bounds, EVEN)
+    if COL_SUMS:
+        _add_column_sums(colsum_ptr, x, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
+    _cast_strips(x, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
+                 row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                 ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
+                 PAIRED_COLWISE)
+
+
+@triton.jit
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
@@ -648,15 +719,23 @@ def _rms_norm_mx_strips_kernel(
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
-    PERSISTENT: tl.constexpr, M_PADDING: tl.constexpr,
+    PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take the row blocks.
     # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
     # that few row blocks are in flight and the second sweep finds its chunks in L2 (one row block of 32 x 4096
     # bf16 is 256 KiB).
+    # TILE_PROGRAMS (no norm): program p takes tile (p // n_k_tiles, p % n_k_tiles).
     n_walkers = tl.num_programs(0) - 1 if M_PADDING else tl.num_programs(0)
     if M_PADDING and tl.program_id(0) == n_walkers:
         _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
+    elif TILE_PROGRAMS:
+        N_K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+        pid = tl.program_id(0)
+        _cast_tile((pid // N_K_TILES) * BLOCK_M, (pid % N_K_TILES) * BLOCK_K, x_ptr, stride_xm, M, K,
+                   row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+                   BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                   BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
@@ -787,8 +866,11 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
-    (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-     prefetch) = config
+    (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers, prefetch,
+     tile_programs) = config
+    if tile_programs and (weight is not None or thread_rows == 0 or programs_per_sm):
+        raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
+                         f"{'given' if weight is not None else 'None'} and config {config!r}")
     # Payloads are written as bytes; the kernel never sees an fp8 pointer.
     row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
@@ -813,9 +895,12 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
         kernel = _rms_norm_mx_strips_kernel
         if programs_per_sm:
             n_programs = min(n_blocks, programs_per_sm * sm_count(x.device, off_gpu=2))
+        elif tile_programs:
+            n_programs = n_blocks * ceil_div(K, block_k)
         kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
                       EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and M % 2 == 0 and thread_rows > 1,
-                      PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0)
+                      PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0,
+                      TILE_PROGRAMS=bool(tile_programs))
     return kernel, (n_programs + m_padding,), args, kwargs
 
 
@@ -846,7 +931,7 @@ def _check_weight(weight: torch.Tensor, K: int, x: torch.Tensor, name: str = "we
 
 
 def _check_config(config: NormConfig) -> None:
-    block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch = config
+    block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch, tile_programs = config
     if thread_rows < 0 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
         raise ValueError(f"thread_rows must be 0 or a power of two in 1..{BLOCK}, got {thread_rows}")
     if thread_rows == 0 and block_m not in (32, 64):
@@ -855,6 +940,9 @@ def _check_config(config: NormConfig) -> None:
         raise ValueError(f"programs_per_sm must be >= 0, and 0 with thread_rows=0, got {programs_per_sm}")
     if prefetch and thread_rows == 0:
         raise ValueError("prefetch must be False with thread_rows=0 (the 32x32-block tile kernel has no prefetch)")
+    if tile_programs and (thread_rows == 0 or programs_per_sm):
+        raise ValueError(f"tile_programs needs thread_rows > 0 and programs_per_sm=0, got thread_rows={thread_rows}, "
+                         f"programs_per_sm={programs_per_sm}")
     for name, v in (("block_m", block_m), ("block_k", block_k)):
         if v < BLOCK or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {v}")
@@ -892,6 +980,7 @@ def rms_norm_mx(
     programs_per_sm: int | None = None,
     max_registers: int | None = None,
     prefetch: bool | None = None,
+    tile_programs: bool | None = None,
     hw_cast: bool | None = None,
     column_sums: bool = False,
 ) -> NormMXOutputs:
@@ -909,7 +998,7 @@ def rms_norm_mx(
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
         block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-            prefetch: launch configuration (see `NormConfig`); each None takes the value of `default_config` for
+            prefetch, tile_programs (weight None only): launch configuration (see `NormConfig`); each None takes the value of `default_config` for
             K, M's parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
         column_sums: also return `x.float().sum(0)` as float32 `[K]` (`weight` must be None: the bias
@@ -934,10 +1023,12 @@ def rms_norm_mx(
         hw_cast = x.is_cuda and not interpreter_enabled()
     config = default_config(K, M % 2 == 0, row_operand or col_operand, hw_cast, weight is not None)
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-             prefetch)
+             prefetch, tile_programs)
     if given != _NO_CONFIG:  # the defaults are valid; what the caller gives is checked
         config = NormConfig(*(d if v is None else v for v, d in zip(given, config)))
         _check_config(config)
+        if config[8] and weight is not None:
+            raise ValueError("tile_programs=True needs weight=None (a row's norm needs the whole row in one program)")
 
     dev = x.device
     row = col = rstd = row_op = col_op = None

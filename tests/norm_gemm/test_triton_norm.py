@@ -24,8 +24,8 @@ from gem_lp.mx import dequantize, quantize_reference, to_blocked
 from gem_lp.norm_gemm import triton_norm
 from gem_lp.norm_gemm.reference import rms_norm_fp32, rms_norm_quantize_reference
 from gem_lp.norm_gemm.triton_norm import (CANDIDATE_CONFIGS, CONFIG_FIELDS, MEASURED_CONFIG, MEASURED_KS,
-                                          NormConfig, default_config, rms_norm_backward, rms_norm_mx,
-                                          rms_norm_quantize_triton, strip_config)
+                                          OPERAND_CAST_CANDIDATE_CONFIGS, NormConfig, default_config,
+                                          rms_norm_backward, rms_norm_mx, rms_norm_quantize_triton, strip_config)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -122,13 +122,15 @@ def check_outputs(out, x, w, eps, scaling, blocked, rstd, operand_dtype, tag):
 
 # (dtype, scaling, blocked scales, operand dtype) rotated over the shapes, and so are the launch configurations:
 # the default (one chunk covers K up to 128), multi-pass ones (block_k=32: the second sweep re-reads x chunk by
-# chunk), thread strips of 1..16 rows (1: the byte-wise colwise store; M even and > 1: the paired one), whole
-# row blocks in a thread, the persistent walk over row blocks, and the 32x32-block tile kernel (thread_rows=0).
+# chunk; with prefetch, the next chunk loaded before the current one is used), thread strips of 1..16 rows (1:
+# the byte-wise colwise store; M even and > 1: the paired one), whole row blocks in a thread, the persistent
+# walk over row blocks (also with prefetch), and the 32x32-block tile kernel (thread_rows=0).
 COMBOS = list(itertools.product(DTYPES, ("rceil", "floor"), (True, False)))
 CONFIGS = (dict(), dict(block_k=32), dict(block_m=64, block_k=32, thread_rows=16),
            dict(block_m=64, block_k=64, thread_rows=2, row_blocks_in_thread=True),
            dict(block_k=32, thread_rows=4, programs_per_sm=1), dict(thread_rows=1), dict(thread_rows=0),
-           dict(block_m=64, block_k=32, thread_rows=0))
+           dict(block_m=64, block_k=32, thread_rows=0), dict(block_k=32, prefetch=True),
+           dict(block_k=32, thread_rows=2, row_blocks_in_thread=True, programs_per_sm=1, prefetch=True))
 CASES = [(M, K, COMBOS[(3 * i) % len(COMBOS)], CONFIGS[i % len(CONFIGS)], 10 * i)
          for i, (M, K) in enumerate(itertools.product(MS, KS))]
 
@@ -240,6 +242,92 @@ def test_without_weight_is_the_dual_cast():
         assert_same_values(out.col_operand, dequantize(col).t().bfloat16(), "col operand")
 
 
+def check_dual_cast(out, x, scaling, blocked, operand_dtype, tag):
+    """`rms_norm_mx(x, None, ...)`'s requested outputs equal the reference dual cast of x (on CPU)."""
+    x = x.cpu()
+    row = quantize_reference(x, axis=1, scaling=scaling)
+    col = quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True)
+    assert out.rstd is None
+    for got, want, what in ((out.rowwise, row, "row"), (out.colwise, col, "col")):
+        if got is not None:
+            assert_same_bytes(got.data, want.data, f"{what} payload {tag}")
+            assert_same_bytes(got.scale, to_blocked(want.scale) if blocked else want.scale, f"{what} scale {tag}")
+    if out.row_operand is not None:
+        assert_same_values(out.row_operand, dequantize(row).to(operand_dtype), f"row operand {tag}")
+    if out.col_operand is not None:
+        assert_same_values(out.col_operand, dequantize(col).t().to(operand_dtype), f"col operand {tag}")
+
+
+def assert_column_sums(sums, x, tag, rtol=1e-5):
+    """`sums` (float32 [K]) equals `x.float().sum(0)` within `rtol` of the column's sum of magnitudes (another
+    summation order: FP32 rounding apart, not bit for bit); NaN and infinities where torch has them."""
+    want = x.float().sum(0).cpu()
+    sums = sums.cpu()
+    assert sums.dtype == torch.float32 and sums.shape == want.shape, tag
+    finite = want.isfinite()
+    assert torch.equal(sums.isnan(), want.isnan()), f"NaN columns differ {tag}"
+    assert torch.equal(sums[~finite & ~want.isnan()], want[~finite & ~want.isnan()]), f"infinite columns {tag}"
+    bound = rtol * x.float().abs().sum(0).cpu()[finite]
+    err = (sums[finite] - want[finite]).abs()
+    assert bool((err <= bound).all()), f"column sums off by up to {(err - bound).max().item():.3g} past the bound {tag}"
+
+
+# Launches of the dual cast without the norm: the default, the loop over K chunks (also with prefetch), tile
+# programs (a 2-D grid: several programs per row block, whose first zeroes the K padding of the blocked scales;
+# whole row blocks in a thread; 1-row strips: the byte-wise colwise store), and the 32x32-block tile kernel.
+DUAL_CONFIGS = (dict(), dict(block_k=32), dict(block_k=32, thread_rows=4, prefetch=True),
+                dict(block_k=32, tile_programs=True), dict(block_m=64, block_k=64, thread_rows=16, tile_programs=True),
+                dict(block_k=64, thread_rows=2, row_blocks_in_thread=True, tile_programs=True),
+                dict(block_k=32, thread_rows=1, tile_programs=True), dict(block_k=32, thread_rows=0))
+DUAL_CASES = [(M, K, DUAL_CONFIGS[i % len(DUAL_CONFIGS)], DTYPES[i % 3], i)
+              for i, (M, K) in enumerate(itertools.product((1, 33, 129), (32, 160)))]
+DUAL_CASES += [(300, 160, cfg, torch.bfloat16, 50 + i) for i, cfg in enumerate(DUAL_CONFIGS[1:5])]
+
+
+@pytest.mark.parametrize("M,K,cfg,dtype,seed", DUAL_CASES,
+                         ids=[f"{c[0]}x{c[1]}-{c[3]}-{c[2]}".replace(" ", "") for c in DUAL_CASES])
+def test_dual_cast_column_sums_and_launches(M, K, cfg, dtype, seed):
+    """Without the norm, every launch (tile programs among them; M = 300, K = 160: every kind of padding of the
+    blocked scales, written into garbage-filled buffers) writes the reference's bytes, alone or with
+    `column_sums`, which must equal `x.float().sum(0)` within FP32 rounding (a NaN and an infinity included)."""
+    x = generic_input(M, K, dtype, seed)
+    blocked = seed % 2 == 0 or M == 300
+    out = rms_norm_mx(x, None, blocked_scales=blocked, column_sums=M == 300, **cfg)  # payloads and scales
+    check_dual_cast(out, x, "rceil", blocked, torch.bfloat16, f"payloads {cfg}")
+    if M == 300:  # the padding case (slow in the interpreter): once
+        assert_column_sums(out.column_sums, x, f"{M}x{K} {cfg}")
+        return
+    assert out.column_sums is None
+    x[M // 2, 3] = math.nan
+    x[M - 1, K - 1] = math.inf
+    out = rms_norm_mx(x, None, blocked_scales=blocked, row_operand=True, col_operand=True, column_sums=True, **cfg)
+    check_dual_cast(out, x, "rceil", blocked, torch.bfloat16, f"operands with column sums {cfg}")
+    assert_column_sums(out.column_sums, x, f"{M}x{K} {cfg}")
+
+
+def test_column_sums_of_float32_rows_and_no_rows():
+    """FP32 x over many row blocks (rounding in every partial sum), K not a multiple of the chunk; M = 0."""
+    x = generic_input(257, 96, torch.float32, 21)
+    for cfg in (dict(), dict(block_k=64, tile_programs=True), dict(block_k=64, prefetch=True), dict(thread_rows=0)):
+        out = rms_norm_mx(x, None, rowwise=False, colwise=True, column_sums=True, **cfg)
+        assert_column_sums(out.column_sums, x, f"fp32 {cfg}")
+    out = rms_norm_mx(torch.empty(0, 64, device=DEVICE), None, column_sums=True)
+    assert torch.equal(out.column_sums.cpu(), torch.zeros(64))
+
+
+@pytest.mark.parametrize("cfg", [dict(block_k=32, prefetch=True), dict(block_k=64, thread_rows=4, prefetch=True),
+                                 dict(block_k=32, programs_per_sm=1, prefetch=True, thread_rows=16, block_m=64)],
+                         ids=["prefetch", "prefetch-r4", "prefetch-persistent"])
+@pytest.mark.parametrize("M,K", [(1, 96), (33, 160), (129, 128)])
+def test_prefetch_matches_reference(M, K, cfg):
+    """The prefetching sweeps (the last prefetch past K reads nothing) write the reference's bytes and rstd."""
+    x, w = exact_sum_input(M, K, torch.bfloat16, M + K), norm_weight(K, torch.float32, M)
+    out = rms_norm_mx(x, w, 1e-6, row_operand=True, **cfg)
+    ref = cpu_reference(x, w, 1e-6, "rceil")
+    assert_same_values(out.rstd, ref.rstd, f"rstd {cfg}")
+    check_outputs(out, x, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"{M}x{K} {cfg}")
+
+
 def test_only_the_requested_outputs_and_public_wrapper():
     x, w = exact_sum_input(33, 64, torch.bfloat16, 8), norm_weight(64, torch.bfloat16, 8)
     out = rms_norm_mx(x, w, rowwise=False, colwise=False, row_operand=True)
@@ -307,9 +395,14 @@ def test_default_config_on_the_gpu(monkeypatch):
 def test_norm_config_fields():
     c = NormConfig(32, 256, 4, 8, False, 2, 168)
     assert dict(zip(CONFIG_FIELDS, c)) == dict(block_m=32, block_k=256, num_warps=4, thread_rows=8,
-                                               row_blocks_in_thread=False, programs_per_sm=2, max_registers=168)
+                                               row_blocks_in_thread=False, programs_per_sm=2, max_registers=168,
+                                               prefetch=False, tile_programs=False)
     assert repr(c) == "32x256 w4 r8 2/SM maxreg168" and repr(NormConfig(32, 128, 4, 0)) == "32x128 w4 blocks"
-    assert NormConfig(32, 64, 1) == (32, 64, 1, 8, False, 0, 0)
+    assert repr(NormConfig(32, 128, 4, 4, prefetch=True)) == "32x128 w4 r4 prefetch"
+    assert repr(NormConfig(32, 64, 2, 4, tile_programs=True)) == "32x64 w2 r4 tiles"
+    assert NormConfig(32, 64, 1) == (32, 64, 1, 8, False, 0, 0, False, False)
+    for configs in OPERAND_CAST_CANDIDATE_CONFIGS.values():
+        assert len(set(configs)) == len(configs) and all(c[3] > 0 and not c[5] for c in configs)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -376,6 +469,14 @@ def test_errors():
         rms_norm_mx(x, w, block_k=48)
     with pytest.raises(ValueError, match=r"max_registers must be 0 \(no cap\) or in 16..255, got 8"):
         rms_norm_mx(x, w, max_registers=8)
+    with pytest.raises(ValueError, match="prefetch must be False with thread_rows=0"):
+        rms_norm_mx(x, w, thread_rows=0, prefetch=True)
+    with pytest.raises(ValueError, match="tile_programs needs thread_rows > 0 and programs_per_sm=0"):
+        rms_norm_mx(x, None, programs_per_sm=1, tile_programs=True)
+    with pytest.raises(ValueError, match="tile_programs=True needs weight=None"):
+        rms_norm_mx(x, w, tile_programs=True)
+    with pytest.raises(ValueError, match="column_sums=True needs weight=None"):
+        rms_norm_mx(x, w, column_sums=True)
     with pytest.raises(ValueError, match="scaling must be one of"):
         rms_norm_mx(x, w, scaling="round")
     with pytest.raises(ValueError, match=r"rstd must be a contiguous float32 \[M=8\]"):
@@ -443,6 +544,43 @@ def test_default_configs_compile_for_hopper():
         [list(MEASURED_CONFIG)] * 2 * len(MEASURED_KS))
 
 
+_HOPPER_COMPILE_NEW = """
+import json, torch
+from benchmarks.bench_norm_gemm import build_norm
+from gem_lp.norm_gemm.triton_norm import CANDIDATE_CONFIGS, OPERAND_CAST_CANDIDATE_CONFIGS, NormConfig
+operands = dict(normalize=False, rowwise=False, colwise=False, row_operand=True, col_operand=True)
+builds = [(3072, c, dict(operands, column_sums=sums)) for c in OPERAND_CAST_CANDIDATE_CONFIGS[3072][:2]
+          for sums in (False, True)]
+builds += [(1024, c, {}) for c in CANDIDATE_CONFIGS[1024] if c[7] or c[1] == 1024]  # prefetch and one pass
+for K, config, kw in builds:
+    for M in (4096, 4064):
+        b = build_norm(M, K, config, **kw)
+        print(json.dumps(dict(K=K, M=M, sums=kw.get("column_sums", False), config=list(config), **b)))
+"""
+
+
+def test_new_launches_compile_for_hopper():
+    """sm_90 builds of the tile-program operand casts (with and without column sums: float32 atomics only with)
+    and of the prefetching and one-pass RMSNorm candidates: no spills, registers within a launch's cap, 16-byte
+    loads, and for the tile programs fewer registers than the default operand cast's 226 (8 warps an SM)."""
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE_NEW], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    n_norm = sum(1 for c in CANDIDATE_CONFIGS[1024] if c[7] or c[1] == 1024)
+    assert len(builds) == 2 * (4 + n_norm), done.stdout
+    for b in builds:
+        assert b["spills"] == 0 and b["ld_v4"] > 0, b
+        assert b["config"][6] == 0 or b["regs"] <= b["config"][6], b
+        assert (b["atomics"] > 0) == b["sums"], b
+        if b["config"][8]:
+            assert b["regs"] <= 160, b
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -488,7 +626,7 @@ def test_gpu_every_candidate_config_matches_reference(K, config):
     garbage-filled buffers), with NaN/Inf rows: exact-sum inputs bit for bit, generic ones given the kernel's
     rstd."""
     kw = dict(zip(CONFIG_FIELDS, config))
-    assert len(kw) == len(config) == 7
+    assert len(kw) == len(config) == len(CONFIG_FIELDS)
     w = norm_weight(K, torch.float32, K)
     for M in (4096, 4097, 33, 1):
         exact = exact_sum_input(M, K, torch.bfloat16, M)
@@ -505,6 +643,41 @@ def test_gpu_every_candidate_config_matches_reference(K, config):
         ulp = torch.finfo(torch.float32).eps * ref.rstd.abs()
         assert bool(((out.rstd.cpu() - ref.rstd).abs() <= 4 * ulp).all()), f"rstd {config!r} M={M}"
         check_outputs(out, x, w, 1e-6, "rceil", True, out.rstd, torch.bfloat16, f"generic {config!r} M={M}")
+
+
+OPERAND_CAST_GPU_CONFIGS = [(K, c) for K, configs in OPERAND_CAST_CANDIDATE_CONFIGS.items()
+                            for c in (strip_config(K, True, True),) + configs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,config", OPERAND_CAST_GPU_CONFIGS,
+                         ids=[f"K{K}-{c!r}".replace(" ", "_") for K, c in OPERAND_CAST_GPU_CONFIGS])
+def test_gpu_operand_cast_candidates_match_reference(K, config):
+    """Every launch the benchmark times for the dual-operand cast without the norm (MXLinear's dY), the
+    default among them: even, odd and tiny M, NaN and Inf in x, garbage-filled outputs; the operands (and, once,
+    the payloads) byte for byte, and the column sums within FP32 rounding of torch's."""
+    kw = dict(zip(CONFIG_FIELDS, config))
+    for M in (4096, 4097, 33, 1):
+        x = generic_input(M, K, torch.bfloat16, M + K)
+        x[M // 2, 5] = math.nan
+        x[M - 1, 7] = -math.inf
+        out = rms_norm_mx(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True,
+                          column_sums=True, **kw)
+        check_dual_cast(out, x, "rceil", True, torch.bfloat16, f"{config!r} M={M}")
+        assert_column_sums(out.column_sums, x, f"{config!r} M={M}")
+    out = rms_norm_mx(x, None, **kw)
+    check_dual_cast(out, x, "rceil", True, torch.bfloat16, f"payloads {config!r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_programs", [False, True])
+def test_gpu_column_sums_of_a_large_dy(tile_programs):
+    """32768 x 3072 (MXLinear's dY in the benchmark): the column sums against torch's FP32 sum on the GPU."""
+    x = torch.randn(32768, 3072, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(3))
+    cfg = dict(block_m=32, block_k=64, num_warps=2, thread_rows=4, tile_programs=True) if tile_programs else {}
+    out = rms_norm_mx(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True, column_sums=True,
+                      **cfg)
+    assert_column_sums(out.column_sums, x, f"tile_programs={tile_programs}")
 
 
 @pytest.mark.gpu
