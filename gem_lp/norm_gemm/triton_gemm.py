@@ -509,6 +509,9 @@ _MX_GEMMS = ("fp8", "dot_scaled")
 def check_linear_gemm(gemm: str) -> None:
     if gemm not in LINEAR_GEMMS:
         raise ValueError(f"gemm must be one of {LINEAR_GEMMS}, got {gemm!r}")
+    if gemm == "dot_scaled" and interpreter_enabled():
+        raise ValueError("gemm='dot_scaled' does not run in Triton's interpreter (tl.dot_scaled); use 'fp8' or a "
+                         "dequantized route on CPU")
 
 
 def check_linear_args(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -411,6 +411,9 @@ def test_linear_argument_errors():
             mx_linear_triton(*args)
     with pytest.raises(ValueError, match="gemm must be one of"):
         mx_linear_triton(x, w, b, "rceil", "cutlass")
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="gemm='dot_scaled' does not run in Triton's interpreter"):
+            mx_linear_triton(x, w, b, "rceil", "dot_scaled")
     with pytest.raises(ValueError, match="scaling"):
         mx_linear_triton(x, w, b, "nearest")
     with pytest.raises(ValueError, match=r"norm_weight must be \[K=64\]"):
