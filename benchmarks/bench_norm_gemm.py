@@ -52,6 +52,8 @@ from gem_lp.numerics import sqnr_db  # noqa: E402
 EPS = 1e-6
 DEVICE = "cuda"
 NORM_SHAPES = ((32768, 1024), (32768, 4096))  # K of each is a key of triton_norm.CANDIDATE_CONFIGS
+# MXLinear's dY cast (no norm, both dequantized operands): K a key of triton_norm.OPERAND_CAST_CANDIDATE_CONFIGS
+OPERAND_CAST_SHAPES = ((32768, 3072),)
 # (M, N, K): Y [M, N] = A [M, K] B [N, K]^T
 GEMM_SHAPES = ((8192, 8192, 8192), (32768, 3072, 1024), (32768, 4096, 1024), (32768, 1024, 4096),
                (32768, 1536, 512))
@@ -134,6 +136,82 @@ def norm_configs(K: int) -> list[tn.NormConfig]:
     """The default launch configuration for rows of K first, then the other candidates."""
     default = tn.default_config(K)
     return [default] + [c for c in tn.CANDIDATE_CONFIGS.get(K, ()) if c != default]
+
+
+def operand_cast_configs(K: int) -> list[tn.NormConfig]:
+    """The dual-operand cast without the norm (MXLinear's dY): its default launch for rows of K (M even, hardware
+    conversion), then the other candidates."""
+    default = tn.default_config(K, True, True, True, False)
+    return [default] + [c for c in tn.OPERAND_CAST_CANDIDATE_CONFIGS.get(K, ()) if c != default]
+
+
+def _operand_cast_matches_reference(out, x) -> bool:
+    """Both operands equal the dequantized reference casts of x (rowwise; colwise of x^T, laid out as x)."""
+    ok = True
+    for got, axis_of in ((out.row_operand, lambda t: t), (out.col_operand, lambda t: t.t())):
+        want = dequantize(quantize_reference(axis_of(x), axis=1, allow_partial=True))
+        ok &= torch.equal(got, axis_of(want).to(got.dtype))
+        del want
+    return bool(ok)
+
+
+def _column_sums_close(sums: torch.Tensor, x: torch.Tensor) -> bool:
+    """Within 1e-5 of each column's sum of magnitudes of torch's FP32 column sums (another summation order)."""
+    return bool(((sums - x.float().sum(0)).abs() <= 1e-5 * x.float().abs().sum(0)).all())
+
+
+def bench_operand_cast(bench: Bench, checks: dict) -> None:
+    """MXLinear's dY cast: `rms_norm_mx(dy, None, row_operand, col_operand)` (BF16 operands, no payloads) per
+    launch of `operand_cast_configs`, operands checked; then the same with `column_sums` (the bias gradient, sums
+    checked) beside torch's FP32 column sum alone, the payload-only dual cast of `triton_quantize` and a copy.
+    TB/s counts the bytes moved: dY read once and both operands written (and the FP32 sums)."""
+    from gem_lp.mx.triton_quantize import mx_cast_2d
+
+    for M, K in OPERAND_CAST_SHAPES:
+        group = f"dY operand cast {M}x{K}"
+        g = torch.Generator(device=DEVICE).manual_seed(M * K)
+        dy = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        moved = 3 * M * K * 2
+        configs = operand_cast_configs(K)
+        for sums in (False, True):
+            for cfg in configs:
+                kw = _config_kwargs(cfg)
+                name = (f"ours rms_norm_mx(dy, None) operands {cfg!r}" + (" + column sums" if sums else "")
+                        + (" (default)" if cfg == configs[0] else ""))
+
+                def run(kw=kw, sums=sums):
+                    return rms_norm_mx(dy, None, rowwise=False, colwise=False, row_operand=True, col_operand=True,
+                                       column_sums=sums, **kw)
+
+                try:
+                    out = run()
+                    ok = _operand_cast_matches_reference(out, dy)
+                    if sums:
+                        ok &= _column_sums_close(out.column_sums, dy)
+                    del out
+                except Exception as e:
+                    _fail(bench, group, name, e)
+                    continue
+                checks[f"{group} {name}"] = ok
+                try:
+                    build = {k: v for k, v in build_norm(M, K, cfg, normalize=False, rowwise=False, colwise=False,
+                                                         row_operand=True, col_operand=True,
+                                                         column_sums=sums).items() if k != "cvt"}
+                except Exception as e:
+                    build = dict(build_error=f"{type(e).__name__}: {str(e)[:200]}")
+                bench.time(group, name, run, nbytes=moved + (4 * K if sums else 0), config=list(cfg),
+                           bit_identical=ok, **build)
+                _free()
+        peers = [("torch dy.sum(0, dtype=float32) (the bias gradient alone)",
+                  lambda: dy.sum(0, dtype=torch.float32), M * K * 2 + 4 * K),
+                 ("triton_quantize mx_cast_2d rowwise + colwise payloads (blocked scales)",
+                  lambda: mx_cast_2d(dy, rowwise=True, colwise=True, blocked_scales=True), M * K * 4)]
+        y = torch.empty_like(dy)
+        peers.append(("copy dY (read + write)", lambda: y.copy_(dy), 2 * M * K * 2))
+        for name, fn, nbytes in peers:
+            bench.time(group, name, fn, nbytes=nbytes, peer=True)
+        del dy, y
+        _free()
 
 
 def _config_kwargs(cfg: tn.NormConfig) -> dict:
@@ -333,7 +411,8 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
 
 
 def compile_only() -> int:
-    """Build every norm launch the GPU run times, for sm_90 on this machine (no GPU); 1 if one fails."""
+    """Build every norm launch the GPU run times (RMSNorm + both casts; the dY operand cast with and without
+    column sums), for sm_90 on this machine (no GPU); 1 if one fails."""
     failed = 0
     for M, K in NORM_SHAPES:
         for i, cfg in enumerate(norm_configs(K)):
@@ -347,6 +426,21 @@ def compile_only() -> int:
             print(f"  {label}: {b['instructions_per_element']:5.1f} instructions/element  registers {b['regs']:3d}  "
                   f"spill bytes {b['spills']}  programs/SM {b['programs_per_sm']}  re-read in flight "
                   f"{b['reread_mib_in_flight']:6.1f} MiB", flush=True)
+    operands = dict(normalize=False, rowwise=False, colwise=False, row_operand=True, col_operand=True)
+    for M, K in OPERAND_CAST_SHAPES:
+        for sums in (False, True):
+            for i, cfg in enumerate(operand_cast_configs(K)):
+                label = (f"{M}x{K} dY operands{' + sums' if sums else '       '} {cfg!r:26s}"
+                         + (" (default)" if i == 0 else ""))
+                try:
+                    b = build_norm(M, K, cfg, column_sums=sums, **operands)
+                except Exception as e:
+                    failed += 1
+                    print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                print(f"  {label}: {b['instructions_per_element']:5.1f} instructions/element  registers "
+                      f"{b['regs']:3d}  spill bytes {b['spills']}  programs/SM {b['programs_per_sm']}  "
+                      f"float32 atomics {b['atomics']}", flush=True)
     print(f"sm_90 builds: {'all built' if not failed else f'{failed} FAILED'}")
     return 1 if failed else 0
 
@@ -591,7 +685,8 @@ def main(sections: tuple[str, ...] = ("norm", "gemm", "linear")) -> None:
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
     accuracy: dict[str, dict] = {}
-    for section in [f for n, f in (("norm", bench_norm), ("gemm", bench_gemm)) if n in sections]:
+    for section in [f for n, f in (("norm", bench_norm), ("norm", bench_operand_cast), ("gemm", bench_gemm))
+                    if n in sections]:
         try:
             section(bench, checks)
         except Exception as e:
