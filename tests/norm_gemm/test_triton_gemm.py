@@ -450,9 +450,9 @@ class _AtenOps(TorchDispatchMode):
 def recorded_launches(monkeypatch):
     """Names of the Triton kernels launched (not run) while the fixture is active."""
     launches = []
-    kernel_type = type(tg._mx_gemm_kernel)  # JITFunction on the GPU, InterpretedFunction in the interpreter
+    kernel_type = type(tg._mx_gemm_kernel)  # every kernel of the path is of this class (InterpretedFunction)
     monkeypatch.setattr(kernel_type, "run", lambda self, *args, grid, warmup, **kwargs: launches.append(
-        getattr(self, "__name__", None) or self.fn.__name__))
+        self.__name__))
     return launches
 
 
@@ -486,6 +486,7 @@ _EXPECTED_PER_CALL = {
 }
 
 
+@pytest.mark.skipif(ON_GPU, reason="counted in the interpreter; on the GPU, test_gpu_linear_calls_never_sync")
 @pytest.mark.parametrize("norm,gemm", list(_EXPECTED_PER_CALL), ids=lambda v: str(v))
 def test_launches_and_ops_per_call(norm, gemm, recorded_launches):
     """Steady state (W quantized at the first call): the launches of the section comment, the GEMMs and dY's
@@ -508,6 +509,7 @@ def test_launches_and_ops_per_call(norm, gemm, recorded_launches):
         assert len(recorded_launches) == n_launches + 1, f"{what} after a weight update: {recorded_launches}"
 
 
+@pytest.mark.skipif(ON_GPU, reason="counted in the interpreter; on the GPU, test_gpu_linear_calls_never_sync")
 def test_bf16_forward_casts_nothing(recorded_launches):
     """BF16 activations with an FP32 bias (the cuBLAS route adds it in BF16): after the first call the
     forward is the producer launch and the addmm, the bias cast coming from the cache."""
