@@ -242,8 +242,8 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
     group = f"{name} host overhead"
     orients = ("hdim", "seq")
     payloads, scales = allocate_outputs(values, layout.padded_total, orients)
-    op_args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, True, True,
-               False, True)
+    op_args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens,
+               layout.padded_total, True, True, False, True)
     from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
 
     grid, jit_args, jit_kwargs = launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
@@ -306,6 +306,7 @@ def launch_label(opts: LaunchOptions, default: LaunchOptions) -> str:
     return (f"rows={opts.rows} thread_rows={opts.thread_rows}{' row_blocks' if opts.row_blocks_in_thread else ''} "
             f"num_warps={opts.num_warps}" + (f" max_registers={opts.max_registers}" if opts.max_registers else "")
             + (f" programs_per_sm={opts.programs_per_sm}" if opts.programs_per_sm else "")
+            + (" direct_inverse" if opts.direct_inverse else "") + (" tile_table" if opts.tile_table else "")
             + (" (default)" if opts == default else ""))
 
 
@@ -340,7 +341,7 @@ def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, pa
 
             def run(opts=opts):
                 launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
-                       payloads, scales, True, **opts._asdict())
+                       payloads, scales, True, tile_tokens=layout.tile_tokens, **opts._asdict())
 
             try:
                 for out in (*payloads.values(), *scales.values()):
@@ -466,9 +467,10 @@ def build_figures(orientations: tuple[str, ...], heads: int, dim: int, opts: Lau
     values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
     offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
     tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
+    tile_tokens = torch.zeros(tp // 128, 2, dtype=torch.int64)
     payloads, scales = allocate_outputs(values, tp, orientations)
     grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales, True,
-                                     hw_cast=True, **opts._asdict())
+                                     tile_tokens=tile_tokens, hw_cast=True, **opts._asdict())
     compiled = compile_for_target(_jagged_mx_kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)

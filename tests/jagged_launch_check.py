@@ -21,7 +21,7 @@ def check_launch(values: torch.Tensor, offsets: torch.Tensor, orientations, **op
     scales = {n: torch.full((h, hdim_bytes if n.endswith("hdim") else seq_bytes), 0xA5, dtype=torch.uint8,
                             device=dev) for o in orientations for n in SCALE_NAMES[o]}
     launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
-           True, **options)
+           True, tile_tokens=layout.tile_tokens, **options)
     ref = quantize_jagged_reference(values, layout, orientations, "rceil")
     for o in orientations:
         assert torch.equal(payloads[o].view(torch.uint8), ref.payload(o).view(torch.uint8)), f"payload_{o}"

@@ -31,6 +31,9 @@ class JaggedLayout:
         total: T, the number of packed tokens (`offsets[-1]`).
         padded_total: Tp, the number of padded scale rows (`scale_offsets[-1]`, a multiple of 128).
         tile_seq: `[Tp/128]` int32, the sequence owning each 128-row tile (see `tile_sequences`).
+        tile_tokens: `[Tp/128, 2]` int64, per tile: the packed token its first padded row stands for
+            (`offsets[b] + 128 * tile - scale_offsets[b]` of its sequence b) and the end of that sequence
+            (`offsets[b+1]`); see `tile_token_table`.
     """
 
     offsets: torch.Tensor
@@ -40,6 +43,7 @@ class JaggedLayout:
     total: int
     padded_total: int
     tile_seq: torch.Tensor
+    tile_tokens: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -96,7 +100,8 @@ class JaggedLayout:
         else:
             _check_ints(total=total, max_len=max_len, padded_total=padded_total)
         tiles = tile_sequences(scale_offsets, int(padded_total) // SCALE_ROW_TILE)
-        return cls(offsets, lengths, scale_offsets, int(max_len), int(total), int(padded_total), tiles)
+        return cls(offsets, lengths, scale_offsets, int(max_len), int(total), int(padded_total), tiles,
+                   tile_token_table(offsets, scale_offsets, tiles))
 
 
 def check_offsets_form(offsets: torch.Tensor, values: torch.Tensor | None = None) -> None:
@@ -164,3 +169,14 @@ def tile_sequences(scale_offsets: torch.Tensor, num_tiles: int) -> torch.Tensor:
     """
     starts = torch.arange(num_tiles, device=scale_offsets.device, dtype=torch.int64) * SCALE_ROW_TILE
     return (torch.searchsorted(scale_offsets, starts, right=True) - 1).to(torch.int32)
+
+
+def tile_token_table(offsets: torch.Tensor, scale_offsets: torch.Tensor, tile_seq: torch.Tensor) -> torch.Tensor:
+    """`[num_tiles, 2]` int64: per 128-row tile, the packed token of its first padded row (as if every padded row
+    of its sequence b were a token: `offsets[b] + 128 * tile - scale_offsets[b]`, past the sequence's end for a
+    tile of padding rows) and the end of its sequence (`offsets[b+1]`). A kernel program then finds its tokens
+    with one lookup instead of `tile_seq` followed by `offsets` and `scale_offsets`. On device, no host sync."""
+    b = tile_seq.to(torch.int64)
+    offsets = offsets.to(torch.int64)
+    starts = torch.arange(b.numel(), device=b.device, dtype=torch.int64) * SCALE_ROW_TILE
+    return torch.stack([offsets[b] + starts - scale_offsets[b], offsets[b + 1]], dim=1).contiguous()

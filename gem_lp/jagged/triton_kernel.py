@@ -47,6 +47,11 @@ class LaunchOptions(NamedTuple):
     `maxnreg`; 0: no limit); a limit below what the kernel needs spills to local memory. programs_per_sm: 0,
     one program per chunk and head; else a persistent grid of programs_per_sm x SMs programs (at most one per
     chunk and head), each walking the chunks and loading the next one's values before storing the current one.
+    direct_inverse: each payload's inverse scale straight from its block's amax (`_payload`: 7 instead of 9
+    instructions per block; rceil with the hardware cast, else no effect). tile_table: a program finds its
+    tokens with one lookup (`JaggedLayout.tile_tokens`: first token of its 128-row tile and end of the tile's
+    sequence) instead of two dependent ones (`tile_seq`, then `offsets` and `scale_offsets`): one memory
+    latency less before its values can be requested.
     """
 
     rows: int
@@ -55,6 +60,8 @@ class LaunchOptions(NamedTuple):
     num_warps: int
     max_registers: int = 0
     programs_per_sm: int = 0
+    direct_inverse: bool = False
+    tile_table: bool = False
 
 
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
@@ -77,17 +84,23 @@ DEFAULT_LAUNCH = {
 # 80; the hdim default (64, 2, row blocks; 145 registers) spills 80 bytes at 128 and 288 at 96 (the plain
 # hdim strips need 64-80 registers unlimited).
 CANDIDATE_LAUNCHES = {
-    # hdim+seq: also 4-token strips (thread_rows 4), of 32 elements per thread with 4 or 8 warps
+    # hdim+seq: also 4-token strips (thread_rows 4), of 32 elements per thread with 4 or 8 warps; the default
+    # and the 64-thread strips with the one-lookup prologue (tile_table) and the direct inverse scales (sm_90
+    # SASS instructions: default 637, + direct_inverse 625, + tile_table 629, both 617; all at 64 registers)
     "hdim+seq": ((64, 16, False, 2, 0), (128, 16, False, 4, 0), (32, 8, False, 2, 0), (64, 8, False, 4, 0),
                  (128, 8, False, 8, 0), (32, 4, False, 2, 128), (32, 4, False, 4, 0), (32, 4, False, 4, 64),
-                 (64, 4, False, 8, 0), (32, 2, False, 4, 0), (64, 4, False, 4, 0), (32, 4, False, 4, 72)),
+                 (64, 4, False, 8, 0), (32, 2, False, 4, 0), (64, 4, False, 4, 0), (32, 4, False, 4, 72),
+                 (32, 4, False, 4, 64, 0, False, True), (32, 4, False, 4, 64, 0, True, False),
+                 (32, 4, False, 4, 64, 0, True, True), (32, 4, False, 2, 128, 0, True, True),
+                 (32, 8, False, 2, 0, 0, True, True)),
     # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
     # 16-byte loads read 4 (thread_rows 4: 8) runs of 128 (64) contiguous bytes rather than 32 separate
     # 16-byte pieces
     "hdim": ((64, 1, True, 4, 0), (32, 1, True, 2, 0), (128, 1, True, 8, 0), (64, 2, True, 2, 0),
-             (32, 8, False, 2, 0), (32, 4, False, 2, 0), (64, 8, False, 4, 0), (64, 4, False, 4, 0)),
+             (32, 8, False, 2, 0), (32, 4, False, 2, 0), (64, 8, False, 4, 0), (64, 4, False, 4, 0),
+             (32, 8, False, 2, 0, 0, True, True)),
     "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0), (32, 8, False, 2, 0),
-               (32, 4, False, 4, 0), (64, 8, False, 4, 0)),
+               (32, 4, False, 4, 0), (64, 8, False, 4, 0), (32, 8, False, 2, 0, 0, True, True)),
 }
 # The persistent walk (programs_per_sm > 0; the same tuples with a 6th field), timed beside CANDIDATE_LAUNCHES:
 # the loads of a program's next chunk go out before it quantizes and stores the current one, instead of
@@ -128,17 +141,54 @@ def _seq_scale_offset(feature, tile, j, num_tiles):
 
 
 @triton.jit
-def _chunk_of(item, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H: tl.constexpr, ROWS: tl.constexpr):
+def _payload(x, amax_bits, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LEAN: tl.constexpr):
+    """E4M3 payload bytes (uint8) of FP32 `x` in blocks whose amax bits are `amax_bits` (broadcastable): the
+    bytes of `block_payload(x, block_scale(amax_bits, RCEIL), HW_CAST)`.
+
+    LEAN (rceil, hardware cast): fewer instructions per block. The inverse scale 2^(127 - byte) comes straight
+    from d = amax / 448 rounded up to a power of two (its exponent field is byte << 23; d <= 2^-127 gives
+    byte 0), without forming the byte or clamping it; a NaN/Inf block gets NaN from the FMA's addend
+    -(amax - amax), which is -0 for finite blocks (so the product, -0 included, is unchanged) and NaN
+    otherwise (the conversion then writes 0x7F). 7 instructions per block instead of 9.
+    """
+    if LEAN and RCEIL and HW_CAST:
+        af = amax_bits.to(tl.float32, bitcast=True)
+        d = (af * 0.0022321429569274187).to(tl.uint32, bitcast=True)
+        up = tl.where(d > 0x400000, (d + 0x7FFFFF) & 0xFF800000, 0)  # byte << 23 for finite blocks
+        inv = (0x7F000000 - up).to(tl.float32, bitcast=True)
+        y = tl.fma(x, inv, -(af - af))
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return block_payload(x, block_scale(amax_bits, RCEIL), HW_CAST)
+
+
+@triton.jit
+def _chunk_tokens(row0, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_tokens_ptr, TILE_TABLE: tl.constexpr):
+    """(tok0, n_valid) of the chunk starting at padded row `row0`: packed token of row0 and tokens of its
+    sequence in the chunk (<= 0: a chunk of padding rows), int64. TILE_TABLE: one lookup in `tile_tokens`
+    (two neighbouring int64: first token of the tile, end of its sequence); else the owner sequence from
+    `tile_seq`, then its offsets and first padded row."""
+    if TILE_TABLE:
+        tile_start = tl.load(tile_tokens_ptr + 2 * (row0 // 128))
+        seq_end = tl.load(tile_tokens_ptr + 2 * (row0 // 128) + 1)
+        tok0 = tile_start + row0 % 128
+    else:
+        b = tl.load(tile_seq_ptr + row0 // 128)
+        seq_start = tl.load(offsets_ptr + b).to(tl.int64)
+        seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
+        tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))
+    return tok0, seq_end - tok0
+
+
+@triton.jit
+def _chunk_of(item, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_tokens_ptr, H: tl.constexpr,
+              ROWS: tl.constexpr, TILE_TABLE: tl.constexpr):
     """(row0, h, tok0, n_valid) of work item `item` (chunk * H + head) of the persistent walk: first padded row
     of the chunk, head, packed token of row0, tokens of the sequence in the chunk (<= 0: padding rows only).
     An item at or past `n_items` looks up the last item (in bounds) and gets n_valid 0: no load reads for it."""
     it = tl.minimum(item, n_items - 1)
     row0 = (it // H) * ROWS
-    b = tl.load(tile_seq_ptr + row0 // 128)
-    seq_start = tl.load(offsets_ptr + b).to(tl.int64)
-    seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))
-    n_valid = tl.where(item < n_items, seq_end - tok0, 0)
+    tok0, n_valid = _chunk_tokens(row0, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_tokens_ptr, TILE_TABLE)
+    n_valid = tl.where(item < n_items, n_valid, 0)
     return row0, it % H, tok0, n_valid
 
 
@@ -161,7 +211,7 @@ def _quantize_chunk(
     stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
     H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr, DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
-    RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+    RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, LEAN: tl.constexpr,
 ):
     """Every output byte of one chunk (ROWS padded rows from row0, head h). `t`, `f_in`, `cb`, `mb`: the
     strip axes (int32); with PRELOADED, `x_first` holds the first feature chunk's values (`_load_chunk`),
@@ -205,17 +255,19 @@ def _quantize_chunk(
             if DO_HDIM or DO_SQUARE:
                 hdim_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
             if DO_HDIM:
+                tl.store(p_hdim_chunk + p_off, _payload(x, hdim_amax, RCEIL, HW_CAST, LEAN), mask=valid)
                 byte = block_scale(hdim_amax, RCEIL)
-                tl.store(p_hdim_chunk + p_off, block_payload(x, byte, HW_CAST), mask=valid)
                 tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
             if DO_SEQ:  # 32x1 along tokens
-                byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
-                tl.store(p_seq_chunk + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                seq_amax = max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+                tl.store(p_seq_chunk + p_off, _payload(x, seq_amax, RCEIL, HW_CAST, LEAN), mask=valid)
+                byte = block_scale(seq_amax, RCEIL)
                 tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
                          byte.to(tl.uint8))
             if DO_SQUARE:  # 32x32
-                byte = block_scale(max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
-                tl.store(p_square_chunk + p_off, block_payload(x, byte, HW_CAST), mask=valid)
+                square_amax = max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD)
+                tl.store(p_square_chunk + p_off, _payload(x, square_amax, RCEIL, HW_CAST, LEAN), mask=valid)
+                byte = block_scale(square_amax, RCEIL)
                 # the hdim form repeats the byte on each real token row (padding rows: 0), the seq form
                 # on each of the block's 32 features
                 on_rows = tl.where(valid, byte, 0)
@@ -265,7 +317,7 @@ def _quantize_chunk(
 
 @triton.jit
 def _jagged_mx_kernel(
-    x_ptr, offsets_ptr, scale_offsets_ptr, tile_seq_ptr,
+    x_ptr, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_tokens_ptr,
     p_hdim_ptr, p_seq_ptr, p_square_ptr,
     s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
     stride_t, stride_h, stride_d,
@@ -274,6 +326,7 @@ def _jagged_mx_kernel(
     ROW_BLOCKS_IN_THREAD: tl.constexpr,
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, PERSISTENT: tl.constexpr,
+    LEAN: tl.constexpr, TILE_TABLE: tl.constexpr,
 ):
     # PERSISTENT: the grid's programs walk the work items (chunk * H + head) p, p + n_programs, ..., and load
     # the next item's first feature chunk (its lookups one item further ahead) before quantizing and storing
@@ -288,20 +341,23 @@ def _jagged_mx_kernel(
         n_items = num_tiles * (128 // ROWS) * H
         n_programs = tl.num_programs(0)
         item = tl.program_id(0)  # < n_items: the grid has no more programs than items
-        row0, h, tok0, n_valid = _chunk_of(item, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H, ROWS)
+        row0, h, tok0, n_valid = _chunk_of(item, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr,
+                                           tile_tokens_ptr, H, ROWS, TILE_TABLE)
         x = _load_chunk(x_ptr, tok0, h, n_valid, t, f_in, stride_t, stride_h, stride_d, ROWS, LARGE_OFFSETS)
         row0_next, h_next, tok0_next, n_valid_next = _chunk_of(
-            item + n_programs, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H, ROWS)
+            item + n_programs, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_tokens_ptr, H, ROWS,
+            TILE_TABLE)
         while item < n_items:
             x_next = _load_chunk(x_ptr, tok0_next, h_next, n_valid_next, t, f_in, stride_t, stride_h, stride_d,
                                  ROWS, LARGE_OFFSETS)
             row0_after, h_after, tok0_after, n_valid_after = _chunk_of(
-                item + 2 * n_programs, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, H, ROWS)
+                item + 2 * n_programs, n_items, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_tokens_ptr, H,
+                ROWS, TILE_TABLE)
             _quantize_chunk(x, True, row0, h, tok0, n_valid, t, f_in, cb, mb,
                             x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr,
                             s_sq_seq_ptr, stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                             H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                            LARGE_OFFSETS)
+                            LARGE_OFFSETS, LEAN)
             item += n_programs
             x = x_next
             row0, h, tok0, n_valid = row0_next, h_next, tok0_next, n_valid_next
@@ -310,11 +366,9 @@ def _jagged_mx_kernel(
         pid = tl.program_id(0)
         h = pid % H
         row0 = (pid // H) * ROWS  # first padded scale row of this program
-        b = tl.load(tile_seq_ptr + row0 // 128)
-        seq_start = tl.load(offsets_ptr + b).to(tl.int64)
-        seq_end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-        tok0 = seq_start + (row0 - tl.load(scale_offsets_ptr + b))  # packed token of row0
-        n_valid = seq_end - tok0  # tokens of the sequence in this chunk (<= 0: a chunk of padding rows)
+        # packed token of row0, tokens of the sequence in this chunk (<= 0: a chunk of padding rows)
+        tok0, n_valid = _chunk_tokens(row0, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_tokens_ptr,
+                                      TILE_TABLE)
         g, c, cb, mb, r, e = tile_axes(NB, CB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
         t = mb * 32 + c * THREAD_ROWS + r
         f_in = cb * 32 + g * 8 + e
@@ -322,7 +376,7 @@ def _jagged_mx_kernel(
                         x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
                         stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                         H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                        LARGE_OFFSETS)
+                        LARGE_OFFSETS, LEAN)
 
 
 def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:
@@ -345,20 +399,23 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 scales: dict[str, torch.Tensor], rceil: bool, *,
                 chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
                 row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
-                max_registers: int | None = None, programs_per_sm: int | None = None, hw_cast: bool | None = None):
+                max_registers: int | None = None, programs_per_sm: int | None = None,
+                direct_inverse: bool | None = None, tile_table: bool | None = None,
+                tile_tokens: torch.Tensor | None = None, hw_cast: bool | None = None):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
 
     `kwargs` may be shared between calls: do not modify it.
     """
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-                                      max_registers, programs_per_sm, hw_cast)
+                                      max_registers, programs_per_sm, direct_inverse, tile_table, tile_tokens,
+                                      hw_cast)
     return grid, args, plan.kwargs
 
 
 def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
                    rows=None, thread_rows=None, row_blocks_in_thread=None, num_warps=None, max_registers=None,
-                   programs_per_sm=None, hw_cast=None):
+                   programs_per_sm=None, direct_inverse=None, tile_table=None, tile_tokens=None, hw_cast=None):
     """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch_args`)."""
     t, heads, d = values.shape
     on_cuda = values.is_cuda
@@ -367,7 +424,11 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
         heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
         rceil, on_cuda, interpreter, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
         max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
-        sm_count(values.device, off_gpu=1) if programs_per_sm else 1)
+        sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table)
+    if tile_tokens is None:
+        if plan.kwargs["TILE_TABLE"]:
+            raise ValueError("tile_table launches need tile_tokens ([Tp/128, 2] int64, JaggedLayout.tile_tokens)")
+        tile_tokens = tile_seq  # not read
     # pointers of the orientations not requested are never dereferenced: any uint8 buffer will do
     dummy = next(iter(scales.values()), None)
     if dummy is None:
@@ -377,7 +438,7 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
     p_hdim, p_seq, p_square = (payloads.get(o, dummy) for o in ("hdim", "seq", "square"))
     if interpreter and not on_cuda:
         p_hdim, p_seq, p_square = (p.view(torch.uint8) for p in (p_hdim, p_seq, p_square))
-    args = (values, offsets, scale_offsets, tile_seq, p_hdim, p_seq, p_square,
+    args = (values, offsets, scale_offsets, tile_seq, tile_tokens, p_hdim, p_seq, p_square,
             scales.get("hdim", dummy), scales.get("seq", dummy), scales.get("square_hdim", dummy),
             scales.get("square_seq", dummy), *plan.scalars)
     return plan.grid, args, plan
@@ -400,7 +461,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
                  square: bool, rceil: bool, on_cuda: bool, interpreter: bool, chunk_d: int | None, rows: int | None,
                  thread_rows: int | None, row_blocks_in_thread: bool | None, num_warps: int | None,
                  max_registers: int | None, hw_cast: bool, int32_span: int, programs_per_sm: int | None = None,
-                 sm_count: int = 1) -> _LaunchPlan:
+                 sm_count: int = 1, direct_inverse: bool | None = None, tile_table: bool | None = None) -> _LaunchPlan:
     """The `_LaunchPlan` (grid, scalar arguments, keyword arguments) of a launch: everything but the tensors,
     which depends on ints only, so that repeated calls (same batch layout, shapes and options) reuse it.
     Offsets inside a chunk at or above `int32_span` take int64 arithmetic; a persistent grid has
@@ -417,6 +478,8 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     num_warps = base.num_warps if num_warps is None else num_warps
     max_registers = base.max_registers if max_registers is None else max_registers
     programs_per_sm = base.programs_per_sm if programs_per_sm is None else programs_per_sm
+    direct_inverse = base.direct_inverse if direct_inverse is None else direct_inverse
+    tile_table = base.tile_table if tile_table is None else tile_table
     check_strip_launch(rows, thread_rows, num_warps)
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
@@ -431,6 +494,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
         H=heads, D=d, CHUNK_D=chunk_d, ROWS=rows, THREAD_ROWS=thread_rows,
         ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread), DO_HDIM=hdim, DO_SEQ=seq, DO_SQUARE=square,
         RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, PERSISTENT=programs_per_sm > 0,
+        LEAN=bool(direct_inverse), TILE_TABLE=bool(tile_table),
         num_warps=num_warps,
     )
     if max_registers:
@@ -444,7 +508,9 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
            scales: dict[str, torch.Tensor], rceil: bool, *,
            chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
            row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
-           max_registers: int | None = None, programs_per_sm: int | None = None) -> None:
+           max_registers: int | None = None, programs_per_sm: int | None = None,
+           direct_inverse: bool | None = None, tile_table: bool | None = None,
+           tile_tokens: torch.Tensor | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -454,25 +520,27 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         payloads: orientation -> `[T, H, D]` float8_e4m3fn (contiguous) for each requested orientation.
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
-        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm: launch
-            tuning:
+        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm,
+            direct_inverse, tile_table: launch tuning:
             features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
             128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
             thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
-            0 for none, programs per SM of a persistent grid, 0 for one program per chunk); each None takes
-            `default_launch`'s value. The bytes written do not depend on them.
+            0 for none, programs per SM of a persistent grid, 0 for one program per chunk, inverse scales
+            straight from the amax, one-lookup prologue); each None takes `default_launch`'s value. The bytes
+            written do not depend on them.
+        tile_tokens: `[Tp/128, 2]` int64 (`JaggedLayout.tile_tokens`), needed by tile_table launches.
     """
     if padded_total == 0:
         return
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-                                      max_registers, programs_per_sm)
+                                      max_registers, programs_per_sm, direct_inverse, tile_table, tile_tokens)
     _run(grid, args, plan)
 
 
-# Tensor arguments of `_jagged_mx_kernel` (values, 3 metadata, 3 payloads, 4 scales): what a compiled kernel is
+# Tensor arguments of `_jagged_mx_kernel` (values, 4 metadata, 3 payloads, 4 scales): what a compiled kernel is
 # specialized on besides the plan's ints and constexprs (dtype and 16-byte alignment of each).
-_N_TENSOR_ARGS = 11
+_N_TENSOR_ARGS = 12
 
 
 def _run(grid: tuple[int], args: tuple, plan: _LaunchPlan) -> None:
@@ -543,15 +611,15 @@ def _flat(payloads: dict, scales: dict) -> list[torch.Tensor]:
 
 
 def _jagged_mx_quantize_impl(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
-                             tile_seq: torch.Tensor, padded_total: int, hdim: bool, seq: bool, square: bool,
-                             rceil: bool) -> list[torch.Tensor]:
+                             tile_seq: torch.Tensor, tile_tokens: torch.Tensor, padded_total: int, hdim: bool,
+                             seq: bool, square: bool, rceil: bool) -> list[torch.Tensor]:
     """Jagged MX quantization in one launch; returns, for each requested orientation in the order hdim, seq,
     square: its payload `[T, H, D]` float8_e4m3fn and its blocked scales `[H, bytes]` uint8 (square: the
     hdim form, then the seq form)."""
     payloads, scales = _allocate(values, padded_total, hdim, seq, square)
     if padded_total:
         grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads,
-                                          scales, rceil)
+                                          scales, rceil, tile_tokens=tile_tokens)
         _run(grid, args, plan)
     return _flat(payloads, scales)
 
@@ -562,7 +630,7 @@ jagged_mx_quantize = torch.library.custom_op("gem_lp::jagged_mx_quantize", _jagg
 
 
 @jagged_mx_quantize.register_fake
-def _(values, offsets, scale_offsets, tile_seq, padded_total, hdim, seq, square, rceil):
+def _(values, offsets, scale_offsets, tile_seq, tile_tokens, padded_total, hdim, seq, square, rceil):
     payloads, scales = _allocate(values, padded_total, hdim, seq, square)
     return _flat(payloads, scales)
 
@@ -578,9 +646,9 @@ def _direct_call(*tensors: torch.Tensor) -> bool:
 def quantize_jagged_triton(values: torch.Tensor, layout, orientations: tuple[str, ...], scaling: str):
     """Triton backend of `quantize_jagged` (arguments already checked there)."""
     hdim, seq, square = "hdim" in orientations, "seq" in orientations, "square" in orientations
-    args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, hdim, seq, square,
-            scaling == "rceil")
-    direct = _direct_call(values, layout.offsets, layout.scale_offsets, layout.tile_seq)
+    args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens, layout.padded_total,
+            hdim, seq, square, scaling == "rceil")
+    direct = _direct_call(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens)
     outs = iter(_jagged_mx_quantize_impl(*args) if direct else jagged_mx_quantize(*args))
     t, heads, d = values.shape
     jmx = JaggedMXTensor(layout, scaling, values.dtype, heads, d)

@@ -9,7 +9,7 @@ import torch
 
 from gem_lp.jagged import JaggedLayout, dequantize_jagged, quantize_jagged
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, launch
+from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, LaunchOptions, launch
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 
 pytestmark = pytest.mark.gpu
@@ -56,18 +56,20 @@ def test_mixed_batch_every_byte(mixed_batch, dtype, scaling, heads, dim):
     _check_every_byte(mixed_batch, dtype, scaling, heads, dim)
 
 
-LAUNCHES = sorted({launch for group in CANDIDATE_LAUNCHES.values() for launch in group})
+LAUNCHES = sorted({LaunchOptions(*launch) for group in CANDIDATE_LAUNCHES.values() for launch in group})
 
 
-@pytest.mark.parametrize("rows,thread_rows,row_blocks,num_warps,max_registers", LAUNCHES,
-                         ids=[f"rows{r}-t{t}{'b' if b else ''}-w{w}" + (f"-r{m}" if m else "")
-                              for r, t, b, w, m in LAUNCHES])
-def test_launch_options_every_byte(mixed_batch, rows, thread_rows, row_blocks, num_warps, max_registers):
-    """Every launch the benchmark times, with the hardware cast, on the outliers and non-finite values."""
-    for chunk_d in (128, 64):
-        _check_every_byte(mixed_batch, torch.bfloat16, "rceil", 4, 128, rows=rows, thread_rows=thread_rows,
-                          row_blocks_in_thread=row_blocks, chunk_d=chunk_d, num_warps=num_warps,
-                          max_registers=max_registers)
+@pytest.mark.parametrize("opts", LAUNCHES,
+                         ids=[f"rows{o.rows}-t{o.thread_rows}{'b' if o.row_blocks_in_thread else ''}-w{o.num_warps}"
+                              + (f"-r{o.max_registers}" if o.max_registers else "")
+                              + ("-inv" if o.direct_inverse else "") + ("-table" if o.tile_table else "")
+                              for o in LAUNCHES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_launch_options_every_byte(mixed_batch, opts, dtype):
+    """Every launch the benchmark times, with the hardware cast, on the outliers and non-finite values (rceil,
+    where direct_inverse applies, and floor)."""
+    for chunk_d, scaling in ((128, "rceil"), (64, "rceil"), (128, "floor")):
+        _check_every_byte(mixed_batch, dtype, scaling, 4, 128, chunk_d=chunk_d, **opts._asdict())
 
 
 def _check_every_byte(mixed_batch, dtype, scaling, heads, dim, **launch_options):
@@ -80,7 +82,7 @@ def _check_every_byte(mixed_batch, dtype, scaling, heads, dim, **launch_options)
     scales = {n: torch.full((h, nb), 0xA5, dtype=torch.uint8, device="cuda") for n, nb in
               (("hdim", hdim_bytes), ("seq", seq_bytes), ("square_hdim", hdim_bytes), ("square_seq", seq_bytes))}
     launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
-           scaling == "rceil", **launch_options)
+           scaling == "rceil", tile_tokens=layout.tile_tokens, **launch_options)
     ref = quantize_jagged(values, layout, ALL, scaling=scaling, backend="reference")
     ours = type(ref)(layout, scaling, values.dtype, h, d, payloads["hdim"], payloads["seq"], payloads["square"],
                      scales["hdim"], scales["seq"], scales["square_hdim"], scales["square_seq"])
@@ -142,7 +144,10 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(mixed_batch):
     ref = quantize_jagged(values, layout, ALL, backend="reference")
     for _ in range(3):
         assert_same_bytes(quantize_jagged(values, layout, ALL, backend="triton"), ref)
-    assert any(p.compiled for p in _cached_plans(tk)), "no compiled kernel recorded for direct launches"
+    payloads, scales = tk._allocate(values, layout.padded_total, True, True, True)
+    plan = tk._plan_and_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
+                             payloads, scales, True, tile_tokens=layout.tile_tokens)[2]
+    assert plan.compiled, "no compiled kernel recorded for direct launches"
     shifted = torch.empty(values.numel() + 1, dtype=values.dtype, device="cuda")[1:].view(values.shape)
     shifted.copy_(values)
     assert shifted.data_ptr() % 16 != 0
@@ -167,8 +172,3 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(mixed_batch):
     torch.cuda.synchronize()
     assert_same_bytes(captured, ref)
 
-
-def _cached_plans(tk):
-    import gc
-
-    return [o for o in gc.get_objects() if isinstance(o, tk._LaunchPlan)]

@@ -26,12 +26,19 @@ def test_layout_fields(dtype, mixed_lengths):
     # each tile's owner: the sequence whose padded rows contain the tile's first row
     want = [b for b, p in enumerate(padded) for _ in range(p // 128)]
     assert layout.tile_seq.tolist() == want
+    # each tile's first padded row as a packed token of its sequence, and that sequence's end
+    starts = [sum(mixed_lengths[:b]) for b in range(len(mixed_lengths) + 1)]
+    first_tile = {b: sum(padded[:b]) // 128 for b in range(len(padded))}
+    assert layout.tile_tokens.dtype == torch.int64 and layout.tile_tokens.shape == (layout.num_tiles, 2)
+    assert layout.tile_tokens.tolist() == [[starts[b] + 128 * (i - first_tile[b]), starts[b + 1]]
+                                           for i, b in enumerate(want)]
 
 
 def test_tile_map_skips_runs_of_empty_sequences():
     lengths = [0, 0, 5, 0, 0, 0, 200, 0]
     layout = JaggedLayout.from_offsets(offsets_of(lengths), total=205)
     assert layout.tile_seq.tolist() == [2, 6, 6]
+    assert layout.tile_tokens.tolist() == [[0, 5], [5, 205], [133, 205]]
     assert tile_sequences(layout.scale_offsets, 0).numel() == 0
 
 
@@ -52,6 +59,7 @@ def test_one_host_sync_and_none_with_precomputed(monkeypatch, mixed_lengths):
                                      padded_total=layout.padded_total)
     assert calls == [] and fast.padded_total == layout.padded_total and fast.max_len == layout.max_len
     assert torch.equal(fast.scale_offsets, layout.scale_offsets) and torch.equal(fast.tile_seq, layout.tile_seq)
+    assert torch.equal(fast.tile_tokens, layout.tile_tokens)
     JaggedLayout.from_offsets(offsets, total=layout.total, max_len=layout.max_len,
                               padded_total=layout.padded_total, validate=True)
     assert len(calls) == 1
@@ -60,6 +68,7 @@ def test_one_host_sync_and_none_with_precomputed(monkeypatch, mixed_lengths):
 def test_empty_batch():
     layout = JaggedLayout.from_offsets(torch.zeros(1, dtype=torch.int32), torch.empty(0, 2, 32))
     assert (layout.batch_size, layout.total, layout.max_len, layout.padded_total) == (0, 0, 0, 0)
+    assert layout.tile_tokens.shape == (0, 2)
     assert layout.scale_offsets.tolist() == [0] and layout.lengths.numel() == 0
 
 

@@ -45,7 +45,7 @@ def triton_into_garbage(values, layout, scaling, **launch_options):
     scales = {n: torch.full((h, nb), 0xA5, dtype=torch.uint8, device=dev) for n, nb in
               (("hdim", hdim_bytes), ("seq", seq_bytes), ("square_hdim", hdim_bytes), ("square_seq", seq_bytes))}
     launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
-           scaling == "rceil", **launch_options)
+           scaling == "rceil", tile_tokens=layout.tile_tokens, **launch_options)
     ref = quantize_jagged_reference(values, layout, ALL, scaling)
     out = type(ref)(layout, scaling, values.dtype, h, d, payloads["hdim"], payloads["seq"], payloads["square"],
                     scales["hdim"], scales["seq"], scales["square_hdim"], scales["square_seq"])
@@ -337,7 +337,8 @@ def test_custom_op_opcheck():
     lengths = [3, 0, 40]
     values = torch.randn(43, 2, 32, device=DEVICE)
     layout = JaggedLayout.from_offsets(torch.tensor([0, 3, 3, 43], device=DEVICE), values)
-    args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, True, True, True, True)
+    args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens, layout.padded_total,
+            True, True, True, True)
     torch.library.opcheck(torch.ops.gem_lp.jagged_mx_quantize.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     assert sum(lengths) == values.shape[0]

@@ -113,11 +113,13 @@ class _FakeJit:
     def __init__(self, arg_names):
         self.arg_names = arg_names
         self.launches = []
+        self.compiled = []
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.launches.append((grid, args, kwargs))
-            return _FakeCompiled()
+            self.compiled.append(_FakeCompiled())
+            return self.compiled[-1]
         return run
 
 
@@ -146,7 +148,7 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     go(values)
     assert len(jit.launches) == 1
     grid, args, kwargs = jit.launches[0]
-    (compiled,) = _plans_compiled()
+    compiled = jit.compiled[0]
     go(values)
     go(values)
     assert len(jit.launches) == 1 and len(compiled.runs) == 2
@@ -168,10 +170,3 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     assert len(jit.launches) == 3 and len(compiled.runs) == 3
     tk._launch_plan.cache_clear()
 
-
-def _plans_compiled():
-    """The compiled kernels recorded by every cached launch plan."""
-    import gc
-
-    plans = [o for o in gc.get_objects() if isinstance(o, tk._LaunchPlan)]
-    return [k for p in plans for k in p.compiled.values()]

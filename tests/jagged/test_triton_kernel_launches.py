@@ -6,7 +6,8 @@ import torch
 
 from gem_lp.jagged import JaggedLayout
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES
+from gem_lp.jagged.triton_kernel import (CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES,
+                                         LaunchOptions)
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from jagged_launch_check import check_launch
 
@@ -18,17 +19,19 @@ LENGTHS = (1, 33, 0, 129, 70)
 
 
 def _cases():
-    """(set name, rows, thread_rows, row_blocks_in_thread): the interpreter runs each distinct strip shape
-    once per set (warps and register limits do not change what it computes)."""
+    """(set name, rows, thread_rows, row_blocks_in_thread, tile_table): the interpreter runs each distinct strip
+    shape and prologue once per set (warps, register limits and direct_inverse, which needs the hardware cast,
+    do not change what it computes)."""
     seen = {}
     for set_name, launches in CANDIDATE_LAUNCHES.items():
-        for rows, thread_rows, row_blocks, *_ in launches:
-            seen.setdefault((set_name, rows, thread_rows, row_blocks), None)
+        for c in launches:
+            o = LaunchOptions(*c)
+            seen.setdefault((set_name, o.rows, o.thread_rows, o.row_blocks_in_thread, o.tile_table), None)
     return list(seen)
 
 
 def _full_cases():
-    return sorted({(s, *c) for s, launches in CANDIDATE_LAUNCHES.items() for c in launches})
+    return sorted({(s, *LaunchOptions(*c)) for s, launches in CANDIDATE_LAUNCHES.items() for c in launches})
 
 
 CASES = _cases() if not torch.cuda.is_available() else _full_cases()
@@ -36,10 +39,11 @@ CASES = _cases() if not torch.cuda.is_available() else _full_cases()
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_candidate_launch_every_byte(mixed_batch, case):
-    set_name, rows, thread_rows, row_blocks, *rest = case
-    options = dict(rows=rows, thread_rows=thread_rows, row_blocks_in_thread=row_blocks)
-    if rest:
-        options.update(num_warps=rest[0], max_registers=rest[1])
+    set_name, *fields = case
+    if len(fields) == 4:  # the interpreter's cases
+        options = dict(zip(("rows", "thread_rows", "row_blocks_in_thread", "tile_table"), fields))
+    else:
+        options = LaunchOptions(*fields)._asdict()
     values, offsets = mixed_batch(1, 128, torch.bfloat16, lengths=LENGTHS)
     check_launch(values, offsets, LAUNCH_SETS[set_name], **options)
 
@@ -75,6 +79,7 @@ heads, dim, t, tp = 4, 128, 1000, 1280
 values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
 offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
 tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
+tile_tokens = torch.zeros(tp // 128, 2, dtype=torch.int64)
 hb, sb = scale_sizes(tp, dim)
 for set_name in LAUNCH_SETS:
     launches = (*CANDIDATE_LAUNCHES[set_name], *PERSISTENT_LAUNCHES.get(set_name, ()))
@@ -85,7 +90,7 @@ for set_name in LAUNCH_SETS:
     for c in launches:
         opts = LaunchOptions(*c)
         grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales, True,
-                                         hw_cast=True, **opts._asdict())
+                                         tile_tokens=tile_tokens, hw_cast=True, **opts._asdict())
         regs, spills = ptxas_usage(compile_for_target(_jagged_mx_kernel, args, kwargs).asm["ptx"])
         print(json.dumps(dict(set=set_name, launch=list(opts), regs=regs, spills=spills)))
 """
