@@ -51,7 +51,8 @@ class LaunchOptions(NamedTuple):
     instructions per block; rceil with the hardware cast, else no effect). tile_table: a program finds its
     tokens with one lookup (`JaggedLayout.tile_tokens`: first token of its 128-row tile and end of the tile's
     sequence) instead of two dependent ones (`tile_seq`, then `offsets` and `scale_offsets`): one memory
-    latency less before its values can be requested.
+    latency less before its values can be requested. unmasked_full: a chunk whose rows are all tokens (all but
+    the last real chunk of each sequence) takes a copy of the code without token masks.
     """
 
     rows: int
@@ -62,6 +63,7 @@ class LaunchOptions(NamedTuple):
     programs_per_sm: int = 0
     direct_inverse: bool = False
     tile_table: bool = False
+    unmasked_full: bool = False
 
 
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
@@ -85,14 +87,20 @@ DEFAULT_LAUNCH = {
 # hdim strips need 64-80 registers unlimited).
 CANDIDATE_LAUNCHES = {
     # hdim+seq: also 4-token strips (thread_rows 4), of 32 elements per thread with 4 or 8 warps; the default
-    # and the 64-thread strips with the one-lookup prologue (tile_table) and the direct inverse scales (sm_90
-    # SASS instructions: default 637, + direct_inverse 625, + tile_table 629, both 617; all at 64 registers)
+    # and the 64-thread strips with the one-lookup prologue (tile_table), the direct inverse scales and the
+    # mask-free path for full chunks (unmasked_full). sm_90 SASS instructions (H4 D128): default 637,
+    # + direct_inverse 625, + tile_table 629, both 617 (64 registers); unmasked_full holds two copies of the
+    # chunk code (1091-1146 in all), its mask-free copy about 24 instructions shorter than the masked one
+    # (593 against 617 with both other options). Left out for spilling: unmasked_full with direct_inverse at
+    # 64 registers (4 bytes).
     "hdim+seq": ((64, 16, False, 2, 0), (128, 16, False, 4, 0), (32, 8, False, 2, 0), (64, 8, False, 4, 0),
                  (128, 8, False, 8, 0), (32, 4, False, 2, 128), (32, 4, False, 4, 0), (32, 4, False, 4, 64),
                  (64, 4, False, 8, 0), (32, 2, False, 4, 0), (64, 4, False, 4, 0), (32, 4, False, 4, 72),
                  (32, 4, False, 4, 64, 0, False, True), (32, 4, False, 4, 64, 0, True, False),
                  (32, 4, False, 4, 64, 0, True, True), (32, 4, False, 2, 128, 0, True, True),
-                 (32, 8, False, 2, 0, 0, True, True)),
+                 (32, 8, False, 2, 0, 0, True, True), (32, 4, False, 4, 64, 0, False, False, True),
+                 (32, 4, False, 4, 64, 0, False, True, True), (32, 4, False, 4, 72, 0, True, True, True),
+                 (32, 8, False, 2, 0, 0, True, True, True)),
     # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
     # 16-byte loads read 4 (thread_rows 4: 8) runs of 128 (64) contiguous bytes rather than 32 separate
     # 16-byte pieces
@@ -205,6 +213,69 @@ def _load_chunk(x_ptr, tok0, h, n_valid, t, f_in, stride_t, stride_h, stride_d, 
 
 
 @triton.jit
+def _store_payload(ptr, q, valid, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, q, mask=valid)
+    else:
+        tl.store(ptr, q)
+
+
+@triton.jit
+def _quantize_features(
+    x_first, PRELOADED: tl.constexpr, MASKED: tl.constexpr, valid, t, f_in, cb, rows, jb, tile, num_tiles,
+    x_chunk, stride_t, stride_d, p_hdim_chunk, p_seq_chunk, p_square_chunk,
+    s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head,
+    H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr, RCEIL: tl.constexpr,
+    HW_CAST: tl.constexpr, LEAN: tl.constexpr,
+):
+    """Payloads and scale bytes of a chunk with real tokens, CHUNK_D features at a time (see `_quantize_chunk`).
+    MASKED: rows at or past the sequence's end (`valid` false) are neither read nor stored; else every row of
+    the chunk is a token (no masks)."""
+    NC: tl.constexpr = D // 32  # hdim-form scale columns
+    N_COL_BLOCKS: tl.constexpr = (NC + 3) // 4
+    CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per feature chunk
+    for ci in tl.static_range(D // CHUNK_D):
+        f = ci * CHUNK_D + f_in
+        if PRELOADED and ci == 0:
+            x = exact_f32(x_first)
+        else:
+            if MASKED:
+                x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d, mask=valid, other=0.0))
+            else:
+                x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d))
+        a = abs_bits(x)  # integer max: NaN/Inf cannot hide
+        p_off = t * (H * D) + f
+        col = ci * CB + cb  # hdim-form scale columns of this feature chunk
+        if DO_HDIM or DO_SQUARE:
+            hdim_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
+        if DO_HDIM:
+            _store_payload(p_hdim_chunk + p_off, _payload(x, hdim_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
+            byte = block_scale(hdim_amax, RCEIL)
+            tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
+        if DO_SEQ:  # 32x1 along tokens
+            seq_amax = max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+            _store_payload(p_seq_chunk + p_off, _payload(x, seq_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
+            byte = block_scale(seq_amax, RCEIL)
+            tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+                     byte.to(tl.uint8))
+        if DO_SQUARE:  # 32x32
+            square_amax = max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD)
+            _store_payload(p_square_chunk + p_off, _payload(x, square_amax, RCEIL, HW_CAST, LEAN), valid,
+                           MASKED)
+            byte = block_scale(square_amax, RCEIL)
+            # the hdim form repeats the byte on each real token row (padding rows: 0), the seq form
+            # on each of the block's 32 features
+            if MASKED:
+                on_rows = tl.where(valid, byte, 0)
+            else:
+                on_rows = byte
+            tl.store(s_sq_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS), on_rows.to(tl.uint8))
+            tl.store(s_sq_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+                     byte.to(tl.uint8))  # broadcast over the block's features
+
+
+@triton.jit
 def _quantize_chunk(
     x_first, PRELOADED: tl.constexpr, row0, h, tok0, n_valid, t, f_in, cb, mb,
     x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
@@ -212,6 +283,7 @@ def _quantize_chunk(
     H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr, DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, LEAN: tl.constexpr,
+    FULL_PATH: tl.constexpr,
 ):
     """Every output byte of one chunk (ROWS padded rows from row0, head h). `t`, `f_in`, `cb`, `mb`: the
     strip axes (int32); with PRELOADED, `x_first` holds the first feature chunk's values (`_load_chunk`),
@@ -242,39 +314,16 @@ def _quantize_chunk(
     p_seq_chunk = p_seq_ptr.to(tl.pointer_type(tl.uint8)) + p_chunk
     p_square_chunk = p_square_ptr.to(tl.pointer_type(tl.uint8)) + p_chunk
 
-    if n_valid > 0:
-        for ci in tl.static_range(D // CHUNK_D):
-            f = ci * CHUNK_D + f_in
-            if PRELOADED and ci == 0:
-                x = exact_f32(x_first)
-            else:
-                x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d, mask=valid, other=0.0))
-            a = abs_bits(x)  # integer max: NaN/Inf cannot hide
-            p_off = t * (H * D) + f
-            col = ci * CB + cb  # hdim-form scale columns of this feature chunk
-            if DO_HDIM or DO_SQUARE:
-                hdim_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
-            if DO_HDIM:
-                tl.store(p_hdim_chunk + p_off, _payload(x, hdim_amax, RCEIL, HW_CAST, LEAN), mask=valid)
-                byte = block_scale(hdim_amax, RCEIL)
-                tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
-            if DO_SEQ:  # 32x1 along tokens
-                seq_amax = max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-                tl.store(p_seq_chunk + p_off, _payload(x, seq_amax, RCEIL, HW_CAST, LEAN), mask=valid)
-                byte = block_scale(seq_amax, RCEIL)
-                tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
-                         byte.to(tl.uint8))
-            if DO_SQUARE:  # 32x32
-                square_amax = max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD)
-                tl.store(p_square_chunk + p_off, _payload(x, square_amax, RCEIL, HW_CAST, LEAN), mask=valid)
-                byte = block_scale(square_amax, RCEIL)
-                # the hdim form repeats the byte on each real token row (padding rows: 0), the seq form
-                # on each of the block's 32 features
-                on_rows = tl.where(valid, byte, 0)
-                tl.store(s_sq_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS),
-                         on_rows.to(tl.uint8))
-                tl.store(s_sq_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
-                         byte.to(tl.uint8))  # broadcast over the block's features
+    if n_valid >= ROWS and FULL_PATH:  # every row a token: no masks
+        _quantize_features(x_first, PRELOADED, False, valid, t, f_in, cb, rows, jb, tile, num_tiles,
+                           x_chunk, stride_t, stride_d, p_hdim_chunk, p_seq_chunk, p_square_chunk,
+                           s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head, H, D, CHUNK_D,
+                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN)
+    elif n_valid > 0:
+        _quantize_features(x_first, PRELOADED, True, valid, t, f_in, cb, rows, jb, tile, num_tiles,
+                           x_chunk, stride_t, stride_d, p_hdim_chunk, p_seq_chunk, p_square_chunk,
+                           s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head, H, D, CHUNK_D,
+                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN)
     else:  # padding rows only: every scale byte of the chunk is 0
         for ci in tl.static_range(D // CHUNK_D):
             col = ci * CB + cb
@@ -326,7 +375,7 @@ def _jagged_mx_kernel(
     ROW_BLOCKS_IN_THREAD: tl.constexpr,
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, PERSISTENT: tl.constexpr,
-    LEAN: tl.constexpr, TILE_TABLE: tl.constexpr,
+    LEAN: tl.constexpr, TILE_TABLE: tl.constexpr, FULL_PATH: tl.constexpr,
 ):
     # PERSISTENT: the grid's programs walk the work items (chunk * H + head) p, p + n_programs, ..., and load
     # the next item's first feature chunk (its lookups one item further ahead) before quantizing and storing
@@ -357,7 +406,7 @@ def _jagged_mx_kernel(
                             x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr,
                             s_sq_seq_ptr, stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                             H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                            LARGE_OFFSETS, LEAN)
+                            LARGE_OFFSETS, LEAN, FULL_PATH)
             item += n_programs
             x = x_next
             row0, h, tok0, n_valid = row0_next, h_next, tok0_next, n_valid_next
@@ -376,7 +425,7 @@ def _jagged_mx_kernel(
                         x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
                         stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                         H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                        LARGE_OFFSETS, LEAN)
+                        LARGE_OFFSETS, LEAN, FULL_PATH)
 
 
 def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:
@@ -401,21 +450,23 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
                 max_registers: int | None = None, programs_per_sm: int | None = None,
                 direct_inverse: bool | None = None, tile_table: bool | None = None,
-                tile_tokens: torch.Tensor | None = None, hw_cast: bool | None = None):
+                unmasked_full: bool | None = None, tile_tokens: torch.Tensor | None = None,
+                hw_cast: bool | None = None):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
 
     `kwargs` may be shared between calls: do not modify it.
     """
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-                                      max_registers, programs_per_sm, direct_inverse, tile_table, tile_tokens,
-                                      hw_cast)
+                                      max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
+                                      tile_tokens, hw_cast)
     return grid, args, plan.kwargs
 
 
 def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
                    rows=None, thread_rows=None, row_blocks_in_thread=None, num_warps=None, max_registers=None,
-                   programs_per_sm=None, direct_inverse=None, tile_table=None, tile_tokens=None, hw_cast=None):
+                   programs_per_sm=None, direct_inverse=None, tile_table=None, unmasked_full=None,
+                   tile_tokens=None, hw_cast=None):
     """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch_args`)."""
     t, heads, d = values.shape
     on_cuda = values.is_cuda
@@ -424,7 +475,7 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
         heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
         rceil, on_cuda, interpreter, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
         max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
-        sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table)
+        sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table, unmasked_full)
     if tile_tokens is None:
         if plan.kwargs["TILE_TABLE"]:
             raise ValueError("tile_table launches need tile_tokens ([Tp/128, 2] int64, JaggedLayout.tile_tokens)")
@@ -461,7 +512,8 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
                  square: bool, rceil: bool, on_cuda: bool, interpreter: bool, chunk_d: int | None, rows: int | None,
                  thread_rows: int | None, row_blocks_in_thread: bool | None, num_warps: int | None,
                  max_registers: int | None, hw_cast: bool, int32_span: int, programs_per_sm: int | None = None,
-                 sm_count: int = 1, direct_inverse: bool | None = None, tile_table: bool | None = None) -> _LaunchPlan:
+                 sm_count: int = 1, direct_inverse: bool | None = None, tile_table: bool | None = None,
+                 unmasked_full: bool | None = None) -> _LaunchPlan:
     """The `_LaunchPlan` (grid, scalar arguments, keyword arguments) of a launch: everything but the tensors,
     which depends on ints only, so that repeated calls (same batch layout, shapes and options) reuse it.
     Offsets inside a chunk at or above `int32_span` take int64 arithmetic; a persistent grid has
@@ -480,6 +532,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     programs_per_sm = base.programs_per_sm if programs_per_sm is None else programs_per_sm
     direct_inverse = base.direct_inverse if direct_inverse is None else direct_inverse
     tile_table = base.tile_table if tile_table is None else tile_table
+    unmasked_full = base.unmasked_full if unmasked_full is None else unmasked_full
     check_strip_launch(rows, thread_rows, num_warps)
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
@@ -494,7 +547,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
         H=heads, D=d, CHUNK_D=chunk_d, ROWS=rows, THREAD_ROWS=thread_rows,
         ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread), DO_HDIM=hdim, DO_SEQ=seq, DO_SQUARE=square,
         RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, PERSISTENT=programs_per_sm > 0,
-        LEAN=bool(direct_inverse), TILE_TABLE=bool(tile_table),
+        LEAN=bool(direct_inverse), TILE_TABLE=bool(tile_table), FULL_PATH=bool(unmasked_full),
         num_warps=num_warps,
     )
     if max_registers:
@@ -510,7 +563,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
            row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
            max_registers: int | None = None, programs_per_sm: int | None = None,
            direct_inverse: bool | None = None, tile_table: bool | None = None,
-           tile_tokens: torch.Tensor | None = None) -> None:
+           unmasked_full: bool | None = None, tile_tokens: torch.Tensor | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -521,12 +574,12 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
         chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm,
-            direct_inverse, tile_table: launch tuning:
+            direct_inverse, tile_table, unmasked_full: launch tuning:
             features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
             128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
             thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
             0 for none, programs per SM of a persistent grid, 0 for one program per chunk, inverse scales
-            straight from the amax, one-lookup prologue); each None takes `default_launch`'s value. The bytes
+            straight from the amax, one-lookup prologue, mask-free full chunks); each None takes `default_launch`'s value. The bytes
             written do not depend on them.
         tile_tokens: `[Tp/128, 2]` int64 (`JaggedLayout.tile_tokens`), needed by tile_table launches.
     """
@@ -534,7 +587,8 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         return
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-                                      max_registers, programs_per_sm, direct_inverse, tile_table, tile_tokens)
+                                      max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
+                                      tile_tokens)
     _run(grid, args, plan)
 
 

@@ -19,14 +19,15 @@ LENGTHS = (1, 33, 0, 129, 70)
 
 
 def _cases():
-    """(set name, rows, thread_rows, row_blocks_in_thread, tile_table): the interpreter runs each distinct strip
-    shape and prologue once per set (warps, register limits and direct_inverse, which needs the hardware cast,
-    do not change what it computes)."""
+    """(set name, rows, thread_rows, row_blocks_in_thread, tile_table, unmasked_full): the interpreter runs each
+    distinct strip shape, prologue and chunk path once per set (warps, register limits and direct_inverse, which
+    needs the hardware cast, do not change what it computes)."""
     seen = {}
     for set_name, launches in CANDIDATE_LAUNCHES.items():
         for c in launches:
             o = LaunchOptions(*c)
-            seen.setdefault((set_name, o.rows, o.thread_rows, o.row_blocks_in_thread, o.tile_table), None)
+            seen.setdefault((set_name, o.rows, o.thread_rows, o.row_blocks_in_thread, o.tile_table,
+                             o.unmasked_full), None)
     return list(seen)
 
 
@@ -40,8 +41,8 @@ CASES = _cases() if not torch.cuda.is_available() else _full_cases()
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_candidate_launch_every_byte(mixed_batch, case):
     set_name, *fields = case
-    if len(fields) == 4:  # the interpreter's cases
-        options = dict(zip(("rows", "thread_rows", "row_blocks_in_thread", "tile_table"), fields))
+    if len(fields) == 5:  # the interpreter's cases
+        options = dict(zip(("rows", "thread_rows", "row_blocks_in_thread", "tile_table", "unmasked_full"), fields))
     else:
         options = LaunchOptions(*fields)._asdict()
     values, offsets = mixed_batch(1, 128, torch.bfloat16, lengths=LENGTHS)
