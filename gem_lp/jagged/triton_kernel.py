@@ -602,12 +602,13 @@ def _run(grid: tuple[int], args: tuple, plan: _LaunchPlan) -> None:
     tensors) with a plan goes through Triton's JIT, which binds and specializes the arguments and finds (or
     compiles) the kernel; later ones call that compiled kernel's launcher directly with the same arguments,
     skipping the JIT's per-call binding, specialization and cache lookup (host time the GPU may wait for)."""
-    if not _compiled_launch(args[0]):
+    if (not _compiled_launch(args[0]) or _knobs.runtime.debug  # debug and instrumentation: the JIT's business
+            or _knobs.compilation.instrumentation_mode):
         _jagged_mx_kernel[grid](*args, **plan.kwargs)
         return
     device = _driver.active.get_current_device()
     tensors = args[:_N_TENSOR_ARGS]
-    key = (device, *(t.dtype for t in tensors[:4]), *(t.data_ptr() % 16 == 0 for t in tensors))
+    key = (device, *(t.dtype for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors))
     kernel = plan.compiled.get(key)
     if kernel is None:
         kernel = _jagged_mx_kernel[grid](*args, **plan.kwargs)
@@ -629,10 +630,9 @@ def _compiled_launch(values: torch.Tensor) -> bool:
 
 
 def _relaunchable(kernel) -> bool:
-    """A compiled kernel whose launcher `_run` knows how to call (Triton 3.6's `CompiledKernel`), with the
-    JIT's debug and instrumentation settings off (those are part of the JIT's key, not of the plan's)."""
+    """A compiled kernel whose launcher `_run` knows how to call (Triton 3.6's `CompiledKernel`), built without
+    the JIT's debug mode."""
     return (all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
-            and not _knobs.runtime.debug and not _knobs.compilation.instrumentation_mode
             and not getattr(_jagged_mx_kernel, "debug", False))
 
 

@@ -168,5 +168,13 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     assert len(jit.launches) == 3
     go(values)
     assert len(jit.launches) == 3 and len(compiled.runs) == 3
+    # the tile table given (int64) instead of its stand-in (tile_seq, int32): another specialization
+    tk.launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
+              True, tile_tokens=layout.tile_tokens)
+    assert len(jit.launches) == 4
+    # the JIT's debug mode: every launch through the JIT
+    monkeypatch.setattr(tk._knobs.runtime, "debug", True)
+    go(values)
+    assert len(jit.launches) == 5 and len(compiled.runs) == 3
     tk._launch_plan.cache_clear()
 
