@@ -106,9 +106,14 @@ CANDIDATE_LAUNCHES = {
     # 16-byte pieces
     "hdim": ((64, 1, True, 4, 0), (32, 1, True, 2, 0), (128, 1, True, 8, 0), (64, 2, True, 2, 0),
              (32, 8, False, 2, 0), (32, 4, False, 2, 0), (64, 8, False, 4, 0), (64, 4, False, 4, 0),
-             (32, 8, False, 2, 0, 0, True, True)),
+             # the default with the one-lookup prologue (638 SASS instructions against 642, 72 registers), with
+             # the direct inverse too (80 registers: 12 programs per SM instead of 14; at 72: 624, no spills)
+             (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
+             (32, 8, False, 2, 72, 0, True, True)),
     "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0), (32, 8, False, 2, 0),
-               (32, 4, False, 4, 0), (64, 8, False, 4, 0), (32, 8, False, 2, 0, 0, True, True)),
+               (32, 4, False, 4, 0), (64, 8, False, 4, 0),
+               # the default with the one-lookup prologue (609 against 619), with the direct inverse (610)
+               (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True)),
 }
 # The persistent walk (programs_per_sm > 0; the same tuples with a 6th field), timed beside CANDIDATE_LAUNCHES:
 # the loads of a program's next chunk go out before it quantizes and stores the current one, instead of
