@@ -307,7 +307,7 @@ def launch_label(opts: LaunchOptions, default: LaunchOptions) -> str:
             f"num_warps={opts.num_warps}" + (f" max_registers={opts.max_registers}" if opts.max_registers else "")
             + (f" programs_per_sm={opts.programs_per_sm}" if opts.programs_per_sm else "")
             + (" direct_inverse" if opts.direct_inverse else "") + (" tile_table" if opts.tile_table else "")
-            + (" unmasked_full" if opts.unmasked_full else "")
+            + (" unmasked_full" if opts.unmasked_full else "") + (" const_strides" if opts.const_strides else "")
             + (" (default)" if opts == default else ""))
 
 

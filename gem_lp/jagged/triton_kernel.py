@@ -52,7 +52,8 @@ class LaunchOptions(NamedTuple):
     tokens with one lookup (`JaggedLayout.tile_tokens`: first token of its 128-row tile and end of the tile's
     sequence) instead of two dependent ones (`tile_seq`, then `offsets` and `scale_offsets`): one memory
     latency less before its values can be requested. unmasked_full: a chunk whose rows are all tokens (all but
-    the last real chunk of each sequence) takes a copy of the code without token masks.
+    the last real chunk of each sequence) takes a copy of the code without token masks. const_strides:
+    contiguous values are addressed with compile-time strides (H * D, D, 1) instead of the runtime ones.
     """
 
     rows: int
@@ -64,6 +65,7 @@ class LaunchOptions(NamedTuple):
     direct_inverse: bool = False
     tile_table: bool = False
     unmasked_full: bool = False
+    const_strides: bool = False
 
 
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
@@ -91,8 +93,10 @@ CANDIDATE_LAUNCHES = {
     # mask-free path for full chunks (unmasked_full). sm_90 SASS instructions (H4 D128): default 637,
     # + direct_inverse 625, + tile_table 629, both 617 (64 registers); unmasked_full holds two copies of the
     # chunk code (1091-1146 in all), its mask-free copy about 24 instructions shorter than the masked one
-    # (593 against 617 with both other options). Left out for spilling: unmasked_full with direct_inverse at
-    # 64 registers (4 bytes).
+    # (593 against 617 with both other options); const_strides (contiguous values: compile-time strides)
+    # takes direct_inverse + tile_table from 617 to 606 and fits all four options in 64 registers (1095 in
+    # all, no spills; without const_strides, unmasked_full + direct_inverse at 64 registers spills 4 bytes);
+    # the 8-token strips with direct_inverse, tile_table and const_strides: 939 (14.7 per element).
     "hdim+seq": ((64, 16, False, 2, 0), (128, 16, False, 4, 0), (32, 8, False, 2, 0), (64, 8, False, 4, 0),
                  (128, 8, False, 8, 0), (32, 4, False, 2, 128), (32, 4, False, 4, 0), (32, 4, False, 4, 64),
                  (64, 4, False, 8, 0), (32, 2, False, 4, 0), (64, 4, False, 4, 0), (32, 4, False, 4, 72),
@@ -100,7 +104,8 @@ CANDIDATE_LAUNCHES = {
                  (32, 4, False, 4, 64, 0, True, True), (32, 4, False, 2, 128, 0, True, True),
                  (32, 8, False, 2, 0, 0, True, True), (32, 4, False, 4, 64, 0, False, False, True),
                  (32, 4, False, 4, 64, 0, False, True, True), (32, 4, False, 4, 72, 0, True, True, True),
-                 (32, 8, False, 2, 0, 0, True, True, True)),
+                 (32, 8, False, 2, 0, 0, True, True, True), (32, 4, False, 4, 64, 0, True, True, False, True),
+                 (32, 4, False, 4, 64, 0, True, True, True, True), (32, 8, False, 2, 0, 0, True, True, False, True)),
     # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
     # 16-byte loads read 4 (thread_rows 4: 8) runs of 128 (64) contiguous bytes rather than 32 separate
     # 16-byte pieces
@@ -109,11 +114,12 @@ CANDIDATE_LAUNCHES = {
              # the default with the one-lookup prologue (638 SASS instructions against 642, 72 registers), with
              # the direct inverse too (80 registers: 12 programs per SM instead of 14; at 72: 624, no spills)
              (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
-             (32, 8, False, 2, 72, 0, True, True)),
+             (32, 8, False, 2, 72, 0, True, True), (32, 8, False, 2, 72, 0, True, True, False, True)),  # 618
     "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0), (32, 8, False, 2, 0),
                (32, 4, False, 4, 0), (64, 8, False, 4, 0),
                # the default with the one-lookup prologue (609 against 619), with the direct inverse (610)
-               (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True)),
+               (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
+               (32, 8, False, 2, 96, 0, True, True, False, True)),  # 610 (113 registers without the limit)
 }
 # The persistent walk (programs_per_sm > 0; the same tuples with a 6th field), timed beside CANDIDATE_LAUNCHES:
 # the loads of a program's next chunk go out before it quantizes and stores the current one, instead of
@@ -288,11 +294,16 @@ def _quantize_chunk(
     H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr, DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, LEAN: tl.constexpr,
-    FULL_PATH: tl.constexpr,
+    FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr,
 ):
     """Every output byte of one chunk (ROWS padded rows from row0, head h). `t`, `f_in`, `cb`, `mb`: the
     strip axes (int32); with PRELOADED, `x_first` holds the first feature chunk's values (`_load_chunk`),
-    else each feature chunk is loaded here."""
+    else each feature chunk is loaded here. CONST_STRIDES: the values are contiguous `[T, H, D]`, so their
+    strides are compile-time constants (the loads of a thread then share one address)."""
+    if CONST_STRIDES:
+        stride_t = H * D
+        stride_h = D
+        stride_d = 1
     NC: tl.constexpr = D // 32  # hdim-form scale columns
     N_COL_BLOCKS: tl.constexpr = (NC + 3) // 4
     CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per feature chunk
@@ -380,7 +391,7 @@ def _jagged_mx_kernel(
     ROW_BLOCKS_IN_THREAD: tl.constexpr,
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, PERSISTENT: tl.constexpr,
-    LEAN: tl.constexpr, TILE_TABLE: tl.constexpr, FULL_PATH: tl.constexpr,
+    LEAN: tl.constexpr, TILE_TABLE: tl.constexpr, FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr,
 ):
     # PERSISTENT: the grid's programs walk the work items (chunk * H + head) p, p + n_programs, ..., and load
     # the next item's first feature chunk (its lookups one item further ahead) before quantizing and storing
@@ -411,7 +422,7 @@ def _jagged_mx_kernel(
                             x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr,
                             s_sq_seq_ptr, stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                             H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                            LARGE_OFFSETS, LEAN, FULL_PATH)
+                            LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES)
             item += n_programs
             x = x_next
             row0, h, tok0, n_valid = row0_next, h_next, tok0_next, n_valid_next
@@ -430,7 +441,7 @@ def _jagged_mx_kernel(
                         x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
                         stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                         H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                        LARGE_OFFSETS, LEAN, FULL_PATH)
+                        LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES)
 
 
 def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:
@@ -455,8 +466,8 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
                 max_registers: int | None = None, programs_per_sm: int | None = None,
                 direct_inverse: bool | None = None, tile_table: bool | None = None,
-                unmasked_full: bool | None = None, tile_tokens: torch.Tensor | None = None,
-                hw_cast: bool | None = None):
+                unmasked_full: bool | None = None, const_strides: bool | None = None,
+                tile_tokens: torch.Tensor | None = None, hw_cast: bool | None = None):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
 
     `kwargs` may be shared between calls: do not modify it.
@@ -464,14 +475,14 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      tile_tokens, hw_cast)
+                                      const_strides, tile_tokens, hw_cast)
     return grid, args, plan.kwargs
 
 
 def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
                    rows=None, thread_rows=None, row_blocks_in_thread=None, num_warps=None, max_registers=None,
                    programs_per_sm=None, direct_inverse=None, tile_table=None, unmasked_full=None,
-                   tile_tokens=None, hw_cast=None):
+                   const_strides=None, tile_tokens=None, hw_cast=None):
     """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch_args`)."""
     t, heads, d = values.shape
     on_cuda = values.is_cuda
@@ -480,7 +491,8 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
         heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
         rceil, on_cuda, interpreter, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
         max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
-        sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table, unmasked_full)
+        sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table, unmasked_full,
+        const_strides)
     if tile_tokens is None:
         if plan.kwargs["TILE_TABLE"]:
             raise ValueError("tile_table launches need tile_tokens ([Tp/128, 2] int64, JaggedLayout.tile_tokens)")
@@ -518,7 +530,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
                  thread_rows: int | None, row_blocks_in_thread: bool | None, num_warps: int | None,
                  max_registers: int | None, hw_cast: bool, int32_span: int, programs_per_sm: int | None = None,
                  sm_count: int = 1, direct_inverse: bool | None = None, tile_table: bool | None = None,
-                 unmasked_full: bool | None = None) -> _LaunchPlan:
+                 unmasked_full: bool | None = None, const_strides: bool | None = None) -> _LaunchPlan:
     """The `_LaunchPlan` (grid, scalar arguments, keyword arguments) of a launch: everything but the tensors,
     which depends on ints only, so that repeated calls (same batch layout, shapes and options) reuse it.
     Offsets inside a chunk at or above `int32_span` take int64 arithmetic; a persistent grid has
@@ -538,6 +550,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     direct_inverse = base.direct_inverse if direct_inverse is None else direct_inverse
     tile_table = base.tile_table if tile_table is None else tile_table
     unmasked_full = base.unmasked_full if unmasked_full is None else unmasked_full
+    const_strides = base.const_strides if const_strides is None else const_strides
     check_strip_launch(rows, thread_rows, num_warps)
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
@@ -553,6 +566,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
         ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread), DO_HDIM=hdim, DO_SEQ=seq, DO_SQUARE=square,
         RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, PERSISTENT=programs_per_sm > 0,
         LEAN=bool(direct_inverse), TILE_TABLE=bool(tile_table), FULL_PATH=bool(unmasked_full),
+        CONST_STRIDES=bool(const_strides) and tuple(strides) == (heads * d, d, 1),
         num_warps=num_warps,
     )
     if max_registers:
@@ -568,7 +582,8 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
            row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
            max_registers: int | None = None, programs_per_sm: int | None = None,
            direct_inverse: bool | None = None, tile_table: bool | None = None,
-           unmasked_full: bool | None = None, tile_tokens: torch.Tensor | None = None) -> None:
+           unmasked_full: bool | None = None, const_strides: bool | None = None,
+           tile_tokens: torch.Tensor | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -579,12 +594,13 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
         chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm,
-            direct_inverse, tile_table, unmasked_full: launch tuning:
+            direct_inverse, tile_table, unmasked_full, const_strides: launch tuning:
             features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
             128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
             thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
             0 for none, programs per SM of a persistent grid, 0 for one program per chunk, inverse scales
-            straight from the amax, one-lookup prologue, mask-free full chunks); each None takes `default_launch`'s value. The bytes
+            straight from the amax, one-lookup prologue, mask-free full chunks, compile-time strides of
+            contiguous values); each None takes `default_launch`'s value. The bytes
             written do not depend on them.
         tile_tokens: `[Tp/128, 2]` int64 (`JaggedLayout.tile_tokens`), needed by tile_table launches.
     """
@@ -593,7 +609,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      tile_tokens)
+                                      const_strides, tile_tokens)
     _run(grid, args, plan)
 
 

@@ -63,7 +63,7 @@ LAUNCHES = sorted({LaunchOptions(*launch) for group in CANDIDATE_LAUNCHES.values
                          ids=[f"rows{o.rows}-t{o.thread_rows}{'b' if o.row_blocks_in_thread else ''}-w{o.num_warps}"
                               + (f"-r{o.max_registers}" if o.max_registers else "")
                               + ("-inv" if o.direct_inverse else "") + ("-table" if o.tile_table else "")
-                              + ("-full" if o.unmasked_full else "")
+                              + ("-full" if o.unmasked_full else "") + ("-cs" if o.const_strides else "")
                               for o in LAUNCHES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_launch_options_every_byte(mixed_batch, opts, dtype):
