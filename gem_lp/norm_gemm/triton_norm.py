@@ -53,8 +53,8 @@ from ..backend import interpreter_enabled, sm_count
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
-from ..mx.triton_quantize import (max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
-                                  tile_axes, block_payload, block_scale)
+from ..mx.triton_quantize import (block_payload, block_scale, max_cols_of_blocks, max_rows_of_blocks,
+                                  store_colwise_pairs, store_scales, tile_axes)
 from .reference import RMSNormQuantized
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
@@ -113,7 +113,9 @@ ONE_PASS_CONFIGS = {  # K rounded up to a power of two -> configuration
 MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
 # The GPU default at K = 1024 and 4096 (RMSNorm, M even, hardware conversion, no dequantized operands): 32x256
 # tiles in 4 warps, 8-row strips, measured fastest on the H200 at K=1024 and 4096 (0.099 / 0.263 ms for 32768
-# rows, docs/PERF.md) with 167-168 registers (3 programs per SM). The cap keeps that where M is not a multiple
+# rows, docs/PERF.md) with 167-168 registers (3 programs per SM; 162-165 since the block maxima are NaN-propagating
+# float maxima, still 3 per SM: the measured build is no longer the one that runs). The cap keeps that where
+# M is not a multiple
 # of 128 (the build with the extra padding program takes 212 registers at K = 4096 when left alone); it does
 # not spill there, and at an aligned M the build is the measured one.
 MEASURED_CONFIG = NormConfig(32, 256, 4, 8, False, 0, 168)
@@ -127,57 +129,57 @@ HEAVY_BLOCK_K = 64
 # kernel's best measured launch (thread_rows=0). The strips keep every thread busy when
 # 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps.
 # Comments: sm_90 registers per thread (ptxas, M = 32768, bf16 x, RMSNorm + both casts, blocked scales), the
-# programs an SM holds and the warps that makes; none spills. Left out for spilling (bytes): 32x256 w4 r8 capped
-# at 128 (120-144) and at 96 (440-472), 32x128 w2 r8 capped at 128 (116), prefetch under a cap of 168 (~300),
-# 32x1024 w16 r8 uncapped (4), one pass in 32 warps (capped at 64: 12-16), 32x512 w16 r4 at K = 4096 (20-112).
+# programs an SM holds and the warps that makes; none spills. Left out for spilling (bytes): 32x256 w4 r8, 64x128
+# w4 r8, 32x128 w2 r8 capped at 128 (24-40), 32x128 w4 r4 at 80 (32-36), prefetch under caps below its ~125
+# registers (76-96), one pass in 32 warps (capped at 64), 32x1024 w16 r8 at K = 4096 (16).
 # At K = 4096 a row block is 256 KiB: 4 resident per SM would re-read 132 MiB, more than the L2 holds, so
 # the second sweep there comes from DRAM unless few row blocks are in flight (1-2 per SM).
 CANDIDATE_CONFIGS = {
     1024: (
-        MEASURED_CONFIG,  # 167, 3/SM, 12 warps
-        NormConfig(32, 256, 4, 8, False, 2),  # 238, 2/SM, persistent
-        NormConfig(32, 1024, 8, 16),  # 255, 1/SM, one pass: x read once
-        NormConfig(32, 1024, 16, 8, False, 0, 128),  # 128, 1/SM, 16 warps, one pass, 64 elements a thread
-        NormConfig(32, 1024, 16, 4, False, 0, 128),  # 126, 1/SM, 16 warps, one pass, 2 strips of 4 rows
-        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 120, 4/SM, 16 warps, prefetch
-        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 125, 2/SM, 16 warps, prefetch
-        NormConfig(32, 512, 16, 4, False, 0, 128, True),  # 127, 1/SM, 16 warps, prefetch, 8 MiB re-read in flight
-        NormConfig(64, 128, 4, 8),  # 215, 2/SM
-        NormConfig(32, 128, 4, 4),  # 122, 4/SM: 32 elements a thread
-        NormConfig(32, 128, 4, 4, False, 0, 96),  # 96, 5/SM
-        NormConfig(32, 128, 2, 8),  # 168, 6/SM
-        NormConfig(32, 64, 1, 8, False, 0, 168),  # 167, 12/SM (224 and 9/SM uncapped)
+        MEASURED_CONFIG,  # 162, 3/SM, 12 warps
+        NormConfig(32, 256, 4, 8, False, 2),  # 248, 2/SM, persistent
+        NormConfig(32, 1024, 8, 16),  # 183, 1/SM, one pass: x read once
+        NormConfig(32, 1024, 16, 8),  # 105, 1/SM, 16 warps, one pass, 64 elements a thread
+        NormConfig(32, 1024, 16, 4, False, 0, 128),  # 122, 1/SM, 16 warps, one pass, 2 strips of 4 rows
+        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 127, 4/SM, 16 warps, prefetch
+        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 123, 2/SM, 16 warps, prefetch
+        NormConfig(32, 512, 16, 4, False, 0, 128, True),  # 124, 1/SM, 16 warps, prefetch, 8 MiB re-read in flight
+        NormConfig(32, 256, 8, 4, False, 2, 128),  # 125, 2/SM, 16 warps, persistent, 16.5 MiB in flight
+        NormConfig(64, 128, 4, 8),  # 166, 3/SM
+        NormConfig(32, 128, 4, 4),  # 96, 5/SM, 20 warps: 32 elements a thread
+        NormConfig(32, 128, 2, 8),  # 165, 6/SM
+        NormConfig(32, 64, 1, 8, False, 0, 168),  # 164, 12/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
     ),
     4096: (
-        MEASURED_CONFIG,  # 168, 3/SM, 12 warps, 99 MiB re-read in flight
-        NormConfig(32, 256, 4, 8, False, 2),  # 224, 2/SM, persistent
-        NormConfig(64, 128, 4, 8),  # 215, 2/SM
-        NormConfig(32, 512, 8, 8, False, 1),  # 215, 1/SM, persistent
-        NormConfig(32, 256, 8, 4, False, 1),  # 163, 1/SM, persistent, 33 MiB in flight
-        NormConfig(32, 256, 8, 4, False, 1, 0, True),  # 187, 1/SM, persistent, prefetch
-        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 125, 2/SM, 16 warps, prefetch, 66 MiB in flight
-        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 120, 4/SM, 16 warps, prefetch, 132 MiB in flight
-        NormConfig(32, 128, 4, 4),  # 120, 4/SM
-        NormConfig(32, 128, 4, 4, False, 0, 96),  # 96, 5/SM
-        NormConfig(32, 128, 2, 8),  # 168, 6/SM
+        MEASURED_CONFIG,  # 162, 3/SM, 12 warps, 99 MiB re-read in flight
+        NormConfig(32, 256, 4, 8, False, 2),  # 242, 2/SM, persistent
+        NormConfig(64, 128, 4, 8),  # 166, 3/SM
+        NormConfig(32, 512, 8, 8, False, 1),  # 240, 1/SM, persistent
+        NormConfig(32, 256, 8, 4, False, 1),  # 155, 1/SM, persistent, 33 MiB in flight
+        NormConfig(32, 256, 8, 4, False, 1, 0, True),  # 185, 1/SM, persistent, prefetch
+        NormConfig(32, 256, 8, 4, False, 2, 128),  # 124, 2/SM, 16 warps, persistent, 66 MiB in flight
+        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 123, 2/SM, 16 warps, prefetch
+        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 127, 4/SM, 16 warps, prefetch, 132 MiB in flight
+        NormConfig(32, 128, 4, 4),  # 95, 5/SM, 20 warps
+        NormConfig(32, 128, 2, 8),  # 165, 6/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
     ),
 }
 # The dual cast without the norm into both dequantized operands (weight None, row_operand + col_operand, no
 # payloads: MXLinear's dY, 32768 x 3072 in the benchmark), per K: the launches the benchmark times beside the
-# default (`strip_config(K, operands=True)`: 32x64 w1 r8, 226 registers because the program's loop over K keeps
-# its addresses live, so 8 warps per SM). Tile programs drop the loop. Comments as above (sm_90, M = 32768, bf16);
-# with `column_sums` the same launches take 70-138 registers and 1.5-3 more instructions per element.
+# default (`strip_config(K, operands=True)`: 32x64 w1 r8, 128 registers, 16 warps per SM; 226 before the float
+# block maxima). Tile programs drop the loop over K and its live addresses. Comments as above (sm_90, M = 32768,
+# bf16); with `column_sums` the same launches take 56-105 registers and 1.5-3 more instructions per element.
 OPERAND_CAST_CANDIDATE_CONFIGS = {
     3072: (
-        NormConfig(32, 64, 1, 8, tile_programs=True),  # 137, 14/SM, 14 warps, 64 elements a thread
-        NormConfig(32, 64, 2, 4, tile_programs=True),  # 72, 14/SM, 28 warps, 32 elements a thread
-        NormConfig(32, 128, 4, 4, tile_programs=True),  # 72, 7/SM, 28 warps
-        NormConfig(64, 128, 8, 4, tile_programs=True),  # 78, 3/SM, 24 warps
-        NormConfig(64, 64, 2, 8, tile_programs=True),  # 140, 7/SM, 14 warps
-        NormConfig(32, 64, 2, 2, tile_programs=True),  # 64, 16/SM, 32 warps, 16 elements a thread
-        NormConfig(32, 64, 1, 4),  # 128, 16/SM, 16 warps, the loop over K
+        NormConfig(32, 64, 1, 8, tile_programs=True),  # 104, 19/SM, 19 warps, 64 elements a thread
+        NormConfig(32, 64, 2, 4, tile_programs=True),  # 62, 16/SM, 32 warps, 32 elements a thread
+        NormConfig(32, 128, 4, 4, tile_programs=True),  # 62, 8/SM, 32 warps
+        NormConfig(64, 128, 8, 4, tile_programs=True),  # 62, 4/SM, 32 warps
+        NormConfig(64, 64, 2, 8, tile_programs=True),  # 104, 9/SM, 18 warps
+        NormConfig(32, 64, 2, 2, tile_programs=True),  # 48, 21/SM, 42 warps, 16 elements a thread
+        NormConfig(32, 64, 1, 4),  # 104, 19/SM, 19 warps, the loop over K
     ),
 }
 # Under the interpreter the cost is per program and per op: one chunk when it fits.
@@ -453,6 +455,56 @@ def _load_strips(x_rows, k0, k, in_bounds, EVEN: tl.constexpr):
         return exact_f32(tl.load(x_rows + k0 + k, mask=in_bounds, other=0.0))
 
 
+# Block maxima of |y| as FP32 maxima that propagate NaN (`max.NaN.f32`, the absolute value folded into the
+# instruction as an operand modifier), returned as int32 bits for `block_scale`. The same scale bytes as the
+# integer maximum of `abs_bits(y)` that `triton_quantize` takes (|y| orders like its bits, NaN beats Inf and
+# gives 255), without a second array of the tile's bits: on sm_90, 5-100 fewer registers a thread (the tile's
+# `|y|` is never materialized) and ~0.5 fewer instructions per element. Compiled kernels only: the interpreter
+# runs a custom reduction element by element in Python (7x slower tests), so there the integer maxima stay;
+# the GPU tests check the float maxima against the reference, NaN and Inf in x included.
+_FLOAT_BLOCK_MAXIMA = tl.constexpr(not interpreter_enabled())
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_for_maxima(y):
+    """|y| in the form the block maxima take: FP32 (compiled) or its int32 bits (interpreter)."""
+    if _FLOAT_BLOCK_MAXIMA:
+        return tl.abs(y)
+    else:
+        return abs_bits(y)
+
+
+@triton.jit
+def _amax_bits_of_rows(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """Bits of the max of `a` (`_abs_for_maxima` of a strip tile) over each 1x32 block (axes e and g), dims kept."""
+    if not _FLOAT_BLOCK_MAXIMA:
+        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+    elif ROW_BLOCKS_IN_THREAD:
+        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 3, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+    else:
+        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+
+
+@triton.jit
+def _amax_bits_of_cols(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """Bits of the max of `a` over each 32x1 block (axes r and c), dims kept."""
+    if not _FLOAT_BLOCK_MAXIMA:
+        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+    elif ROW_BLOCKS_IN_THREAD:
+        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+    else:
+        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 1, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+
+
 @triton.jit
 def _cast_strips(
     y, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
@@ -462,11 +514,11 @@ def _cast_strips(
     EVEN: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
 ):
     """Write the requested casts of the FP32 chunk `y` (rows m0 + m, columns k0 + k of `[M, K]`)."""
-    a = abs_bits(y)  # int32, NaN-proof max
+    a = _abs_for_maxima(y)
     mask = None if EVEN else in_bounds
     row_off = m0.to(tl.int64) * K + k0 + m * K + k  # element offsets in an [M, K] output
     if ROW_MX or ROW_OP:
-        byte = block_scale(max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(_amax_bits_of_rows(a, ROW_BLOCKS_IN_THREAD), RCEIL)
         q = block_payload(y, byte, HW_CAST)
         if ROW_MX:
             tl.store(row_data_ptr + row_off, q, mask=mask)
@@ -474,7 +526,7 @@ def _cast_strips(
         if ROW_OP:
             store_operand(row_op_ptr + row_off, e4m3_value(q, HW_CAST) * scale_value(byte), mask, HW_CAST)
     if COL_MX or COL_OP:
-        byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(_amax_bits_of_cols(a, ROW_BLOCKS_IN_THREAD), RCEIL)
         if COL_MX:  # payload of y^T, [K, M] contiguous: a thread's rows of a column are consecutive bytes
             if PAIRED_COLWISE:
                 store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, y, byte, M - m0, K - k0, EVEN, HW_CAST)
