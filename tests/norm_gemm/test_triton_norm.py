@@ -10,6 +10,7 @@ power of two per row), the sum has no order, so rstd and every byte must equal `
 quantization of `y = (fp32(x) * rstd) * fp32(w)` computed with the kernel's rstd: everything after the sum
 of squares is the reference's arithmetic.
 """
+import functools
 import itertools
 import math
 import os
@@ -242,11 +243,14 @@ def test_without_weight_is_the_dual_cast():
         assert_same_values(out.col_operand, dequantize(col).t().bfloat16(), "col operand")
 
 
-def check_dual_cast(out, x, scaling, blocked, operand_dtype, tag):
-    """`rms_norm_mx(x, None, ...)`'s requested outputs equal the reference dual cast of x (on CPU)."""
-    x = x.cpu()
-    row = quantize_reference(x, axis=1, scaling=scaling)
-    col = quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True)
+def check_dual_cast(out, x, scaling, blocked, operand_dtype, tag, refs=None):
+    """`rms_norm_mx(x, None, ...)`'s requested outputs equal the reference dual cast of x (on CPU; `refs`: the
+    reference (rowwise, colwise) MX tensors when already made)."""
+    if refs is None:
+        x = x.cpu()
+        refs = (quantize_reference(x, axis=1, scaling=scaling),
+                quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True))
+    row, col = refs
     assert out.rstd is None
     for got, want, what in ((out.rowwise, row, "row"), (out.colwise, col, "col")):
         if got is not None:
@@ -650,24 +654,33 @@ OPERAND_CAST_GPU_CONFIGS = [(K, c) for K, configs in OPERAND_CAST_CANDIDATE_CONF
                             for c in (strip_config(K, True, True),) + configs]
 
 
+@functools.lru_cache(maxsize=4)
+def _operand_cast_case(M, K):
+    """x [M, K] bf16 with a NaN and a -Inf, and its reference (rowwise, colwise) casts on the CPU, made once for
+    all the launches that are checked on it."""
+    x = generic_input(M, K, torch.bfloat16, M + K)
+    x[M // 2, 5] = math.nan
+    x[M - 1, 7] = -math.inf
+    xc = x.cpu()
+    return x, (quantize_reference(xc, axis=1), quantize_reference(xc.t(), axis=1, allow_partial=True))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [4096, 4097, 33, 1])
 @pytest.mark.parametrize("K,config", OPERAND_CAST_GPU_CONFIGS,
                          ids=[f"K{K}-{c!r}".replace(" ", "_") for K, c in OPERAND_CAST_GPU_CONFIGS])
-def test_gpu_operand_cast_candidates_match_reference(K, config):
+def test_gpu_operand_cast_candidates_match_reference(K, config, M):
     """Every launch the benchmark times for the dual-operand cast without the norm (MXLinear's dY), the
-    default among them: even, odd and tiny M, NaN and Inf in x, garbage-filled outputs; the operands (and, once,
-    the payloads) byte for byte, and the column sums within FP32 rounding of torch's."""
+    default among them: even, odd and tiny M, NaN and Inf in x, garbage-filled outputs; the operands and the
+    payloads byte for byte, and the column sums within FP32 rounding of torch's."""
     kw = dict(zip(CONFIG_FIELDS, config))
-    for M in (4096, 4097, 33, 1):
-        x = generic_input(M, K, torch.bfloat16, M + K)
-        x[M // 2, 5] = math.nan
-        x[M - 1, 7] = -math.inf
-        out = rms_norm_mx(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True,
-                          column_sums=True, **kw)
-        check_dual_cast(out, x, "rceil", True, torch.bfloat16, f"{config!r} M={M}")
-        assert_column_sums(out.column_sums, x, f"{config!r} M={M}")
+    x, refs = _operand_cast_case(M, K)
+    out = rms_norm_mx(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True, column_sums=True,
+                      **kw)
+    check_dual_cast(out, x, "rceil", True, torch.bfloat16, f"{config!r} M={M}", refs)
+    assert_column_sums(out.column_sums, x, f"{config!r} M={M}")
     out = rms_norm_mx(x, None, **kw)
-    check_dual_cast(out, x, "rceil", True, torch.bfloat16, f"payloads {config!r}")
+    check_dual_cast(out, x, "rceil", True, torch.bfloat16, f"payloads {config!r} M={M}", refs)
 
 
 @pytest.mark.gpu
