@@ -54,6 +54,7 @@ class LaunchOptions(NamedTuple):
     latency less before its values can be requested. unmasked_full: a chunk whose rows are all tokens (all but
     the last real chunk of each sequence) takes a copy of the code without token masks. const_strides:
     contiguous values are addressed with compile-time strides (H * D, D, 1) instead of the runtime ones.
+    shift_offsets: the blocked scale offsets by shifts and masks instead of signed // and %.
     """
 
     rows: int
@@ -66,6 +67,7 @@ class LaunchOptions(NamedTuple):
     tile_table: bool = False
     unmasked_full: bool = False
     const_strides: bool = False
+    shift_offsets: bool = False
 
 
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
@@ -88,15 +90,15 @@ DEFAULT_LAUNCH = {
 # 80; the hdim default (64, 2, row blocks; 145 registers) spills 80 bytes at 128 and 288 at 96 (the plain
 # hdim strips need 64-80 registers unlimited).
 CANDIDATE_LAUNCHES = {
-    # hdim+seq: also 4-token strips (thread_rows 4), of 32 elements per thread with 4 or 8 warps; the default
-    # and the 64-thread strips with the one-lookup prologue (tile_table), the direct inverse scales and the
-    # mask-free path for full chunks (unmasked_full). sm_90 SASS instructions (H4 D128): default 637,
-    # + direct_inverse 625, + tile_table 629, both 617 (64 registers); unmasked_full holds two copies of the
-    # chunk code (1091-1146 in all), its mask-free copy about 24 instructions shorter than the masked one
-    # (593 against 617 with both other options); const_strides (contiguous values: compile-time strides)
-    # takes direct_inverse + tile_table from 617 to 606 and fits all four options in 64 registers (1095 in
-    # all, no spills; without const_strides, unmasked_full + direct_inverse at 64 registers spills 4 bytes);
-    # the 8-token strips with direct_inverse, tile_table and const_strides: 939 (14.7 per element).
+    # hdim+seq: also 4-token strips (thread_rows 4), of 32 elements per thread with 4 or 8 warps; then the
+    # default and the 64-thread strips with the byte-neutral options of `LaunchOptions` (fields 7-11:
+    # direct_inverse, tile_table, unmasked_full, const_strides, shift_offsets). sm_90 SASS instructions of
+    # the default (H4 D128, 64 registers, 8 programs per SM): 637; + direct_inverse 625, + tile_table 629,
+    # both 617, + const_strides 610, + shift_offsets 570 (17.8 per element, the same 64 registers);
+    # shift_offsets alone 611. unmasked_full holds two copies of the chunk code (1048-1146 in all), its
+    # mask-free copy about 24 instructions shorter than the masked one. The 8-token strips with
+    # direct_inverse, tile_table, const_strides and shift_offsets: 906 at 128 registers (14.2 per element).
+    # Left out for spilling: unmasked_full + direct_inverse at 64 registers without const_strides (4 bytes).
     "hdim+seq": ((64, 16, False, 2, 0), (128, 16, False, 4, 0), (32, 8, False, 2, 0), (64, 8, False, 4, 0),
                  (128, 8, False, 8, 0), (32, 4, False, 2, 128), (32, 4, False, 4, 0), (32, 4, False, 4, 64),
                  (64, 4, False, 8, 0), (32, 2, False, 4, 0), (64, 4, False, 4, 0), (32, 4, False, 4, 72),
@@ -105,7 +107,11 @@ CANDIDATE_LAUNCHES = {
                  (32, 8, False, 2, 0, 0, True, True), (32, 4, False, 4, 64, 0, False, False, True),
                  (32, 4, False, 4, 64, 0, False, True, True), (32, 4, False, 4, 72, 0, True, True, True),
                  (32, 8, False, 2, 0, 0, True, True, True), (32, 4, False, 4, 64, 0, True, True, False, True),
-                 (32, 4, False, 4, 64, 0, True, True, True, True), (32, 8, False, 2, 0, 0, True, True, False, True)),
+                 (32, 4, False, 4, 64, 0, True, True, True, True), (32, 8, False, 2, 0, 0, True, True, False, True),
+                 (32, 4, False, 4, 64, 0, False, False, False, False, True),
+                 (32, 4, False, 4, 64, 0, True, True, False, True, True),
+                 (32, 4, False, 4, 64, 0, True, True, True, True, True),
+                 (32, 8, False, 2, 128, 0, True, True, False, True, True)),
     # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
     # 16-byte loads read 4 (thread_rows 4: 8) runs of 128 (64) contiguous bytes rather than 32 separate
     # 16-byte pieces
@@ -114,12 +120,14 @@ CANDIDATE_LAUNCHES = {
              # the default with the one-lookup prologue (638 SASS instructions against 642, 72 registers), with
              # the direct inverse too (80 registers: 12 programs per SM instead of 14; at 72: 624, no spills)
              (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
-             (32, 8, False, 2, 72, 0, True, True), (32, 8, False, 2, 72, 0, True, True, False, True)),  # 618
+             (32, 8, False, 2, 72, 0, True, True), (32, 8, False, 2, 72, 0, True, True, False, True),  # 618
+             (32, 8, False, 2, 0, 0, False, True, False, True, True)),  # 596, 80 registers
     "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0), (32, 8, False, 2, 0),
                (32, 4, False, 4, 0), (64, 8, False, 4, 0),
                # the default with the one-lookup prologue (609 against 619), with the direct inverse (610)
                (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
-               (32, 8, False, 2, 96, 0, True, True, False, True)),  # 610 (113 registers without the limit)
+               (32, 8, False, 2, 96, 0, True, True, False, True),  # 610 (113 registers without the limit)
+               (32, 8, False, 2, 96, 0, True, True, False, True, True)),  # 586
 }
 # The persistent walk (programs_per_sm > 0; the same tuples with a 6th field), timed beside CANDIDATE_LAUNCHES:
 # the loads of a program's next chunk go out before it quantizes and stores the current one, instead of
@@ -148,14 +156,21 @@ _INT32_SPAN = 2**31
 
 
 @triton.jit
-def _hdim_scale_offset(row, col, N_COL_BLOCKS: tl.constexpr):
-    """Blocked-layout byte of scale (row, col) of an hdim-form matrix [Tp, D/32] (see mx.layout)."""
+def _hdim_scale_offset(row, col, N_COL_BLOCKS: tl.constexpr, SHIFTS: tl.constexpr):
+    """Blocked-layout byte of scale (row, col) of an hdim-form matrix [Tp, D/32] (see mx.layout). SHIFTS: by
+    shifts and masks, which row, col >= 0 allow (signed // and % add the rounding of negative numbers)."""
+    if SHIFTS:
+        return (((row >> 7) * N_COL_BLOCKS + (col >> 2)) * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4
+                + (col & 3))
     return ((row // 128) * N_COL_BLOCKS + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
 
 
 @triton.jit
-def _seq_scale_offset(feature, tile, j, num_tiles):
-    """Blocked-layout byte of scale (feature, 4*tile + j) of a seq-form matrix [D, Tp/32]; Tp/128 column blocks."""
+def _seq_scale_offset(feature, tile, j, num_tiles, SHIFTS: tl.constexpr):
+    """Blocked-layout byte of scale (feature, 4*tile + j) of a seq-form matrix [D, Tp/32]; Tp/128 column blocks.
+    SHIFTS: by shifts and masks (feature >= 0)."""
+    if SHIFTS:
+        return ((feature >> 7) * num_tiles + tile) * 512 + (feature & 31) * 16 + ((feature >> 5) & 3) * 4 + j
     return ((feature // 128) * num_tiles + tile) * 512 + (feature % 32) * 16 + ((feature % 128) // 32) * 4 + j
 
 
@@ -187,9 +202,9 @@ def _chunk_tokens(row0, offsets_ptr, scale_offsets_ptr, tile_seq_ptr, tile_token
     (two neighbouring int64: first token of the tile, end of its sequence); else the owner sequence from
     `tile_seq`, then its offsets and first padded row."""
     if TILE_TABLE:
-        tile_start = tl.load(tile_tokens_ptr + 2 * (row0 // 128))
-        seq_end = tl.load(tile_tokens_ptr + 2 * (row0 // 128) + 1)
-        tok0 = tile_start + row0 % 128
+        tile_start = tl.load(tile_tokens_ptr + 2 * (row0 >> 7))
+        seq_end = tl.load(tile_tokens_ptr + 2 * (row0 >> 7) + 1)
+        tok0 = tile_start + (row0 & 127)
     else:
         b = tl.load(tile_seq_ptr + row0 // 128)
         seq_start = tl.load(offsets_ptr + b).to(tl.int64)
@@ -238,7 +253,7 @@ def _quantize_features(
     s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head,
     H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr, RCEIL: tl.constexpr,
-    HW_CAST: tl.constexpr, LEAN: tl.constexpr,
+    HW_CAST: tl.constexpr, LEAN: tl.constexpr, SHIFTS: tl.constexpr,
 ):
     """Payloads and scale bytes of a chunk with real tokens, CHUNK_D features at a time (see `_quantize_chunk`).
     MASKED: rows at or past the sequence's end (`valid` false) are neither read nor stored; else every row of
@@ -263,12 +278,12 @@ def _quantize_features(
         if DO_HDIM:
             _store_payload(p_hdim_chunk + p_off, _payload(x, hdim_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
             byte = block_scale(hdim_amax, RCEIL)
-            tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS), byte.to(tl.uint8))
+            tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS, SHIFTS), byte.to(tl.uint8))
         if DO_SEQ:  # 32x1 along tokens
             seq_amax = max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
             _store_payload(p_seq_chunk + p_off, _payload(x, seq_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
             byte = block_scale(seq_amax, RCEIL)
-            tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+            tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles, SHIFTS),
                      byte.to(tl.uint8))
         if DO_SQUARE:  # 32x32
             square_amax = max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD)
@@ -281,8 +296,8 @@ def _quantize_features(
                 on_rows = tl.where(valid, byte, 0)
             else:
                 on_rows = byte
-            tl.store(s_sq_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS), on_rows.to(tl.uint8))
-            tl.store(s_sq_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles),
+            tl.store(s_sq_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS, SHIFTS), on_rows.to(tl.uint8))
+            tl.store(s_sq_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles, SHIFTS),
                      byte.to(tl.uint8))  # broadcast over the block's features
 
 
@@ -294,7 +309,7 @@ def _quantize_chunk(
     H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr, DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, LEAN: tl.constexpr,
-    FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr,
+    FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr, SHIFTS: tl.constexpr,
 ):
     """Every output byte of one chunk (ROWS padded rows from row0, head h). `t`, `f_in`, `cb`, `mb`: the
     strip axes (int32); with PRELOADED, `x_first` holds the first feature chunk's values (`_load_chunk`),
@@ -308,7 +323,12 @@ def _quantize_chunk(
     N_COL_BLOCKS: tl.constexpr = (NC + 3) // 4
     CB: tl.constexpr = CHUNK_D // 32  # 32-feature blocks per feature chunk
     NB: tl.constexpr = ROWS // 32  # 32-token blocks per program
-    tile = row0 // 128
+    if SHIFTS:  # row0 >= 0
+        tile = row0 >> 7
+        jb = ((row0 >> 5) & 3) + mb  # 32-token blocks within the tile (seq-form columns 4 * tile + jb)
+    else:
+        tile = row0 // 128
+        jb = (row0 % 128) // 32 + mb
     # Pointers to the chunk's first element are formed once (64-bit); offsets inside the chunk stay 32-bit
     # unless LARGE_OFFSETS, and the token mask compares 32-bit ints (n_valid > -128: int32 after the clamp).
     n_rows = tl.minimum(n_valid, ROWS).to(tl.int32)
@@ -319,7 +339,6 @@ def _quantize_chunk(
 
     valid = t < n_rows
     rows = row0 + t  # padded scale rows (hdim form)
-    jb = (row0 % 128) // 32 + mb  # 32-token blocks within the tile (seq-form columns 4 * tile + jb)
     if LARGE_OFFSETS:  # some offset inside a chunk reaches 2^31
         t = t.to(tl.int64)
         f_in = f_in.to(tl.int64)
@@ -334,17 +353,17 @@ def _quantize_chunk(
         _quantize_features(x_first, PRELOADED, False, valid, t, f_in, cb, rows, jb, tile, num_tiles,
                            x_chunk, stride_t, stride_d, p_hdim_chunk, p_seq_chunk, p_square_chunk,
                            s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head, H, D, CHUNK_D,
-                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN)
+                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN, SHIFTS)
     elif n_valid > 0:
         _quantize_features(x_first, PRELOADED, True, valid, t, f_in, cb, rows, jb, tile, num_tiles,
                            x_chunk, stride_t, stride_d, p_hdim_chunk, p_seq_chunk, p_square_chunk,
                            s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head, H, D, CHUNK_D,
-                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN)
+                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN, SHIFTS)
     else:  # padding rows only: every scale byte of the chunk is 0
         for ci in tl.static_range(D // CHUNK_D):
             col = ci * CB + cb
-            hdim_off = _hdim_scale_offset(rows, col, N_COL_BLOCKS)  # every (row, column) pair
-            seq_off = _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles)  # (feature, block)
+            hdim_off = _hdim_scale_offset(rows, col, N_COL_BLOCKS, SHIFTS)  # every (row, column) pair
+            seq_off = _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles, SHIFTS)  # (feature, block)
             if DO_HDIM:
                 tl.store(s_hdim_head + hdim_off, tl.zeros(hdim_off.shape, tl.uint8))
             if DO_SEQ:
@@ -359,7 +378,7 @@ def _quantize_chunk(
     if NC % 4 != 0:
         if DO_HDIM or DO_SQUARE:
             pc = (N_COL_BLOCKS - 1) * 4 + j
-            off = _hdim_scale_offset(row0 + i[:, None], pc[None, :], N_COL_BLOCKS)
+            off = _hdim_scale_offset(row0 + i[:, None], pc[None, :], N_COL_BLOCKS, SHIFTS)
             pad = (pc[None, :] >= NC) & (i[:, None] >= 0)
             zero = tl.zeros([ROWS, 4], dtype=tl.uint8)
             if DO_HDIM:
@@ -371,7 +390,7 @@ def _quantize_chunk(
         if DO_SEQ or DO_SQUARE:
             fp = ((D + 127) // 128 - 1) * 128 + tl.arange(0, 128)
             jp = (row0 % 128) // 32 + tl.arange(0, NB)
-            off = _seq_scale_offset(fp[None, :], tile, jp[:, None], num_tiles)  # [NB, 128]
+            off = _seq_scale_offset(fp[None, :], tile, jp[:, None], num_tiles, SHIFTS)  # [NB, 128]
             pad = (fp[None, :] >= D) & (jp[:, None] >= 0)
             zero = tl.zeros([NB, 128], dtype=tl.uint8)
             if DO_SEQ:
@@ -392,6 +411,7 @@ def _jagged_mx_kernel(
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, PERSISTENT: tl.constexpr,
     LEAN: tl.constexpr, TILE_TABLE: tl.constexpr, FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr,
+    SHIFTS: tl.constexpr,
 ):
     # PERSISTENT: the grid's programs walk the work items (chunk * H + head) p, p + n_programs, ..., and load
     # the next item's first feature chunk (its lookups one item further ahead) before quantizing and storing
@@ -422,7 +442,7 @@ def _jagged_mx_kernel(
                             x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr,
                             s_sq_seq_ptr, stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                             H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                            LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES)
+                            LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES, SHIFTS)
             item += n_programs
             x = x_next
             row0, h, tok0, n_valid = row0_next, h_next, tok0_next, n_valid_next
@@ -441,7 +461,7 @@ def _jagged_mx_kernel(
                         x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
                         stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                         H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                        LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES)
+                        LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES, SHIFTS)
 
 
 def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:
@@ -467,7 +487,8 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 max_registers: int | None = None, programs_per_sm: int | None = None,
                 direct_inverse: bool | None = None, tile_table: bool | None = None,
                 unmasked_full: bool | None = None, const_strides: bool | None = None,
-                tile_tokens: torch.Tensor | None = None, hw_cast: bool | None = None):
+                shift_offsets: bool | None = None, tile_tokens: torch.Tensor | None = None,
+                hw_cast: bool | None = None):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
 
     `kwargs` may be shared between calls: do not modify it.
@@ -475,14 +496,14 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      const_strides, tile_tokens, hw_cast)
+                                      const_strides, shift_offsets, tile_tokens, hw_cast)
     return grid, args, plan.kwargs
 
 
 def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
                    rows=None, thread_rows=None, row_blocks_in_thread=None, num_warps=None, max_registers=None,
                    programs_per_sm=None, direct_inverse=None, tile_table=None, unmasked_full=None,
-                   const_strides=None, tile_tokens=None, hw_cast=None):
+                   const_strides=None, shift_offsets=None, tile_tokens=None, hw_cast=None):
     """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch_args`)."""
     t, heads, d = values.shape
     on_cuda = values.is_cuda
@@ -492,7 +513,7 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
         rceil, on_cuda, interpreter, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
         max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
         sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table, unmasked_full,
-        const_strides)
+        const_strides, shift_offsets)
     if tile_tokens is None:
         if plan.kwargs["TILE_TABLE"]:
             raise ValueError("tile_table launches need tile_tokens ([Tp/128, 2] int64, JaggedLayout.tile_tokens)")
@@ -530,7 +551,8 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
                  thread_rows: int | None, row_blocks_in_thread: bool | None, num_warps: int | None,
                  max_registers: int | None, hw_cast: bool, int32_span: int, programs_per_sm: int | None = None,
                  sm_count: int = 1, direct_inverse: bool | None = None, tile_table: bool | None = None,
-                 unmasked_full: bool | None = None, const_strides: bool | None = None) -> _LaunchPlan:
+                 unmasked_full: bool | None = None, const_strides: bool | None = None,
+                 shift_offsets: bool | None = None) -> _LaunchPlan:
     """The `_LaunchPlan` (grid, scalar arguments, keyword arguments) of a launch: everything but the tensors,
     which depends on ints only, so that repeated calls (same batch layout, shapes and options) reuse it.
     Offsets inside a chunk at or above `int32_span` take int64 arithmetic; a persistent grid has
@@ -551,6 +573,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     tile_table = base.tile_table if tile_table is None else tile_table
     unmasked_full = base.unmasked_full if unmasked_full is None else unmasked_full
     const_strides = base.const_strides if const_strides is None else const_strides
+    shift_offsets = base.shift_offsets if shift_offsets is None else shift_offsets
     check_strip_launch(rows, thread_rows, num_warps)
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
@@ -566,7 +589,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
         ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread), DO_HDIM=hdim, DO_SEQ=seq, DO_SQUARE=square,
         RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, PERSISTENT=programs_per_sm > 0,
         LEAN=bool(direct_inverse), TILE_TABLE=bool(tile_table), FULL_PATH=bool(unmasked_full),
-        CONST_STRIDES=bool(const_strides) and tuple(strides) == (heads * d, d, 1),
+        CONST_STRIDES=bool(const_strides) and tuple(strides) == (heads * d, d, 1), SHIFTS=bool(shift_offsets),
         num_warps=num_warps,
     )
     if max_registers:
@@ -583,7 +606,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
            max_registers: int | None = None, programs_per_sm: int | None = None,
            direct_inverse: bool | None = None, tile_table: bool | None = None,
            unmasked_full: bool | None = None, const_strides: bool | None = None,
-           tile_tokens: torch.Tensor | None = None) -> None:
+           shift_offsets: bool | None = None, tile_tokens: torch.Tensor | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -594,13 +617,13 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
         chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm,
-            direct_inverse, tile_table, unmasked_full, const_strides: launch tuning:
+            direct_inverse, tile_table, unmasked_full, const_strides, shift_offsets: launch tuning:
             features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
             128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
             thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
             0 for none, programs per SM of a persistent grid, 0 for one program per chunk, inverse scales
             straight from the amax, one-lookup prologue, mask-free full chunks, compile-time strides of
-            contiguous values); each None takes `default_launch`'s value. The bytes
+            contiguous values, scale offsets by shifts); each None takes `default_launch`'s value. The bytes
             written do not depend on them.
         tile_tokens: `[Tp/128, 2]` int64 (`JaggedLayout.tile_tokens`), needed by tile_table launches.
     """
@@ -609,7 +632,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      const_strides, tile_tokens)
+                                      const_strides, shift_offsets, tile_tokens)
     _run(grid, args, plan)
 
 

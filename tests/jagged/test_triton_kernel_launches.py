@@ -19,15 +19,16 @@ LENGTHS = (1, 33, 0, 129, 70)
 
 
 def _cases():
-    """(set name, rows, thread_rows, row_blocks_in_thread, tile_table, unmasked_full, const_strides): the
-    interpreter runs each distinct strip shape, prologue, chunk path and stride form once per set (warps,
-    register limits and direct_inverse, which needs the hardware cast, do not change what it computes)."""
+    """(set name, rows, thread_rows, row_blocks_in_thread, tile_table, unmasked_full, const_strides,
+    shift_offsets): the interpreter runs each distinct strip shape, prologue, chunk path, stride form and offset
+    arithmetic once per set (warps, register limits and direct_inverse, which needs the hardware cast, do not
+    change what it computes)."""
     seen = {}
     for set_name, launches in CANDIDATE_LAUNCHES.items():
         for c in launches:
             o = LaunchOptions(*c)
             seen.setdefault((set_name, o.rows, o.thread_rows, o.row_blocks_in_thread, o.tile_table,
-                             o.unmasked_full, o.const_strides), None)
+                             o.unmasked_full, o.const_strides, o.shift_offsets), None)
     return list(seen)
 
 
@@ -41,9 +42,9 @@ CASES = _cases() if not torch.cuda.is_available() else _full_cases()
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_candidate_launch_every_byte(mixed_batch, case):
     set_name, *fields = case
-    if len(fields) == 6:  # the interpreter's cases
+    if len(fields) == 7:  # the interpreter's cases
         options = dict(zip(("rows", "thread_rows", "row_blocks_in_thread", "tile_table", "unmasked_full",
-                            "const_strides"), fields))
+                            "const_strides", "shift_offsets"), fields))
     else:
         options = LaunchOptions(*fields)._asdict()
     values, offsets = mixed_batch(1, 128, torch.bfloat16, lengths=LENGTHS)
@@ -122,11 +123,12 @@ def test_candidate_launches_build_for_hopper_without_spills():
 
 
 def test_lean_options_with_feature_chunks_and_strided_values(mixed_batch):
-    """tile_table, unmasked_full and const_strides (and direct_inverse, a no-op without the hardware cast) with
-    D = 96: three 32-feature chunks, padding columns of the hdim form and padding rows of the seq form; on
-    contiguous values (compile-time strides) and on a view with a head stride of 3 * 96 (runtime strides)."""
+    """tile_table, unmasked_full, const_strides and shift_offsets (and direct_inverse, a no-op without the
+    hardware cast) with D = 96: three 32-feature chunks, padding columns of the hdim form and padding rows of
+    the seq form; on contiguous values (compile-time strides) and on a view with a head stride of 3 * 96
+    (runtime strides)."""
     options = dict(rows=32, thread_rows=4, direct_inverse=True, tile_table=True, unmasked_full=True,
-                   const_strides=True)
+                   const_strides=True, shift_offsets=True)
     values, offsets = mixed_batch(2, 96, torch.bfloat16, lengths=(1, 33, 0, 64, 129))
     check_launch(values, offsets, ("hdim", "seq", "square"), **options)
     wide = torch.zeros(values.shape[0], 3, 96, dtype=values.dtype, device=values.device)
