@@ -113,11 +113,10 @@ ONE_PASS_CONFIGS = {  # K rounded up to a power of two -> configuration
 MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
 # The GPU default at K = 1024 and 4096 (RMSNorm, M even, hardware conversion, no dequantized operands): 32x256
 # tiles in 4 warps, 8-row strips, measured fastest on the H200 at K=1024 and 4096 (0.099 / 0.263 ms for 32768
-# rows, docs/PERF.md) with 167-168 registers (3 programs per SM; 162-165 since the block maxima are NaN-propagating
-# float maxima, still 3 per SM: the measured build is no longer the one that runs). The cap keeps that where
-# M is not a multiple
+# rows, docs/PERF.md) with 167-168 registers (3 programs per SM). The cap keeps that where M is not a multiple
 # of 128 (the build with the extra padding program takes 212 registers at K = 4096 when left alone); it does
-# not spill there, and at an aligned M the build is the measured one.
+# not spill there. Since the block maxima became NaN-propagating float maxima the build takes 162 registers
+# (still 3 programs per SM), so the one that runs is no longer exactly the one measured.
 MEASURED_CONFIG = NormConfig(32, 256, 4, 8, False, 0, 168)
 MEASURED_KS = (1024, 4096)
 # Odd M (the y^T payload stored byte by byte), dequantized operands or the integer E4M3 rounding need more
@@ -622,7 +621,9 @@ def _add_column_sums(colsum_ptr, x, k, k0, K: tl.constexpr, BLOCK_K: tl.constexp
 
     One float32 atomic add per column and row block (relaxed: only the final sums are read, after the kernel),
     so the order of the additions differs from torch's `sum(0)`: the result agrees with it within FP32 rounding,
-    not bit for bit. Threads holding copies of a column's sum are masked out by Triton's lowering of atomics.
+    not bit for bit. Triton's lowering hands each column's sum to one thread (a layout conversion through shared
+    memory) before the add, so copies of it held by other threads are not added (sm_90 PTX: one predicated
+    `atom.add` a thread and chunk).
     """
     if ROW_BLOCKS_IN_THREAD:  # axes (c, kb, mb, g, r, e): rows are c, mb, r
         s = tl.sum(tl.sum(tl.sum(x, axis=4, keep_dims=True), axis=2, keep_dims=True), axis=0, keep_dims=True)
