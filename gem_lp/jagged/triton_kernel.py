@@ -314,7 +314,7 @@ def _quantize_chunk(
     """Every output byte of one chunk (ROWS padded rows from row0, head h). `t`, `f_in`, `cb`, `mb`: the
     strip axes (int32); with PRELOADED, `x_first` holds the first feature chunk's values (`_load_chunk`),
     else each feature chunk is loaded here. CONST_STRIDES: the values are contiguous `[T, H, D]`, so their
-    strides are compile-time constants (the loads of a thread then share one address)."""
+    strides are compile-time constants (fewer address instructions)."""
     if CONST_STRIDES:
         stride_t = H * D
         stride_h = D
