@@ -104,12 +104,18 @@ def assert_same_values(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=what)
 
 
-def check_outputs(out, x, w, eps, scaling, blocked, rstd, operand_dtype, tag):
-    """Every output of `rms_norm_mx` equals the reference quantization of y computed with `rstd` (on CPU)."""
+def reference_casts_of_y(x, w, rstd, scaling):
+    """The reference (rowwise, colwise) MX casts of `y = (x * rstd) * w`, computed on the CPU."""
     x, w, rstd = x.cpu(), w.cpu(), rstd.cpu()
     y = x.float() * rstd[:, None] * w.float()  # the reference's formula
-    row = quantize_reference(y, axis=1, scaling=scaling)
-    col = quantize_reference(y.t(), axis=1, scaling=scaling, allow_partial=True)
+    return (quantize_reference(y, axis=1, scaling=scaling),
+            quantize_reference(y.t(), axis=1, scaling=scaling, allow_partial=True))
+
+
+def check_outputs(out, x, w, eps, scaling, blocked, rstd, operand_dtype, tag, refs=None):
+    """Every output of `rms_norm_mx` equals the reference quantization of y computed with `rstd` (on CPU; `refs`:
+    `reference_casts_of_y`'s result when already made)."""
+    row, col = reference_casts_of_y(x, w, rstd, scaling) if refs is None else refs
     assert_same_bytes(out.rowwise.data, row.data, f"row payload {tag}")
     assert_same_bytes(out.rowwise.scale, to_blocked(row.scale) if blocked else row.scale, f"row scale {tag}")
     assert_same_bytes(out.colwise.data, col.data, f"col payload {tag}")
@@ -623,31 +629,41 @@ def test_gpu_hardware_and_integer_conversions_agree():
 GPU_CONFIGS = [(K, c) for K, configs in CANDIDATE_CONFIGS.items() for c in configs]
 
 
+@functools.lru_cache(maxsize=8)
+def _candidate_case(M, K):
+    """Inputs of the candidate test for [M, K] and what of their references does not depend on the launch, made
+    once: w; the exact-sum x (a NaN, an Inf row) with its reference rstd and casts; the generic x with its
+    reference rstd."""
+    w = norm_weight(K, torch.float32, K)
+    exact = exact_sum_input(M, K, torch.bfloat16, M)
+    exact[3 % M, 5] = math.nan
+    if M > 7:
+        exact[7] = math.inf
+    exact_rstd = cpu_reference(exact, w, 1e-6, "rceil").rstd
+    x = generic_input(M, K, torch.bfloat16, M + 1)
+    return (w, exact, exact_rstd, reference_casts_of_y(exact, w, exact_rstd, "rceil"), x,
+            cpu_reference(x, w, 1e-6, "rceil").rstd)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [4096, 4097, 33, 1])
 @pytest.mark.parametrize("K,config", GPU_CONFIGS, ids=[f"K{K}-{c!r}".replace(" ", "_") for K, c in GPU_CONFIGS])
-def test_gpu_every_candidate_config_matches_reference(K, config):
+def test_gpu_every_candidate_config_matches_reference(K, config, M):
     """Every launch the benchmark times (the default among them), on full and partial row blocks, even and odd M
     (paired and byte-wise colwise stores; a partial last 128-row group, whose scale padding the kernel writes into
     garbage-filled buffers), with NaN/Inf rows: exact-sum inputs bit for bit, generic ones given the kernel's
     rstd."""
     kw = dict(zip(CONFIG_FIELDS, config))
     assert len(kw) == len(config) == len(CONFIG_FIELDS)
-    w = norm_weight(K, torch.float32, K)
-    for M in (4096, 4097, 33, 1):
-        exact = exact_sum_input(M, K, torch.bfloat16, M)
-        exact[3 % M, 5] = math.nan
-        if M > 7:
-            exact[7] = math.inf
-        out = rms_norm_mx(exact, w, 1e-6, **kw)
-        ref = cpu_reference(exact, w, 1e-6, "rceil")
-        assert_same_values(out.rstd, ref.rstd, f"exact-sum rstd {config!r} M={M}")
-        check_outputs(out, exact, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"exact {config!r} M={M}")
-        x = generic_input(M, K, torch.bfloat16, M + 1)
-        out = rms_norm_mx(x, w, 1e-6, **kw)
-        ref = cpu_reference(x, w, 1e-6, "rceil")
-        ulp = torch.finfo(torch.float32).eps * ref.rstd.abs()
-        assert bool(((out.rstd.cpu() - ref.rstd).abs() <= 4 * ulp).all()), f"rstd {config!r} M={M}"
-        check_outputs(out, x, w, 1e-6, "rceil", True, out.rstd, torch.bfloat16, f"generic {config!r} M={M}")
+    w, exact, exact_rstd, exact_refs, x, ref_rstd = _candidate_case(M, K)
+    out = rms_norm_mx(exact, w, 1e-6, **kw)
+    assert_same_values(out.rstd, exact_rstd, f"exact-sum rstd {config!r} M={M}")
+    check_outputs(out, exact, w, 1e-6, "rceil", True, exact_rstd, torch.bfloat16, f"exact {config!r} M={M}",
+                  exact_refs)
+    out = rms_norm_mx(x, w, 1e-6, **kw)
+    ulp = torch.finfo(torch.float32).eps * ref_rstd.abs()
+    assert bool(((out.rstd.cpu() - ref_rstd).abs() <= 4 * ulp).all()), f"rstd {config!r} M={M}"
+    check_outputs(out, x, w, 1e-6, "rceil", True, out.rstd, torch.bfloat16, f"generic {config!r} M={M}")
 
 
 OPERAND_CAST_GPU_CONFIGS = [(K, c) for K, configs in OPERAND_CAST_CANDIDATE_CONFIGS.items()
