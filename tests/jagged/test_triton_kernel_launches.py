@@ -19,16 +19,18 @@ LENGTHS = (1, 33, 0, 129, 70)
 
 
 def _cases():
-    """(set name, rows, thread_rows, row_blocks_in_thread, tile_table, unmasked_full, const_strides,
-    shift_offsets): the interpreter runs each distinct strip shape, prologue, chunk path, stride form and offset
-    arithmetic once per set (warps, register limits and direct_inverse, which needs the hardware cast, do not
-    change what it computes)."""
+    """The interpreter's cases, each (set name, rows, thread_rows, row_blocks_in_thread, tile_table,
+    unmasked_full, const_strides, shift_offsets): each distinct strip shape of a set with the default code
+    paths, then per set the strip shape whose candidate turns on the most byte-neutral options, with all of
+    them (warps, register limits and direct_inverse, which needs the hardware cast, do not change what the
+    interpreter computes; `test_lean_options_with_feature_chunks_and_strided_values` covers D = 96)."""
     seen = {}
     for set_name, launches in CANDIDATE_LAUNCHES.items():
-        for c in launches:
-            o = LaunchOptions(*c)
-            seen.setdefault((set_name, o.rows, o.thread_rows, o.row_blocks_in_thread, o.tile_table,
-                             o.unmasked_full, o.const_strides, o.shift_offsets), None)
+        options = [LaunchOptions(*c) for c in launches]
+        for o in options:
+            seen.setdefault((set_name, o.rows, o.thread_rows, o.row_blocks_in_thread, False, False, False, False))
+        lean = max(options, key=lambda o: o.tile_table + o.unmasked_full + o.const_strides + o.shift_offsets)
+        seen.setdefault((set_name, lean.rows, lean.thread_rows, lean.row_blocks_in_thread, True, True, True, True))
     return list(seen)
 
 
