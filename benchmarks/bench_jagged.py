@@ -308,7 +308,7 @@ def launch_label(opts: LaunchOptions, default: LaunchOptions) -> str:
             + (f" programs_per_sm={opts.programs_per_sm}" if opts.programs_per_sm else "")
             + (" direct_inverse" if opts.direct_inverse else "") + (" tile_table" if opts.tile_table else "")
             + (" unmasked_full" if opts.unmasked_full else "") + (" const_strides" if opts.const_strides else "")
-            + (" shift_offsets" if opts.shift_offsets else "")
+            + (" shift_offsets" if opts.shift_offsets else "") + (" float_max" if opts.float_max else "")
             + (" (default)" if opts == default else ""))
 
 

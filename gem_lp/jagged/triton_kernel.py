@@ -54,7 +54,9 @@ class LaunchOptions(NamedTuple):
     latency less before its values can be requested. unmasked_full: a chunk whose rows are all tokens (all but
     the last real chunk of each sequence) takes a copy of the code without token masks. const_strides:
     contiguous values are addressed with compile-time strides (H * D, D, 1) instead of the runtime ones.
-    shift_offsets: the blocked scale offsets by shifts and masks instead of signed // and %.
+    shift_offsets: the blocked scale offsets by shifts and masks instead of signed // and %. float_max: block
+    maxima as NaN-propagating FP32 maxima of |x| (|x| an operand modifier, no abs instruction per element);
+    compiled kernels with the hardware cast only (the interpreter keeps the integer maxima).
     """
 
     rows: int
@@ -68,6 +70,7 @@ class LaunchOptions(NamedTuple):
     unmasked_full: bool = False
     const_strides: bool = False
     shift_offsets: bool = False
+    float_max: bool = False
 
 
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
@@ -98,7 +101,10 @@ CANDIDATE_LAUNCHES = {
     # shift_offsets alone 611. unmasked_full holds two copies of the chunk code (1048-1146 in all), its
     # mask-free copy about 24 instructions shorter than the masked one. The 8-token strips with
     # direct_inverse, tile_table, const_strides and shift_offsets: 906 at 128 registers (14.2 per element).
-    # Left out for spilling: unmasked_full + direct_inverse at 64 registers without const_strides (4 bytes).
+    # float_max (FP32 block maxima, fields 12) takes the four-option build to 558 at 63 registers, and fits it
+    # in 56 (566, 9 programs per SM: 36 warps instead of 32); the default with float_max alone: 618 at 56.
+    # Left out for spilling: unmasked_full + direct_inverse at 64 registers without const_strides (4 bytes),
+    # the 8-token strips with float_max at 128 registers (4 bytes), the four-option build at 48 (4 bytes).
     "hdim+seq": ((64, 16, False, 2, 0), (128, 16, False, 4, 0), (32, 8, False, 2, 0), (64, 8, False, 4, 0),
                  (128, 8, False, 8, 0), (32, 4, False, 2, 128), (32, 4, False, 4, 0), (32, 4, False, 4, 64),
                  (64, 4, False, 8, 0), (32, 2, False, 4, 0), (64, 4, False, 4, 0), (32, 4, False, 4, 72),
@@ -111,7 +117,11 @@ CANDIDATE_LAUNCHES = {
                  (32, 4, False, 4, 64, 0, False, False, False, False, True),
                  (32, 4, False, 4, 64, 0, True, True, False, True, True),
                  (32, 4, False, 4, 64, 0, True, True, True, True, True),
-                 (32, 8, False, 2, 128, 0, True, True, False, True, True)),
+                 (32, 8, False, 2, 128, 0, True, True, False, True, True),
+                 (32, 4, False, 4, 64, 0, True, True, False, True, True, True),
+                 (32, 4, False, 4, 56, 0, True, True, False, True, True, True),
+                 (32, 4, False, 4, 56, 0, False, False, False, False, False, True),
+                 (32, 4, False, 4, 56, 0, True, True, True, True, True, True)),
     # hdim: whole 32-feature blocks per thread (row_blocks_in_thread), and the plain strips, whose warp-wide
     # 16-byte loads read 4 (thread_rows 4: 8) runs of 128 (64) contiguous bytes rather than 32 separate
     # 16-byte pieces
@@ -121,13 +131,17 @@ CANDIDATE_LAUNCHES = {
              # the direct inverse too (80 registers: 12 programs per SM instead of 14; at 72: 624, no spills)
              (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
              (32, 8, False, 2, 72, 0, True, True), (32, 8, False, 2, 72, 0, True, True, False, True),  # 618
-             (32, 8, False, 2, 0, 0, False, True, False, True, True)),  # 596, 80 registers
+             (32, 8, False, 2, 0, 0, False, True, False, True, True),  # 596, 80 registers
+             # with float_max: 551 / 541 at 80 registers (12 programs per SM; 72 spills 4 bytes)
+             (32, 8, False, 2, 80, 0, False, True, False, True, True, True),
+             (32, 8, False, 2, 80, 0, True, True, False, True, True, True)),
     "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0), (32, 8, False, 2, 0),
                (32, 4, False, 4, 0), (64, 8, False, 4, 0),
                # the default with the one-lookup prologue (609 against 619), with the direct inverse (610)
                (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
                (32, 8, False, 2, 96, 0, True, True, False, True),  # 610 (113 registers without the limit)
-               (32, 8, False, 2, 96, 0, True, True, False, True, True)),  # 586
+               (32, 8, False, 2, 96, 0, True, True, False, True, True),  # 586
+               (32, 8, False, 2, 96, 0, True, True, False, True, True, True)),  # 545 with float_max
 }
 # The persistent walk (programs_per_sm > 0; the same tuples with a 6th field), timed beside CANDIDATE_LAUNCHES:
 # the loads of a program's next chunk go out before it quantizes and stores the current one, instead of
@@ -172,6 +186,39 @@ def _seq_scale_offset(feature, tile, j, num_tiles, SHIFTS: tl.constexpr):
     if SHIFTS:
         return ((feature >> 7) * num_tiles + tile) * 512 + (feature & 31) * 16 + ((feature >> 5) & 3) * 4 + j
     return ((feature // 128) * num_tiles + tile) * 512 + (feature % 32) * 16 + ((feature % 128) // 32) * 4 + j
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax_rows(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT_MAX: tl.constexpr):
+    """Amax bits (int32) of each 1x32 block (axes e and g, dims kept) of `a`: |x| as FP32 (FLOAT_MAX) or as
+    int32 bits (`abs_bits`). The FP32 maxima propagate NaN (`max.NaN.f32`: canonical NaN, whose bits like
+    those of Inf reach 0x7F800000) and take |x| as an operand modifier: no separate abs per element."""
+    if not FLOAT_MAX:
+        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+    elif ROW_BLOCKS_IN_THREAD:
+        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 3, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+    else:
+        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+
+
+@triton.jit
+def _amax_cols(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT_MAX: tl.constexpr):
+    """Amax bits (int32) of each 32x1 block (axes r and c, dims kept) of `a` (see `_amax_rows`)."""
+    if not FLOAT_MAX:
+        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+    elif ROW_BLOCKS_IN_THREAD:
+        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+    else:
+        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 1, _nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -253,7 +300,7 @@ def _quantize_features(
     s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head,
     H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr, RCEIL: tl.constexpr,
-    HW_CAST: tl.constexpr, LEAN: tl.constexpr, SHIFTS: tl.constexpr,
+    HW_CAST: tl.constexpr, LEAN: tl.constexpr, SHIFTS: tl.constexpr, FLOAT_MAX: tl.constexpr,
 ):
     """Payloads and scale bytes of a chunk with real tokens, CHUNK_D features at a time (see `_quantize_chunk`).
     MASKED: rows at or past the sequence's end (`valid` false) are neither read nor stored; else every row of
@@ -270,17 +317,20 @@ def _quantize_features(
                 x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d, mask=valid, other=0.0))
             else:
                 x = exact_f32(tl.load(x_chunk + t * stride_t + f * stride_d))
-        a = abs_bits(x)  # integer max: NaN/Inf cannot hide
+        if FLOAT_MAX:
+            a = tl.abs(x)  # NaN-propagating FP32 maxima
+        else:
+            a = abs_bits(x)  # integer max: NaN/Inf cannot hide
         p_off = t * (H * D) + f
         col = ci * CB + cb  # hdim-form scale columns of this feature chunk
         if DO_HDIM or DO_SQUARE:
-            hdim_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)  # 1x32 along D
+            hdim_amax = _amax_rows(a, ROW_BLOCKS_IN_THREAD, FLOAT_MAX)  # 1x32 along D
         if DO_HDIM:
             _store_payload(p_hdim_chunk + p_off, _payload(x, hdim_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
             byte = block_scale(hdim_amax, RCEIL)
             tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS, SHIFTS), byte.to(tl.uint8))
         if DO_SEQ:  # 32x1 along tokens
-            seq_amax = max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+            seq_amax = _amax_cols(a, ROW_BLOCKS_IN_THREAD, FLOAT_MAX)
             _store_payload(p_seq_chunk + p_off, _payload(x, seq_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
             byte = block_scale(seq_amax, RCEIL)
             tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles, SHIFTS),
@@ -309,7 +359,7 @@ def _quantize_chunk(
     H: tl.constexpr, D: tl.constexpr, CHUNK_D: tl.constexpr, ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr, DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, LEAN: tl.constexpr,
-    FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr, SHIFTS: tl.constexpr,
+    FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr, SHIFTS: tl.constexpr, FLOAT_MAX: tl.constexpr,
 ):
     """Every output byte of one chunk (ROWS padded rows from row0, head h). `t`, `f_in`, `cb`, `mb`: the
     strip axes (int32); with PRELOADED, `x_first` holds the first feature chunk's values (`_load_chunk`),
@@ -353,12 +403,14 @@ def _quantize_chunk(
         _quantize_features(x_first, PRELOADED, False, valid, t, f_in, cb, rows, jb, tile, num_tiles,
                            x_chunk, stride_t, stride_d, p_hdim_chunk, p_seq_chunk, p_square_chunk,
                            s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head, H, D, CHUNK_D,
-                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN, SHIFTS)
+                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN, SHIFTS,
+                           FLOAT_MAX)
     elif n_valid > 0:
         _quantize_features(x_first, PRELOADED, True, valid, t, f_in, cb, rows, jb, tile, num_tiles,
                            x_chunk, stride_t, stride_d, p_hdim_chunk, p_seq_chunk, p_square_chunk,
                            s_hdim_head, s_seq_head, s_sq_hdim_head, s_sq_seq_head, H, D, CHUNK_D,
-                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN, SHIFTS)
+                           ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST, LEAN, SHIFTS,
+                           FLOAT_MAX)
     else:  # padding rows only: every scale byte of the chunk is 0
         for ci in tl.static_range(D // CHUNK_D):
             col = ci * CB + cb
@@ -411,7 +463,7 @@ def _jagged_mx_kernel(
     DO_HDIM: tl.constexpr, DO_SEQ: tl.constexpr, DO_SQUARE: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr, PERSISTENT: tl.constexpr,
     LEAN: tl.constexpr, TILE_TABLE: tl.constexpr, FULL_PATH: tl.constexpr, CONST_STRIDES: tl.constexpr,
-    SHIFTS: tl.constexpr,
+    SHIFTS: tl.constexpr, FLOAT_MAX: tl.constexpr,
 ):
     # PERSISTENT: the grid's programs walk the work items (chunk * H + head) p, p + n_programs, ..., and load
     # the next item's first feature chunk (its lookups one item further ahead) before quantizing and storing
@@ -442,7 +494,8 @@ def _jagged_mx_kernel(
                             x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr,
                             s_sq_seq_ptr, stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                             H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                            LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES, SHIFTS)
+                            LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES, SHIFTS,
+                            FLOAT_MAX)
             item += n_programs
             x = x_next
             row0, h, tok0, n_valid = row0_next, h_next, tok0_next, n_valid_next
@@ -461,7 +514,8 @@ def _jagged_mx_kernel(
                         x_ptr, p_hdim_ptr, p_seq_ptr, p_square_ptr, s_hdim_ptr, s_seq_ptr, s_sq_hdim_ptr, s_sq_seq_ptr,
                         stride_t, stride_h, stride_d, num_tiles, hdim_head_bytes, seq_head_bytes,
                         H, D, CHUNK_D, ROWS, ROW_BLOCKS_IN_THREAD, DO_HDIM, DO_SEQ, DO_SQUARE, RCEIL, HW_CAST,
-                        LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES, SHIFTS)
+                        LARGE_OFFSETS, LEAN, FULL_PATH, CONST_STRIDES, SHIFTS,
+                            FLOAT_MAX)
 
 
 def default_launch(orientations: tuple[str, ...], on_cuda: bool) -> LaunchOptions:
@@ -487,8 +541,8 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                 max_registers: int | None = None, programs_per_sm: int | None = None,
                 direct_inverse: bool | None = None, tile_table: bool | None = None,
                 unmasked_full: bool | None = None, const_strides: bool | None = None,
-                shift_offsets: bool | None = None, tile_tokens: torch.Tensor | None = None,
-                hw_cast: bool | None = None):
+                shift_offsets: bool | None = None, float_max: bool | None = None,
+                tile_tokens: torch.Tensor | None = None, hw_cast: bool | None = None):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
 
     `kwargs` may be shared between calls: do not modify it.
@@ -496,14 +550,14 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      const_strides, shift_offsets, tile_tokens, hw_cast)
+                                      const_strides, shift_offsets, float_max, tile_tokens, hw_cast)
     return grid, args, plan.kwargs
 
 
 def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
                    rows=None, thread_rows=None, row_blocks_in_thread=None, num_warps=None, max_registers=None,
                    programs_per_sm=None, direct_inverse=None, tile_table=None, unmasked_full=None,
-                   const_strides=None, shift_offsets=None, tile_tokens=None, hw_cast=None):
+                   const_strides=None, shift_offsets=None, float_max=None, tile_tokens=None, hw_cast=None):
     """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch_args`)."""
     t, heads, d = values.shape
     on_cuda = values.is_cuda
@@ -513,7 +567,7 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
         rceil, on_cuda, interpreter, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
         max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
         sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table, unmasked_full,
-        const_strides, shift_offsets)
+        const_strides, shift_offsets, float_max)
     if tile_tokens is None:
         if plan.kwargs["TILE_TABLE"]:
             raise ValueError("tile_table launches need tile_tokens ([Tp/128, 2] int64, JaggedLayout.tile_tokens)")
@@ -552,7 +606,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
                  max_registers: int | None, hw_cast: bool, int32_span: int, programs_per_sm: int | None = None,
                  sm_count: int = 1, direct_inverse: bool | None = None, tile_table: bool | None = None,
                  unmasked_full: bool | None = None, const_strides: bool | None = None,
-                 shift_offsets: bool | None = None) -> _LaunchPlan:
+                 shift_offsets: bool | None = None, float_max: bool | None = None) -> _LaunchPlan:
     """The `_LaunchPlan` (grid, scalar arguments, keyword arguments) of a launch: everything but the tensors,
     which depends on ints only, so that repeated calls (same batch layout, shapes and options) reuse it.
     Offsets inside a chunk at or above `int32_span` take int64 arithmetic; a persistent grid has
@@ -574,6 +628,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     unmasked_full = base.unmasked_full if unmasked_full is None else unmasked_full
     const_strides = base.const_strides if const_strides is None else const_strides
     shift_offsets = base.shift_offsets if shift_offsets is None else shift_offsets
+    float_max = base.float_max if float_max is None else float_max
     check_strip_launch(rows, thread_rows, num_warps)
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")
@@ -590,6 +645,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
         RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= int32_span, PERSISTENT=programs_per_sm > 0,
         LEAN=bool(direct_inverse), TILE_TABLE=bool(tile_table), FULL_PATH=bool(unmasked_full),
         CONST_STRIDES=bool(const_strides) and tuple(strides) == (heads * d, d, 1), SHIFTS=bool(shift_offsets),
+        FLOAT_MAX=bool(float_max) and hw_cast and not interpreter,
         num_warps=num_warps,
     )
     if max_registers:
@@ -606,7 +662,8 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
            max_registers: int | None = None, programs_per_sm: int | None = None,
            direct_inverse: bool | None = None, tile_table: bool | None = None,
            unmasked_full: bool | None = None, const_strides: bool | None = None,
-           shift_offsets: bool | None = None, tile_tokens: torch.Tensor | None = None) -> None:
+           shift_offsets: bool | None = None, float_max: bool | None = None,
+           tile_tokens: torch.Tensor | None = None) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -617,14 +674,14 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
         chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm,
-            direct_inverse, tile_table, unmasked_full, const_strides, shift_offsets: launch tuning:
+            direct_inverse, tile_table, unmasked_full, const_strides, shift_offsets, float_max: launch tuning:
             features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
             128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
             thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
             0 for none, programs per SM of a persistent grid, 0 for one program per chunk, inverse scales
             straight from the amax, one-lookup prologue, mask-free full chunks, compile-time strides of
-            contiguous values, scale offsets by shifts); each None takes `default_launch`'s value. The bytes
-            written do not depend on them.
+            contiguous values, scale offsets by shifts, FP32 block maxima); each None takes
+            `default_launch`'s value. The bytes written do not depend on them.
         tile_tokens: `[Tp/128, 2]` int64 (`JaggedLayout.tile_tokens`), needed by tile_table launches.
     """
     if padded_total == 0:
@@ -632,7 +689,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      const_strides, shift_offsets, tile_tokens)
+                                      const_strides, shift_offsets, float_max, tile_tokens)
     _run(grid, args, plan)
 
 

@@ -64,7 +64,7 @@ LAUNCHES = sorted({LaunchOptions(*launch) for group in CANDIDATE_LAUNCHES.values
                               + (f"-r{o.max_registers}" if o.max_registers else "")
                               + ("-inv" if o.direct_inverse else "") + ("-table" if o.tile_table else "")
                               + ("-full" if o.unmasked_full else "") + ("-cs" if o.const_strides else "")
-                              + ("-shift" if o.shift_offsets else "")
+                              + ("-shift" if o.shift_offsets else "") + ("-fmax" if o.float_max else "")
                               for o in LAUNCHES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_launch_options_every_byte(mixed_batch, opts, dtype):
