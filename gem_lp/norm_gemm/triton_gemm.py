@@ -668,19 +668,24 @@ def _gemm_nt(a, b, gemm: str, out_dtype: torch.dtype, bias: torch.Tensor | None 
     return y if bias is None else (y.float() + bias.float()).to(out_dtype)
 
 
-def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str):
+# The bias gradient as column sums of dY made by the pass that casts dY (float32 atomics, so the summation order
+# differs from torch's: equal within FP32 rounding) instead of a separate `dy.sum(0)` reading dY again.
+BIAS_GRAD_FROM_DY_CAST = True
+
+
+def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = False):
     """dY `[M, N]` quantized along N (for dX) and along M (for dW), from one pass over dY.
 
-    Returns `(row, col_t)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[M, N]` and the
-    `[N, M]` transposed view of the colwise values.
+    Returns `(row, col_t, sums)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[M, N]` and the
+    `[N, M]` transposed view of the colwise values; `sums`: dY's column sums, float32 `[N]`, when asked, else None.
     """
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     if gemm in _MX_GEMMS:
-        out = rms_norm_mx(dy, None, scaling=scaling, rowwise=True, colwise=True)
-        return out.rowwise, out.colwise
+        out = rms_norm_mx(dy, None, scaling=scaling, rowwise=True, colwise=True, column_sums=column_sums)
+        return out.rowwise, out.colwise, out.column_sums
     out = rms_norm_mx(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True, col_operand=True,
-                      operand_dtype=operand_dtype_for(dy.dtype))
-    return out.row_operand, out.col_operand.t()
+                      operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums)
+    return out.row_operand, out.col_operand.t(), out.column_sums
 
 
 def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype):
@@ -693,7 +698,8 @@ def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, ge
 def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b):
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`."""
     scaling, gemm = ctx.scaling, ctx.gemm
-    dy_row, dy_col_t = _dy_operands(dy, scaling, gemm)
+    sums_in_cast = need_b and BIAS_GRAD_FROM_DY_CAST
+    dy_row, dy_col_t, dy_sums = _dy_operands(dy, scaling, gemm, sums_in_cast)
     d_in = d_w = d_b = None
     if need_in:
         if gemm in _MX_GEMMS:  # B = W^T quantized along N, [K, N]
@@ -702,10 +708,8 @@ def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_
             d_in = _gemm_nt(dy_row, w_ops.col.t(), gemm, d_in_dtype)
     if need_w:
         d_w = _gemm_nt(dy_col_t, x_col, gemm, dw_dtype)
-    if need_b:
-        # FP32 column sums of dY, its own read of dY. (They can come from dY's dual cast above instead: ask
-        # `_dy_operands`' rms_norm_mx for column sums and return them here.)
-        d_b = dy.sum(0, dtype=torch.float32)
+    if need_b:  # FP32 column sums of dY
+        d_b = dy_sums if sums_in_cast else dy.sum(0, dtype=torch.float32)
     return d_in, d_w, d_b
 
 

@@ -733,3 +733,30 @@ def test_gpu_backward_large():
     dx, dw = rms_norm_backward(x, w, rstd, dy)
     torch.testing.assert_close(dx.float(), dx_ref, rtol=1e-2, atol=1e-2 * dx_ref.abs().max().item())
     torch.testing.assert_close(dw, dw_ref, rtol=1e-4, atol=1e-4 * dw_ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_token_counts_of_a_training_run_compile_nothing_new():
+    """Once a launch configuration has run for one even token count M, other even counts (whole row blocks or not,
+    divisible by 16 or not) reuse compiled builds: no compile in the middle of training.
+    Fails if a build again depends on M beyond the classes `_compile_token_count_variants` compiles up front."""
+    import triton
+
+    K = 1024
+    w = torch.randn(K, device="cuda")
+    compiles = []
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    try:
+        def step(M):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            y = triton_norm.rms_norm_mx(x, w, 1e-6, rowwise=True, colwise=True)
+            torch.cuda.synchronize()
+            return y
+
+        step(4000)  # first use: compiles the builds of every even class
+        triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(k.get("fn", a))
+        for M in (4096, 4110, 8192 + 16, 30002, 12288):
+            step(M)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+    assert compiles == [], f"{len(compiles)} new builds for other even token counts"
