@@ -241,6 +241,30 @@ def _launch_only(x: torch.Tensor, w: torch.Tensor, cfg: tn.NormConfig):
     return lambda: kernel[grid](*args, **kwargs)
 
 
+def bench_norm_token_counts(bench: Bench, checks: dict) -> None:
+    """The default launch at token counts a jagged batch has (M not a multiple of 32 or 16, odd), beside the
+    aligned M of the main rows: training meets these (`default_config` gives odd M its own launch)."""
+    for K in sorted({k for _, k in NORM_SHAPES}):
+        group = f"norm default, M of a batch, K={K}"
+        for M in (32768, 32784, 32766, 32767):
+            g = torch.Generator(device=DEVICE).manual_seed(M + K)
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            w = torch.rand(K, device=DEVICE, generator=g) + 0.5
+            name = f"ours rms_norm_mx M={M} {tn.default_config(K, M % 2 == 0)!r}"
+            try:
+                out = rms_norm_mx(x, w, EPS)
+                ok = _norm_matches_reference(out, x, w)
+                nbytes = _norm_bytes(M, K, out)
+                del out
+            except Exception as e:
+                _fail(bench, group, name, e)
+                continue
+            checks[f"{group} {name}"] = ok
+            bench.time(group, name, lambda: rms_norm_mx(x, w, EPS), nbytes=nbytes, bit_identical=ok)
+            del x
+            _free()
+
+
 def bench_norm(bench: Bench, checks: dict) -> None:
     """Per shape: every candidate launch of `rms_norm_mx` (bytes checked), then host against kernel time: the
     public `rms_norm_quantize` call, the bare launch into preallocated outputs and CUDA-graph replays of the
@@ -685,7 +709,8 @@ def main(sections: tuple[str, ...] = ("norm", "gemm", "linear")) -> None:
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
     accuracy: dict[str, dict] = {}
-    for section in [f for n, f in (("norm", bench_norm), ("norm", bench_operand_cast), ("gemm", bench_gemm))
+    for section in [f for n, f in (("norm", bench_norm), ("norm", bench_norm_token_counts), ("norm", bench_operand_cast),
+                                   ("gemm", bench_gemm))
                     if n in sections]:
         try:
             section(bench, checks)
