@@ -132,9 +132,10 @@ CANDIDATE_LAUNCHES = {
              (32, 8, False, 2, 0, 0, False, True), (32, 8, False, 2, 0, 0, True, True),
              (32, 8, False, 2, 72, 0, True, True), (32, 8, False, 2, 72, 0, True, True, False, True),  # 618
              (32, 8, False, 2, 0, 0, False, True, False, True, True),  # 596, 80 registers
-             # with float_max: 551 / 541 at 80 registers (12 programs per SM; 72 spills 4 bytes)
-             (32, 8, False, 2, 80, 0, False, True, False, True, True, True),
-             (32, 8, False, 2, 80, 0, True, True, False, True, True, True)),
+             # with float_max: 540 at 92 registers (10 programs per SM), 531 at 88 with direct_inverse (11);
+             # limits of 72 or 80 registers spill (H16: 4 bytes at 80)
+             (32, 8, False, 2, 0, 0, False, True, False, True, True, True),
+             (32, 8, False, 2, 0, 0, True, True, False, True, True, True)),
     "square": ((64, 2, True, 2, 0), (64, 1, True, 4, 0), (64, 16, False, 2, 0), (32, 8, False, 2, 0),
                (32, 4, False, 4, 0), (64, 8, False, 4, 0),
                # the default with the one-lookup prologue (609 against 619), with the direct inverse (610)
