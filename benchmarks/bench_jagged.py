@@ -248,8 +248,18 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
 
     grid, jit_args, jit_kwargs = launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
                                              layout.padded_total, payloads, scales, True)
+    import gem_lp.jagged.triton_kernel as tk
+
+    def direct_relaunch_call():
+        tk.DIRECT_RELAUNCH = True
+        try:
+            return quantize_jagged(values, layout, orients, backend="triton")
+        finally:
+            tk.DIRECT_RELAUNCH = False
+
     ways = [
         ("quantize_jagged (public call)", lambda: quantize_jagged(values, layout, orients, backend="triton")),
+        ("quantize_jagged with DIRECT_RELAUNCH (compiled launcher)", direct_relaunch_call),
         ("Triton JIT launch every call (no direct relaunch)",
          lambda: _jagged_mx_kernel[grid](*jit_args, **jit_kwargs)),
         ("torch.ops.gem_lp.jagged_mx_quantize (custom-op dispatch)",

@@ -699,13 +699,19 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
 _N_TENSOR_ARGS = 12
 
 
+# Direct relaunch (below) calls Triton 3.6's compiled-kernel launcher the way its JIT does. Off by default: the
+# GPU test of it (tests/jagged/test_gpu.py::test_repeated_calls_launch_the_compiled_kernel_directly) has not yet
+# run on a GPU, and the host time it saves has not been measured; every launch goes through the JIT until then.
+DIRECT_RELAUNCH = False
+
+
 def _run(grid: tuple[int], args: tuple, plan: _LaunchPlan) -> None:
     """Launch `_jagged_mx_kernel`. The first launch of each (device, dtypes and 16-byte alignment of the
     tensors) with a plan goes through Triton's JIT, which binds and specializes the arguments and finds (or
     compiles) the kernel; later ones call that compiled kernel's launcher directly with the same arguments,
     skipping the JIT's per-call binding, specialization and cache lookup (host time the GPU may wait for)."""
-    if (not _compiled_launch(args[0]) or _knobs.runtime.debug  # debug and instrumentation: the JIT's business
-            or _knobs.compilation.instrumentation_mode):
+    if (not DIRECT_RELAUNCH or not _compiled_launch(args[0])
+            or _knobs.runtime.debug or _knobs.compilation.instrumentation_mode):  # the JIT's business
         _jagged_mx_kernel[grid](*args, **plan.kwargs)
         return
     device = _driver.active.get_current_device()

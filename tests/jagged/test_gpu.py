@@ -134,11 +134,13 @@ def test_host_syncs(mixed_batch):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_repeated_calls_launch_the_compiled_kernel_directly(mixed_batch):
-    """After the first call of a plan, calls go to the compiled kernel's launcher (skipping the JIT): the same
-    bytes on every call, for values 2 bytes off 16-byte alignment (another specialization, through the JIT
-    again), with another dtype, on a side stream and replayed from a CUDA graph."""
+def test_repeated_calls_launch_the_compiled_kernel_directly(mixed_batch, monkeypatch):
+    """With `DIRECT_RELAUNCH`, after the first call of a plan, calls go to the compiled kernel's launcher
+    (skipping the JIT): the same bytes on every call, for values 2 bytes off 16-byte alignment (another
+    specialization, through the JIT again), with another dtype, on a side stream and replayed from a CUDA graph."""
     import gem_lp.jagged.triton_kernel as tk
+
+    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", True)
 
     values, offsets = mixed_batch(4, 128, torch.bfloat16)
     values, offsets = values.cuda(), offsets.cuda()

@@ -130,9 +130,10 @@ class _FakeDriver:
 
 
 def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
-    """With a compiled kernel (CUDA), the first launch of a plan and pointer specialization goes through the
-    JIT and later ones straight to that kernel's launcher with the same arguments plus the constexprs in
-    parameter order; other dtypes or a pointer off 16-byte alignment go through the JIT again."""
+    """With a compiled kernel (CUDA) and `DIRECT_RELAUNCH`, the first launch of a plan and pointer specialization
+    goes through the JIT and later ones straight to that kernel's launcher with the same arguments plus the
+    constexprs in parameter order; other dtypes or a pointer off 16-byte alignment go through the JIT again."""
+    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", True)
     values, layout = _batch(mixed_batch)
     jit = _FakeJit(tk._jagged_mx_kernel.arg_names)
     monkeypatch.setattr(tk, "_jagged_mx_kernel", jit)
@@ -178,3 +179,19 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     assert len(jit.launches) == 5 and len(compiled.runs) == 3
     tk._launch_plan.cache_clear()
 
+
+
+def test_launches_go_through_the_jit_by_default(mixed_batch, monkeypatch):
+    """Without `DIRECT_RELAUNCH` (the default) every launch of a compiled kernel goes through Triton's JIT."""
+    assert tk.DIRECT_RELAUNCH is False
+    values, layout = _batch(mixed_batch)
+    jit = _FakeJit(tk._jagged_mx_kernel.arg_names)
+    monkeypatch.setattr(tk, "_jagged_mx_kernel", jit)
+    monkeypatch.setattr(tk, "_compiled_launch", lambda v: True)
+    monkeypatch.setattr(tk, "_driver", _FakeDriver)
+    tk._launch_plan.cache_clear()
+    payloads, scales = tk._allocate(values, layout.padded_total, True, True, False)
+    for _ in range(3):
+        tk.launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads,
+                  scales, True)
+    assert len(jit.launches) == 3 and not jit.compiled[0].runs
