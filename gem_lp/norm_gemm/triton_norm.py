@@ -964,24 +964,24 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     return kernel, (n_programs + m_padding,), args, kwargs
 
 
-# Even token counts that reach every build an even M can select (`_compile_token_count_variants`): whole row
-# blocks or not (EVEN_M), divisible by 16 or not (Triton's integer specialization), blocked-scale padding past M
-# or not (M_PADDING). An odd M has a single build, and `default_config` gives it a launch configuration of its own.
-_EVEN_VARIANT_TOKEN_COUNTS = (4096, 4128, 4112, 4098, 4080, 4082)
+# Token counts that reach every build an M of the same parity can select (`_compile_token_count_variants`):
+# whole row blocks or not (EVEN_M), divisible by 16 or not (Triton's integer specialization), blocked-scale
+# padding past M or not (M_PADDING). `default_config` gives odd and even M launch configurations of their own.
+_VARIANT_TOKEN_COUNTS = ((4096, 4128, 4112, 4098, 4080, 4082), (4097, 4065))
 _VARIANTS_COMPILED: set = set()
 
 
 def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> None:
-    """Compile, at a launch configuration's first use with an even M, the builds that other even M select.
+    """Compile, at a launch configuration's first use, the builds that other M of the same parity select.
 
     The build depends on M through Triton's integer specialization (M % 16) and through EVEN_M / M_PADDING
     (PAIRED_COLWISE is M's parity). In training M changes every batch, so without this a new build compiles in
     the middle of a run whenever a batch first falls in another class (measured: 4-9 compiles of ~0.8 s at steps
     2, 4, 9 and 12 of a 30-step run). Costs a few more compiles at the first step instead.
     """
-    if kernel is not _rms_norm_mx_strips_kernel or args[3] % 2:
+    if kernel is not _rms_norm_mx_strips_kernel:
         return
-    key = (args[4], tuple(config), _stable_items(kwargs),
+    key = (args[3] % 2, args[4], tuple(config), _stable_items(kwargs),
            tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args))
     if key in _VARIANTS_COMPILED:
         return
@@ -989,7 +989,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
     block_m, thread_rows = config[0], config[3]
     blocked, row_mx, col_mx = kwargs["BLOCKED_SCALES"], kwargs["ROW_MX"], kwargs["COL_MX"]
     seen = set()
-    for m in _EVEN_VARIANT_TOKEN_COUNTS:
+    for m in _VARIANT_TOKEN_COUNTS[args[3] % 2]:
         flags = (m % 16 == 0, m % block_m == 0, col_mx and thread_rows > 1,
                  blocked and ((row_mx and m % 128 != 0) or (col_mx and ceil_div(m, BLOCK) % 4 != 0)))
         if flags in seen:

@@ -737,8 +737,8 @@ def test_gpu_backward_large():
 
 @pytest.mark.gpu
 def test_gpu_token_counts_of_a_training_run_compile_nothing_new():
-    """Once a launch configuration has run for one even token count M, other even counts (whole row blocks or not,
-    divisible by 16 or not) reuse compiled builds: no compile in the middle of training.
+    """Once the launches have run for one even and one odd token count M, other counts (whole row blocks or not,
+    divisible by 16 or not, scale padding or not) reuse compiled builds: no compile in the middle of training.
     Fails if a build again depends on M beyond the classes `_compile_token_count_variants` compiles up front."""
     import triton
 
@@ -753,9 +753,10 @@ def test_gpu_token_counts_of_a_training_run_compile_nothing_new():
             torch.cuda.synchronize()
             return y
 
-        step(4000)  # first use: compiles the builds of every even class
+        step(4000)  # first use: compiles the builds of every class of its parity
+        step(4001)
         triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(k.get("fn", a))
-        for M in (4096, 4110, 8192 + 16, 30002, 12288):
+        for M in (4096, 4110, 8192 + 16, 30002, 12288, 4097, 4065, 30001, 12289):
             step(M)
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
