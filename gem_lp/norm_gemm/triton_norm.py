@@ -881,31 +881,34 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
-def default_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True,
+def default_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast: bool = True,
                    normalize: bool = True) -> NormConfig:
     """Launch configuration of the forward kernel when the caller gives none.
 
-    On the GPU: `MEASURED_CONFIG` for the RMSNorm (`normalize`) at the K it was timed at, M even, with the
-    hardware conversion and no dequantized operands; `OPERAND_CAST_CONFIG` (one program per tile, measured) for
-    the operand cast without the norm; otherwise `strip_config`'s choice (the other arguments are its own).
-    Without the norm (a dual cast) the measured launch's register cap would spill.
+    On the GPU: `MEASURED_CONFIG` for the RMSNorm (`normalize`) at the K it was timed at, M a multiple of 32
+    (`aligned_m`), with the hardware conversion and no dequantized operands; `OPERAND_CAST_CONFIG` (one program per
+    tile, measured) for the operand cast without the norm; otherwise `strip_config`'s choice (the other arguments
+    are its own). Without the norm (a dual cast) the measured launch's register cap would spill.
     """
-    if K in MEASURED_KS and normalize and even_m and not operands and hw_cast and not interpreter_enabled():
+    if K in MEASURED_KS and normalize and aligned_m and not operands and hw_cast and not interpreter_enabled():
         return MEASURED_CONFIG
     if not normalize and operands and hw_cast and not interpreter_enabled():
         return OPERAND_CAST_CONFIG
-    return strip_config(K, even_m, operands, hw_cast)
+    return strip_config(K, aligned_m, operands, hw_cast)
 
 
-def strip_config(K: int, even_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
+def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
     """The thread-strip launch for rows of K elements with the fewest sm_90 instructions per element.
 
-    `even_m`: M is even (the colwise payload is stored in pairs); `operands`: dequantized operands are written;
-    `hw_cast=False`: the integer E4M3 rounding.
+    `aligned_m`: M is a multiple of 32 (whole row blocks, colwise payload rows 16-byte aligned); for other M the
+    light 1-warp launch: the multi-warp ones need 190-255 registers there (2 programs per SM) or spill under the
+    measured launch's cap, and on the H200 (K = 4096) the measured launch took 0.47-0.53 ms at M = 32766 / 32784
+    against 0.38 for this one at M = 32767. `operands`: dequantized operands are written; `hw_cast=False`: the
+    integer E4M3 rounding.
     """
     if interpreter_enabled():
         return NormConfig(32, min(_pow2_at_least(K, BLOCK), INTERPRETER_MAX_BLOCK_K), 1, 8)
-    if operands or not hw_cast or not even_m:
+    if operands or not hw_cast or not aligned_m:
         block_k = min(_pow2_at_least(K, BLOCK), HEAVY_BLOCK_K)
         return NormConfig(64 if block_k == BLOCK else 32, block_k, 1, 8)
     if K <= ONE_PASS_MAX_K:
@@ -964,24 +967,26 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     return kernel, (n_programs + m_padding,), args, kwargs
 
 
-# Token counts that reach every build an M of the same parity can select (`_compile_token_count_variants`):
-# whole row blocks or not (EVEN_M), divisible by 16 or not (Triton's integer specialization), blocked-scale
-# padding past M or not (M_PADDING). `default_config` gives odd and even M launch configurations of their own.
-_VARIANT_TOKEN_COUNTS = ((4096, 4128, 4112, 4098, 4080, 4082), (4097, 4065))
+# Token counts that reach every build an M of the same class (a multiple of 32 or not, as `default_config`
+# chooses launches) can select (`_compile_token_count_variants`): whole row blocks or not (EVEN_M, block_m 64 or
+# 128), divisible by 16 or not (Triton's integer specialization), even or odd (PAIRED_COLWISE), blocked-scale
+# padding past M or not (M_PADDING).
+_VARIANT_TOKEN_COUNTS = ((4112, 4098, 4080, 4082, 4097, 4065), (4096, 4128, 4160))
 _VARIANTS_COMPILED: set = set()
 
 
 def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> None:
-    """Compile, at a launch configuration's first use, the builds that other M of the same parity select.
+    """Compile, at a launch configuration's first use, the builds that other M of the same class select.
 
-    The build depends on M through Triton's integer specialization (M % 16) and through EVEN_M / M_PADDING
-    (PAIRED_COLWISE is M's parity). In training M changes every batch, so without this a new build compiles in
+    The build depends on M through Triton's integer specialization (M % 16) and through EVEN_M, PAIRED_COLWISE
+    and M_PADDING. In training M changes every batch, so without this a new build compiles in
     the middle of a run whenever a batch first falls in another class (measured: 4-9 compiles of ~0.8 s at steps
     2, 4, 9 and 12 of a 30-step run). Costs a few more compiles at the first step instead.
     """
     if kernel is not _rms_norm_mx_strips_kernel:
         return
-    key = (args[3] % 2, args[4], tuple(config), _stable_items(kwargs),
+    aligned = args[3] % 32 == 0
+    key = (aligned, args[4], tuple(config), _stable_items(kwargs),
            tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args))
     if key in _VARIANTS_COMPILED:
         return
@@ -989,7 +994,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
     block_m, thread_rows = config[0], config[3]
     blocked, row_mx, col_mx = kwargs["BLOCKED_SCALES"], kwargs["ROW_MX"], kwargs["COL_MX"]
     seen = set()
-    for m in _VARIANT_TOKEN_COUNTS[args[3] % 2]:
+    for m in _VARIANT_TOKEN_COUNTS[aligned]:
         flags = (m % 16 == 0, m % block_m == 0, col_mx and thread_rows > 1,
                  blocked and ((row_mx and m % 128 != 0) or (col_mx and ceil_div(m, BLOCK) % 4 != 0)))
         if flags in seen:
@@ -1120,7 +1125,7 @@ def rms_norm_mx(
         raise ValueError("column_sums=True needs weight=None (the sums are of x, for a dual cast without the norm)")
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
-    config = default_config(K, M % 2 == 0, row_operand or col_operand, hw_cast, weight is not None)
+    config = default_config(K, M % 32 == 0, row_operand or col_operand, hw_cast, weight is not None)
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
              prefetch, tile_programs)
     if given != _NO_CONFIG:  # the defaults are valid; what the caller gives is checked
