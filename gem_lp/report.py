@@ -73,6 +73,12 @@ def render_markdown(runs: list[dict[str, Any]], gaps: list[dict[str, Any]], curv
             f"{_fmt(r['eval_ne'], '.4f')} | {_fmt(r.get('teacher_ne', '-'), '.4f')} | {_fmt(r['samples_per_s'], ',.0f')} | "
             f"{r['peak_mem_bytes'] / 2**20:,.0f} | {r['device']} |")
     lines.append("")
+    stalled = [r for r in runs if r.get("kernel_builds_after_warmup")]
+    if stalled:
+        lines += ["Triton kernels were built during timed steps of " + ", ".join(
+            f"{r['name']} ({r['kernel_builds_after_warmup']} builds; a typical step: "
+            f"{_fmt(r.get('samples_per_s_median_step', '-'), ',.0f')} samples/s)" for r in stalled)
+            + ": their samples/s count those builds.", ""]
     if any(r["device"] == "cpu" for r in runs):
         lines += ["On the CPU, peak memory is the process's peak resident set size; the runs of one "
                   "`train.py -m` sweep share a process, so a later run's figure includes the earlier ones.", ""]

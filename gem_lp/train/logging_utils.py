@@ -1,6 +1,7 @@
 """Progress bar and TensorBoard writer that degrade to plain output when tqdm / tensorboard are missing."""
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 import warnings
@@ -79,8 +80,14 @@ class Stopwatch:
         self.samples = 0
         self.warmup_seconds = 0.0
         self.warmup_samples = 0
+        self.step_rates: list[float] = []  # samples/s of each steady-state step timed in this process
         self._steps_this_process = 0
         self._start = 0.0
+
+    @property
+    def steady(self) -> bool:
+        """The next step counts toward `rate` (the warm-up steps of this process are over)."""
+        return self._steps_this_process >= self.warmup
 
     def start(self) -> None:
         self._start = time.perf_counter()
@@ -93,6 +100,8 @@ class Stopwatch:
         else:
             self.seconds += elapsed
             self.samples += samples
+            if elapsed > 0:
+                self.step_rates.append(samples / elapsed)
         self._steps_this_process += 1
 
     @property
@@ -100,3 +109,47 @@ class Stopwatch:
         if self.seconds > 0:
             return self.samples / self.seconds
         return self.warmup_samples / self.warmup_seconds if self.warmup_seconds > 0 else 0.0
+
+    @property
+    def median_rate(self) -> float:
+        """Median samples/s over the steady-state steps of this process: a typical step, which a few slow ones
+        (a kernel compiled mid-run, a host hiccup) do not move; `rate` where no step was timed."""
+        return statistics.median(self.step_rates) if self.step_rates else self.rate
+
+
+class KernelBuilds:
+    """Counts Triton kernel builds (JIT compiles, or loads from Triton's on-disk cache) while active, through
+    `triton.knobs.runtime.jit_post_compile_hook` (a hook already set keeps being called). A build during a timed
+    training step stalls it; the trainer reports how many happened after its warm-up steps. Counts nothing
+    where Triton is not installed."""
+
+    def __init__(self):
+        self.count = 0
+        self._runtime = None
+        self._previous = None
+
+    def _hook(self, *args, **kwargs):
+        self.count += 1
+        return self._previous(*args, **kwargs) if self._previous is not None else None
+
+    def start(self) -> "KernelBuilds":
+        try:
+            import triton
+            self._runtime = triton.knobs.runtime
+        except (ImportError, AttributeError):
+            return self
+        self._previous = self._runtime.jit_post_compile_hook
+        self._runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def stop(self) -> None:
+        """Put the previous hook back (safe to call twice, or without `start`)."""
+        if self._runtime is not None:
+            self._runtime.jit_post_compile_hook = self._previous
+            self._runtime = None
+
+    def __enter__(self) -> "KernelBuilds":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -17,7 +17,7 @@ from gem_lp.models import GemModelConfig, GemRanker
 
 from .checkpoint import load_checkpoint, restore_rng_states, rng_states, save_atomic, seed_everything, write_json_atomic
 from .config import TrainerConfig
-from .logging_utils import Progress, Scalars, Stopwatch
+from .logging_utils import KernelBuilds, Progress, Scalars, Stopwatch
 from .metrics import mean_bce, normalized_entropy, roc_auc
 from .optim import RowWiseAdagrad, warmup_decay_lambda
 
@@ -78,6 +78,7 @@ class Trainer:
         self.losses: list[float] = []  # training loss of every step, in order
         self.evals: list[dict[str, float]] = []
         self.stopwatch = Stopwatch()
+        self.kernel_builds_after_warmup = 0  # in this process
         self.checkpoint_path = Path(t.checkpoint_path) if t.checkpoint_path else self.run_dir / "checkpoint.pt"
         if bool(cfg.get("resume", False)):
             self._resume()
@@ -217,15 +218,19 @@ class Trainer:
                        f"parameters; teacher eval AUC {self.teacher_metrics['teacher_auc']:.4f}")
         self.model.train()
         started = time.perf_counter()
+        builds = KernelBuilds().start()
         try:
             loader = iter(self._train_loader())
             while self.step < stop:
+                steady, builds_before = self.stopwatch.steady, builds.count
                 self.stopwatch.start()
                 batch = next(loader)
                 loss = self.train_step(batch, self.step + 1)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.stopwatch.stop(batch.batch_size)
+                if steady:
+                    self.kernel_builds_after_warmup += builds.count - builds_before
                 self.step += 1
                 self.losses.append(loss)
                 lr = self.dense_scheduler.get_last_lr()[0]
@@ -244,8 +249,13 @@ class Trainer:
                 if self.step % t.checkpoint_every == 0 or self.step == stop:
                     self.save_checkpoint()
         finally:
+            builds.stop()
             progress.close()
             scalars.close()
+        if self.kernel_builds_after_warmup:
+            progress.write(f"note: {self.kernel_builds_after_warmup} Triton kernel builds happened during timed steps "
+                           f"(samples_per_s counts them; samples_per_s_median_step is a typical step: "
+                           f"{self.stopwatch.median_rate:,.0f})")
         metrics = self.metrics(wall_s=time.perf_counter() - started)
         write_json_atomic(metrics, self.run_dir / "metrics.json")
         return metrics
@@ -268,6 +278,8 @@ class Trainer:
             "eval_ne": last["eval_ne"],
             **self.teacher_metrics,
             "samples_per_s": self.stopwatch.rate,
+            "samples_per_s_median_step": self.stopwatch.median_rate,
+            "kernel_builds_after_warmup": self.kernel_builds_after_warmup,
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__,

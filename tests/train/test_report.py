@@ -69,3 +69,17 @@ def test_report_errors(tmp_path):
     (tmp_path / "r" / "metrics.json").write_text(json.dumps({"precision": "bf16"}))
     with pytest.raises(ValueError, match="lacks"):
         load_runs(tmp_path)
+
+
+def test_report_flags_runs_with_builds_during_timed_steps(tmp_path):
+    fake_run(tmp_path, "0", "bf16", 0.90, ["model=gem_bf16"])
+    fake_run(tmp_path, "1", "mxfp8", 0.91, ["model=gem_mxfp8"])
+    path = tmp_path / "1" / "metrics.json"
+    metrics = json.loads(path.read_text())
+    metrics.update(kernel_builds_after_warmup=4, samples_per_s_median_step=250.0)
+    path.write_text(json.dumps(metrics))
+    runs = load_runs(tmp_path)
+    text = render_markdown(runs, ne_gaps(runs), None)
+    assert "1 (4 builds; a typical step: 250 samples/s)" in text
+    fake_run(tmp_path / "clean", "0", "bf16", 0.90, ["model=gem_bf16"])
+    assert "built during timed steps" not in render_markdown(load_runs(tmp_path / "clean"), [], None)

@@ -9,7 +9,8 @@ import torch
 from gem_lp.train import NonFiniteError, Trainer, load_checkpoint, save_atomic
 
 METRIC_KEYS = {"precision", "steps", "train_loss", "eval_loss", "eval_auc", "eval_ne", "samples_per_s",
-               "peak_mem_bytes", "device", "teacher_auc", "eval_history", "train_loss_history"}
+               "samples_per_s_median_step", "kernel_builds_after_warmup", "peak_mem_bytes", "device", "teacher_auc",
+               "eval_history", "train_loss_history"}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
@@ -22,8 +23,10 @@ def test_smoke_20_steps(tiny_config, tmp_path, precision):
     assert on_disk["precision"] == precision and on_disk["steps"] == 20 and on_disk["device"] == "cpu"
     assert len(on_disk["train_loss_history"]) == 20
     assert [p["step"] for p in on_disk["eval_history"]] == [10, 20]
-    for key in ("train_loss", "eval_loss", "eval_auc", "eval_ne", "teacher_auc", "samples_per_s"):
+    for key in ("train_loss", "eval_loss", "eval_auc", "eval_ne", "teacher_auc", "samples_per_s",
+                "samples_per_s_median_step"):
         assert math.isfinite(on_disk[key]) and on_disk[key] > 0, key
+    assert on_disk["kernel_builds_after_warmup"] == 0  # the CPU path runs no compiled Triton kernel
     assert on_disk["peak_mem_bytes"] > 0
     assert 0.5 < on_disk["teacher_auc"] <= 1.0
     assert (tmp_path / "checkpoint.pt").is_file()
