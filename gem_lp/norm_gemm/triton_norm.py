@@ -986,8 +986,12 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
     if kernel is not _rms_norm_mx_strips_kernel:
         return
     aligned = args[3] % 32 == 0
-    key = (aligned, args[4], tuple(config), _stable_items(kwargs),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args))
+    # what else picks the build: the flags and the tensors' dtypes (a tuple cheap to build: this runs per call)
+    x, weight, row_op, col_op = args[0], args[2], args[11], args[12]
+    key = (aligned, args[4], config, args[1], x.dtype, weight is None or weight.dtype,
+           row_op is None or row_op.dtype, col_op is None or col_op.dtype, kwargs["NORMALIZE"], kwargs["ROW_MX"],
+           kwargs["COL_MX"], kwargs["ROW_OP"], kwargs["COL_OP"], kwargs["COL_SUMS"], kwargs["BLOCKED_SCALES"],
+           kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"])
     if key in _VARIANTS_COMPILED:
         return
     _VARIANTS_COMPILED.add(key)
@@ -1002,10 +1006,6 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
         seen.add(flags)
         kernel.warmup(*args[:3], m, *args[4:], grid=(1,),
                       **dict(kwargs, EVEN_M=flags[1], PAIRED_COLWISE=flags[2], M_PADDING=flags[3]))
-
-
-def _stable_items(kwargs: dict) -> tuple:
-    return tuple((k, v) for k, v in kwargs.items() if k not in ("EVEN_M", "PAIRED_COLWISE", "M_PADDING"))
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:
