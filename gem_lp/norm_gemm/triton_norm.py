@@ -939,7 +939,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
     span = max(block_m * max(x.stride(0), K), block_k * M)  # largest offset inside one tile
     args = (x, x.stride(0), weight, M, K, float(eps), rstd, row_data, row_scale, col_data, col_scale, row_op, col_op,
-            column_sums)
+            column_sums)  # positions of M and the operands: _M_ARG, _ROW_OP_ARG, _COL_OP_ARG
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
@@ -972,6 +972,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
 # 128), divisible by 16 or not (Triton's integer specialization), even or odd (PAIRED_COLWISE), blocked-scale
 # padding past M or not (M_PADDING).
 _VARIANT_TOKEN_COUNTS = ((4112, 4098, 4080, 4082, 4097, 4065), (4096, 4128, 4160))
+_M_ARG, _ROW_OP_ARG, _COL_OP_ARG = 3, 11, 12  # in `forward_launch`'s args
 _VARIANTS_COMPILED: set = set()
 
 
@@ -985,10 +986,10 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
     """
     if kernel is not _rms_norm_mx_strips_kernel:
         return
-    aligned = args[3] % 32 == 0
+    aligned = args[_M_ARG] % 32 == 0
     # what else picks the build: the flags and the tensors' dtypes (a tuple cheap to build: this runs per call)
-    x, weight, row_op, col_op = args[0], args[2], args[11], args[12]
-    key = (aligned, args[4], config, args[1], x.dtype, weight is None or weight.dtype,
+    x, stride, weight, row_op, col_op = args[0], args[1], args[2], args[_ROW_OP_ARG], args[_COL_OP_ARG]
+    key = (aligned, x.shape[1], config, stride, x.dtype, weight is None or weight.dtype,
            row_op is None or row_op.dtype, col_op is None or col_op.dtype, kwargs["NORMALIZE"], kwargs["ROW_MX"],
            kwargs["COL_MX"], kwargs["ROW_OP"], kwargs["COL_OP"], kwargs["COL_SUMS"], kwargs["BLOCKED_SCALES"],
            kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"])
@@ -999,12 +1000,12 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
     blocked, row_mx, col_mx = kwargs["BLOCKED_SCALES"], kwargs["ROW_MX"], kwargs["COL_MX"]
     seen = set()
     for m in _VARIANT_TOKEN_COUNTS[aligned]:
-        flags = (m % 16 == 0, m % block_m == 0, col_mx and thread_rows > 1,
+        flags = (m % 16 == 0, m % block_m == 0, col_mx and m % 2 == 0 and thread_rows > 1,
                  blocked and ((row_mx and m % 128 != 0) or (col_mx and ceil_div(m, BLOCK) % 4 != 0)))
         if flags in seen:
             continue
         seen.add(flags)
-        kernel.warmup(*args[:3], m, *args[4:], grid=(1,),
+        kernel.warmup(*args[:_M_ARG], m, *args[_M_ARG + 1:], grid=(1,),
                       **dict(kwargs, EVEN_M=flags[1], PAIRED_COLWISE=flags[2], M_PADDING=flags[3]))
 
 

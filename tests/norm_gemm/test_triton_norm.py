@@ -762,3 +762,47 @@ def test_gpu_token_counts_of_a_training_run_compile_nothing_new():
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
     assert compiles == [], f"{len(compiles)} new builds for other even token counts"
+
+
+@pytest.mark.parametrize("config", [MEASURED_CONFIG, triton_norm.NormConfig(32, 64, 1, 8),
+                                    triton_norm.NormConfig(64, 128, 4, 8)], ids=repr)
+@pytest.mark.parametrize("rowwise,colwise", [(True, True), (False, True), (True, False)])
+def test_up_front_builds_cover_every_token_count_of_a_class(config, rowwise, colwise, monkeypatch):
+    """The builds compiled at a launch's first use (`_compile_token_count_variants`) are every build that any
+    other M of the same class (a multiple of 32 or not) selects: Triton's M % 16 specialization and the
+    M-dependent constexprs, as `forward_launch` sets them."""
+    from gem_lp.mx.layout import blocked_size
+    from gem_lp.norm_gemm.triton_norm import _M_ARG, _VARIANTS_COMPILED, _compile_token_count_variants
+
+    K = 256
+    kernel = triton_norm._rms_norm_mx_strips_kernel
+    warmed = []
+    monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kw: warmed.append(
+        (args[_M_ARG] % 16 == 0, kw["EVEN_M"], kw["PAIRED_COLWISE"], kw["M_PADDING"])), raising=False)
+    monkeypatch.setattr(triton_norm, "_VARIANTS_COMPILED", set())
+
+    def launch(M):
+        x = torch.empty(M, K, device="meta", dtype=torch.bfloat16)
+        row = ((torch.empty(M, K, dtype=torch.float8_e4m3fn, device="meta"),
+                torch.empty(blocked_size(M, K // 32), dtype=torch.uint8, device="meta")) if rowwise else None)
+        col = ((torch.empty(K, M, dtype=torch.float8_e4m3fn, device="meta"),
+                torch.empty(blocked_size(K, -(-M // 32)), dtype=torch.uint8, device="meta")) if colwise else None)
+        return triton_norm.forward_launch(x, torch.empty(K, device="meta"), 1e-6, torch.empty(M, device="meta"),
+                                          row, col, None, None, blocked_scales=True, rceil=True, hw_cast=True,
+                                          config=config)
+
+    for aligned in (True, False):
+        ms = [m for m in range(33, 1200) if (m % 32 == 0) == aligned]
+        needed = set()
+        for M in ms:
+            _, _, args, kw = launch(M)
+            needed.add((M % 16 == 0, kw["EVEN_M"], kw["PAIRED_COLWISE"], kw["M_PADDING"]))
+        warmed.clear()
+        first = ms[0]
+        kernel_, _, args, kw = launch(first)
+        _compile_token_count_variants(kernel_, args, kw, config)
+        have = set(warmed) | {(first % 16 == 0, kw["EVEN_M"], kw["PAIRED_COLWISE"], kw["M_PADDING"])}
+        assert needed <= have, f"aligned={aligned}: builds compiled mid-run: {needed - have}"
+        n = len(warmed)
+        _compile_token_count_variants(kernel_, args, kw, config)  # the next call: nothing more
+        assert len(warmed) == n
