@@ -32,8 +32,8 @@ from triton.runtime import driver as _driver
 from ..backend import interpreter_enabled, sm_count
 from ..mx.formats import PAYLOAD_DTYPE
 from ..mx.triton_numerics import abs_bits, exact_f32
-from ..mx.triton_quantize import (block_payload, block_scale, check_strip_launch, max_cols_of_blocks,
-                                  max_rows_of_blocks, tile_axes)
+from ..mx.triton_quantize import (block_payload, block_scale, check_strip_launch, float_max_cols_of_blocks,
+                                  float_max_rows_of_blocks, max_cols_of_blocks, max_rows_of_blocks, tile_axes)
 from .tensor import JaggedMXTensor, scale_sizes
 
 
@@ -190,36 +190,22 @@ def _seq_scale_offset(feature, tile, j, num_tiles, SHIFTS: tl.constexpr):
 
 
 @triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _amax_rows(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT_MAX: tl.constexpr):
-    """Amax bits (int32) of each 1x32 block (axes e and g, dims kept) of `a`: |x| as FP32 (FLOAT_MAX) or as
-    int32 bits (`abs_bits`). The FP32 maxima propagate NaN (`max.NaN.f32`: canonical NaN, whose bits like
-    those of Inf reach 0x7F800000) and take |x| as an operand modifier: no separate abs per element."""
-    if not FLOAT_MAX:
-        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    elif ROW_BLOCKS_IN_THREAD:
-        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 3, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+    """Amax bits (int32) of each 1x32 block (axes e and g, dims kept) of `a`: |x| as FP32 (FLOAT_MAX,
+    `float_max_rows_of_blocks`) or as int32 bits (`abs_bits`)."""
+    if FLOAT_MAX:
+        return float_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
     else:
-        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
 
 
 @triton.jit
 def _amax_cols(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT_MAX: tl.constexpr):
     """Amax bits (int32) of each 32x1 block (axes r and c, dims kept) of `a` (see `_amax_rows`)."""
-    if not FLOAT_MAX:
-        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    elif ROW_BLOCKS_IN_THREAD:
-        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+    if FLOAT_MAX:
+        return float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
     else:
-        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 1, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
 
 
 @triton.jit

@@ -197,6 +197,36 @@ def max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
 
 
 @triton.jit
+def nan_max(a, b):
+    """max propagating NaN (`max.NaN.f32`): the combine of the FP32 block maxima below."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def float_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """`max_rows_of_blocks` of FP32 `|x|` (NaN-propagating), as int32 bits: the same bits as the integer max of
+    `abs_bits`, NaN and Inf blocks included (canonical NaN's bits, like Inf's, reach 0x7F800000), in fewer
+    instructions where compiled (|x| is an operand modifier of the max). The interpreter lacks `max.NaN`."""
+    if ROW_BLOCKS_IN_THREAD:
+        return tl.reduce(tl.reduce(a, 5, nan_max, keep_dims=True), 3, nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+    else:
+        return tl.reduce(tl.reduce(a, 5, nan_max, keep_dims=True), 0, nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+
+
+@triton.jit
+def float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """`max_cols_of_blocks` of FP32 `|x|`, as int32 bits (see `float_max_rows_of_blocks`)."""
+    if ROW_BLOCKS_IN_THREAD:
+        return tl.reduce(tl.reduce(a, 4, nan_max, keep_dims=True), 0, nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+    else:
+        return tl.reduce(tl.reduce(a, 4, nan_max, keep_dims=True), 1, nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+
+
+@triton.jit
 def store_colwise_pairs(ptr, M, m0, k0, m_strip, k, x, byte, M_LIMIT, K_LIMIT, EVEN: tl.constexpr,
                          HW_CAST: tl.constexpr):
     """Colwise payload of the tile stored two rows at a time (M even).

@@ -53,8 +53,9 @@ from ..backend import interpreter_enabled, sm_count
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
-from ..mx.triton_quantize import (block_payload, block_scale, max_cols_of_blocks, max_rows_of_blocks,
-                                  store_colwise_pairs, store_scales, tile_axes)
+from ..mx.triton_quantize import (block_payload, block_scale, float_max_cols_of_blocks, float_max_rows_of_blocks,
+                                  max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
+                                  tile_axes)
 from .reference import RMSNormQuantized
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
@@ -469,11 +470,6 @@ _FLOAT_BLOCK_MAXIMA = tl.constexpr(not interpreter_enabled())
 
 
 @triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _abs_for_maxima(y):
     """|y| in the form the block maxima take: FP32 (compiled) or its int32 bits (interpreter)."""
     if _FLOAT_BLOCK_MAXIMA:
@@ -485,27 +481,19 @@ def _abs_for_maxima(y):
 @triton.jit
 def _amax_bits_of_rows(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Bits of the max of `a` (`_abs_for_maxima` of a strip tile) over each 1x32 block (axes e and g), dims kept."""
-    if not _FLOAT_BLOCK_MAXIMA:
-        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    elif ROW_BLOCKS_IN_THREAD:
-        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 3, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+    if _FLOAT_BLOCK_MAXIMA:
+        return float_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
     else:
-        return tl.reduce(tl.reduce(a, 5, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
 
 
 @triton.jit
 def _amax_bits_of_cols(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Bits of the max of `a` over each 32x1 block (axes r and c), dims kept."""
-    if not _FLOAT_BLOCK_MAXIMA:
-        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    elif ROW_BLOCKS_IN_THREAD:
-        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 0, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+    if _FLOAT_BLOCK_MAXIMA:
+        return float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
     else:
-        return tl.reduce(tl.reduce(a, 4, _nan_max, keep_dims=True), 1, _nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
 
 
 @triton.jit
