@@ -247,22 +247,35 @@ def bench_norm_token_counts(bench: Bench, checks: dict) -> None:
     for K in sorted({k for _, k in NORM_SHAPES}):
         group = f"norm default, M of a batch, K={K}"
         for M in (32768, 32784, 32766, 32767):
-            g = torch.Generator(device=DEVICE).manual_seed(M + K)
-            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
-            w = torch.rand(K, device=DEVICE, generator=g) + 0.5
+            x, w = _norm_inputs(M, K)
             name = f"ours rms_norm_mx M={M} {tn.default_config(K, M % 32 == 0)!r}"
-            try:
-                out = rms_norm_mx(x, w, EPS)
-                ok = _norm_matches_reference(out, x, w)
-                nbytes = _norm_bytes(M, K, out)
-                del out
-            except Exception as e:
-                _fail(bench, group, name, e)
-                continue
-            checks[f"{group} {name}"] = ok
-            bench.time(group, name, lambda: rms_norm_mx(x, w, EPS), nbytes=nbytes, bit_identical=ok)
+            checked = _checked_norm_call(bench, checks, group, name, x, w, {})
+            if checked is not None:
+                bench.time(group, name, lambda: rms_norm_mx(x, w, EPS), nbytes=checked[1], bit_identical=checked[0])
             del x
             _free()
+
+
+def _norm_inputs(M: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16 and an FP32 norm weight, seeded by the shape."""
+    g = torch.Generator(device=DEVICE).manual_seed(M + K)
+    return (torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g),
+            torch.rand(K, device=DEVICE, generator=g) + 0.5)
+
+
+def _checked_norm_call(bench: Bench, checks: dict, group: str, name: str, x, w, kw: dict):
+    """One `rms_norm_mx(x, w, **kw)` call checked against the reference: (bytes match, useful bytes), recorded
+    in `checks`; None (and a FAILED row) when the call raises."""
+    try:
+        out = rms_norm_mx(x, w, EPS, **kw)
+        ok = _norm_matches_reference(out, x, w)
+        nbytes = _norm_bytes(x.shape[0], x.shape[1], out)
+        del out
+    except Exception as e:
+        _fail(bench, group, name, e)
+        return None
+    checks[f"{group} {name}"] = ok
+    return ok, nbytes
 
 
 def bench_norm(bench: Bench, checks: dict) -> None:
@@ -273,24 +286,17 @@ def bench_norm(bench: Bench, checks: dict) -> None:
 
     for M, K in NORM_SHAPES:
         group = f"norm {M}x{K}"
-        g = torch.Generator(device=DEVICE).manual_seed(M + K)
-        x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
-        w = torch.rand(K, device=DEVICE, generator=g) + 0.5
+        x, w = _norm_inputs(M, K)
         x_bytes = M * K * 2
         best = None
         default = norm_configs(K)[0]
         for cfg in norm_configs(K):
             kw = _config_kwargs(cfg)
             name = f"ours rms_norm_mx {cfg!r}" + (" (default)" if cfg == default else "")
-            try:
-                out = rms_norm_mx(x, w, EPS, **kw)
-                ok = _norm_matches_reference(out, x, w)
-                nbytes = _norm_bytes(M, K, out)
-                del out
-            except Exception as e:
-                _fail(bench, group, name, e)
+            checked = _checked_norm_call(bench, checks, group, name, x, w, kw)
+            if checked is None:
                 continue
-            checks[f"{group} {name}"] = ok
+            ok, nbytes = checked
             try:  # the sm_90 build's figures beside the timing (instructions per element, registers, ...)
                 build = {k: v for k, v in build_norm(M, K, cfg).items() if k != "cvt"}
             except Exception as e:
