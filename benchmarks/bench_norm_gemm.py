@@ -410,7 +410,7 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
     rstd = torch.empty(M, device=dev) if normalize else None
     row = (torch.empty(M, K, dtype=torch.float8_e4m3fn, device=dev),
            torch.empty(blocked_size(M, K // 32), dtype=torch.uint8, device=dev)) if rowwise else None
-    col = (torch.empty(K, M, dtype=torch.float8_e4m3fn, device=dev),
+    col = (tn.colwise_payload_buffer(K, M, dev),  # [K, M] view, rows a multiple of 16 bytes apart
            torch.empty(blocked_size(K, math.ceil(M / 32)), dtype=torch.uint8, device=dev)) if colwise else None
     ops = [torch.empty(M, K, dtype=torch.bfloat16, device=dev) if want else None for want in (row_operand, col_operand)]
     sums = torch.empty(K, device=dev) if column_sums else None
