@@ -218,3 +218,23 @@ def test_rms_norm_mx_linear_gradients_match_reference(gemm):
     for got, want, what in zip([y] + grads, [y_ref] + grads_ref, ("Y", "dX", "dnorm_weight", "dW")):
         scale = want.abs().max().item() or 1.0
         assert (got - want).abs().max().item() <= max(1e-4, 4 * rel) * scale, what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", (32766, 32767, 4097))
+@pytest.mark.parametrize("K", (1024, 4096))
+def test_gpu_default_launch_at_unaligned_token_counts(M, K):
+    """The compiled default launch (and the measured one) at token counts of a jagged batch: padded colwise
+    rows, bytes equal to the reference quantization of y computed with the kernel's rstd."""
+    x = torch.randn(M, K, generator=_gen(M + K)).to(torch.bfloat16).to(DEVICE)
+    w = (torch.rand(K, generator=_gen(K)) + 0.5).to(DEVICE)
+    for kw in ({}, dict(zip(triton_norm.CONFIG_FIELDS, triton_norm.MEASURED_CONFIG))):
+        out = rms_norm_mx(x, w, 1e-6, **kw)
+        assert_padded_view(out.colwise.data, K, M)
+        y = x.float() * out.rstd[:, None] * w.float()
+        col = quantize_reference(y.t(), axis=1, allow_partial=True)
+        row = quantize_reference(y, axis=1)
+        assert_same_bytes(out.colwise.data, col.data, f"col payload {kw}")
+        assert_same_bytes(out.colwise.scale, to_blocked(col.scale), f"col scale {kw}")
+        assert_same_bytes(out.rowwise.data, row.data, f"row payload {kw}")
+        assert_same_bytes(out.rowwise.scale, to_blocked(row.scale), f"row scale {kw}")
