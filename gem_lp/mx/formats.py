@@ -46,7 +46,9 @@ class MXTensor:
     """An MXFP8 tensor: E4M3 payload plus one E8M0 scale byte per block.
 
     Attributes:
-        data: `torch.float8_e4m3fn`, the logical shape of the quantized tensor.
+        data: `torch.float8_e4m3fn`, the logical shape of the quantized tensor. It may be a view with padded
+            rows (a contiguous last dim, rows further apart than its length), as the colwise payloads of the
+            Triton norm kernel are: read it by its strides (`nbytes` counts the logical bytes only).
         scale: `torch.uint8` E8M0 bytes. With `scale_layout == "plain"` its shape is `data.shape`
             with the blocked dimension(s) divided by 32 (rounded up where a partial last block was
             allowed). With `"blocked"`, `data` is 2-D `[rows, cols]` quantized along dim 1 and

@@ -227,15 +227,20 @@ def float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
 
 
 @triton.jit
-def store_colwise_pairs(ptr, M, m0, k0, m_strip, k, x, byte, M_LIMIT, K_LIMIT, EVEN: tl.constexpr,
-                         HW_CAST: tl.constexpr):
-    """Colwise payload of the tile stored two rows at a time (M even).
+def store_colwise_pairs(ptr, row_stride, m0, k0, m_strip, k, x, byte, PAIR_LIMIT, K_LIMIT, EVEN: tl.constexpr,
+                        HW_CAST: tl.constexpr):
+    """Colwise payload of the tile stored two rows at a time, into x^T `[K, M]` with rows `row_stride`
+    elements apart (`row_stride` even).
 
     The hardware conversion packs two values into 16 bits; fed with rows 2i and 2i+1 of a column, its
-    result is already two consecutive bytes of x^T ([K, M] contiguous) and goes out as one 16-bit
-    element, a thread's THREAD_ROWS / 2 pairs of a column forming one vector. (`block_payload` pairs
-    neighbouring columns, which then have to be unpacked and repacked byte by byte.) M even keeps every
-    pair inside one row of x^T. The integer rounding (interpreter) takes the same path, pairing bytes.
+    result is already two consecutive bytes of x^T and goes out as one 16-bit element, a thread's
+    THREAD_ROWS / 2 pairs of a column forming one vector. (`block_payload` pairs neighbouring columns,
+    which then have to be unpacked and repacked byte by byte.) An even row stride keeps every pair inside
+    one row of x^T; the vectors are aligned when Triton sees `row_stride` as a multiple of 16. The integer
+    rounding (interpreter) takes the same path, pairing bytes.
+
+    Masks (unless EVEN): pair p of the tile (rows m0 + 2p, m0 + 2p + 1) is stored when p < PAIR_LIMIT,
+    column k0 + k when k < K_LIMIT. The caller makes sure that a stored pair lies inside a row of x^T.
     """
     # rows last, split in pairs: [.., 8, THREAD_ROWS / 2] each
     xt = tl.permute(x, (0, 1, 2, 3, 5, 4))
@@ -254,12 +259,13 @@ def store_colwise_pairs(ptr, M, m0, k0, m_strip, k, x, byte, M_LIMIT, K_LIMIT, E
     half_r = tl.arange(0, x_even.shape[5])[None, None, None, None, None, :]
     k_t = tl.permute(k, (0, 1, 2, 3, 5, 4))
     m_t = tl.permute(m_strip, (0, 1, 2, 3, 5, 4))
-    offset = (k0.to(tl.int64) * M + m0) // 2 + k_t * (M // 2) + m_t // 2 + half_r
+    pair = m_t // 2 + half_r  # contiguous along the last axis, so that the mask is seen constant along it
+    offset = (k0.to(tl.int64) * row_stride + m0) // 2 + k_t * (row_stride // 2) + pair
     ptr16 = ptr.to(tl.pointer_type(tl.uint16))
     if EVEN:
         tl.store(ptr16 + offset, pairs)
     else:
-        tl.store(ptr16 + offset, pairs, mask=(m_t + 2 * half_r < M_LIMIT) & (k_t < K_LIMIT))
+        tl.store(ptr16 + offset, pairs, mask=(pair < PAIR_LIMIT) & (k_t < K_LIMIT))
 
 
 @triton.jit
@@ -318,7 +324,7 @@ def _mx_cast_2d_kernel(
         # bytes there. Storing the tile with its last two axes swapped makes that run the vector
         # (Triton vectorizes along the last axis), and the swap is a renaming of registers.
         if PAIRED_COLWISE:
-            store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, x, byte, M - m0, K - k0, EVEN, HW_CAST)
+            store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, x, byte, (M - m0) // 2, K - k0, EVEN, HW_CAST)
         else:
             q = tl.permute(block_payload(x, byte, HW_CAST), (0, 1, 2, 3, 5, 4))
             out = k0.to(tl.int64) * M + m0 + k * M + m

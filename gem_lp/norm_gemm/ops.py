@@ -78,6 +78,8 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
 
     `y = fp32(x) * rstd * fp32(weight)` is quantized from FP32, rowwise (1x32 along K of `y [M, K]`) and
     colwise (`y^T [K, M]` along M, partial last block allowed); `rstd [M]` float32. Not differentiable.
+    The Triton backend's colwise payload is a `[K, M]` view with rows padded to a multiple of 16 bytes (not
+    contiguous unless M is a multiple of 16; the reference's is contiguous): compare values, not layouts.
     """
     _check_norm(x, weight, eps)
     check_scaling(scaling)

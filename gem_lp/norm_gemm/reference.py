@@ -28,7 +28,8 @@ class RMSNormQuantized:
     Attributes:
         rowwise: y quantized 1x32 along K (payload `[M, K]`, scale `[M, K/32]`): the forward GEMM operand.
         colwise: y^T `[K, M]` quantized 1x32 along M (scale `[K, ceil(M/32)]`, a partial last block takes
-            its max over the real rows): the operand of the weight gradient.
+            its max over the real rows): the operand of the weight gradient. Contiguous here; the Triton
+            kernel's payload is a view with rows padded to a multiple of 16 bytes (same values).
         rstd: `[M]` float32, `1 / sqrt(mean(x^2) + eps)`.
     """
 

@@ -218,8 +218,9 @@ def _mx_gemm_kernel(
 
 
 @triton.jit
-def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, C, BLOCKED: tl.constexpr, HW_CAST: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _mx_dequantize_kernel(data_ptr, stride_data, scale_ptr, out_ptr, R, C, BLOCKED: tl.constexpr,
+                          HW_CAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # data: [R, C] payload, rows stride_data apart (a padded colwise payload); out: [R, C] contiguous
     NCB: tl.constexpr = BLOCK_C // 32
     n_c_tiles = tl.cdiv(C, BLOCK_C)
     pid = tl.program_id(0)
@@ -227,11 +228,11 @@ def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, C, BLOCKED: tl.conste
     cb = (pid % n_c_tiles) * NCB + tl.arange(0, NCB)[None, :, None]
     c = cb * 32 + tl.arange(0, 32)[None, None, :]
     ok = (r < R) & (c < C)
-    offs = r.to(tl.int64) * C + c
-    q = tl.load(data_ptr + offs, mask=ok, other=0)
+    q = tl.load(data_ptr + r.to(tl.int64) * stride_data + c, mask=ok, other=0)
     n_cb = (C + 31) // 32
     byte = tl.load(scale_ptr + scale_offset(r, cb, n_cb, BLOCKED), mask=(r < R) & (cb < n_cb), other=127)
-    store_operand(out_ptr + offs, e4m3_value(q, HW_CAST) * scale_value(byte.to(tl.int32)), ok, HW_CAST)
+    store_operand(out_ptr + r.to(tl.int64) * C + c, e4m3_value(q, HW_CAST) * scale_value(byte.to(tl.int32)), ok,
+                  HW_CAST)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -253,13 +254,18 @@ def _check_runnable(t: torch.Tensor, name: str) -> None:
 
 
 def check_mx_operand(mx: MXTensor, name: str) -> None:
-    """`mx` must be a 2-D MXFP8 tensor blocked along dim 1 (contiguous), scales plain or 128x4 blocked."""
+    """`mx` must be a 2-D MXFP8 tensor blocked along dim 1, scales plain or 128x4 blocked.
+
+    The payload's last dim must be contiguous; its rows may be padded (row stride >= columns), as the colwise
+    payloads of `rms_norm_mx` are (a `[K, M]` view of a buffer with rows a multiple of 16 bytes apart).
+    """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"{name} must be an MXTensor, got {type(mx).__name__}")
     d = mx.data
-    if d.dim() != 2 or d.dtype != PAYLOAD_DTYPE or not d.is_contiguous():
-        raise ValueError(f"{name}.data must be a contiguous 2-D float8_e4m3fn tensor, got {d.dtype} of shape "
-                         f"{tuple(d.shape)} strides {d.stride()}")
+    if (d.dim() != 2 or d.dtype != PAYLOAD_DTYPE or (d.shape[1] > 1 and d.stride(1) != 1)
+            or (d.shape[0] > 1 and d.stride(0) < d.shape[1])):
+        raise ValueError(f"{name}.data must be a 2-D float8_e4m3fn tensor with a contiguous last dim and a row "
+                         f"stride >= its columns, got {d.dtype} of shape {tuple(d.shape)} strides {d.stride()}")
     if mx.block != "1d" or mx.axis not in (1, -1):
         raise ValueError(f"{name} must be blocked 1x32 along its last dim (block='1d', axis=1), got "
                          f"block={mx.block!r}, axis={mx.axis}")
@@ -290,7 +296,8 @@ def mx_dequantize_operand(mx: MXTensor, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def _dequantize(data: torch.Tensor, scale: torch.Tensor, blocked: bool, dtype: torch.dtype) -> torch.Tensor:
-    """`mx_dequantize_operand`'s launch for a checked payload `data [R, C]` and its scales (no checks)."""
+    """`mx_dequantize_operand`'s launch for a checked payload `data [R, C]` (last dim contiguous, rows
+    possibly padded) and its scales (no checks). Returns a contiguous `[R, C]` tensor of `dtype`."""
     R, C = data.shape
     out = torch.empty(R, C, dtype=dtype, device=data.device)
     if R == 0 or C == 0:
@@ -298,8 +305,8 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, blocked: bool, dtype: t
     on_gpu = data.is_cuda and not interpreter_enabled()
     br, bc = (32, 256) if on_gpu else (32, 64)
     _mx_dequantize_kernel[(ceil_div(R, br) * ceil_div(C, bc),)](
-        data.view(torch.uint8), scale, out, R, C, BLOCKED=blocked, HW_CAST=on_gpu, BLOCK_R=br, BLOCK_C=bc,
-        num_warps=4 if on_gpu else 1)
+        data.view(torch.uint8), data.stride(0), scale, out, R, C, BLOCKED=blocked, HW_CAST=on_gpu, BLOCK_R=br,
+        BLOCK_C=bc, num_warps=4 if on_gpu else 1)
     return out
 
 
@@ -689,7 +696,8 @@ def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = 
 
 
 def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype):
-    """The saved colwise MX tensor of X (`X^T [K, M]` along M, blocked scales) as the dW GEMM's B operand."""
+    """The saved colwise MX tensor of X (`X^T [K, M]` along M, blocked scales; the payload a view with rows
+    padded to a multiple of 16 bytes, see `triton_norm.colwise_payload_buffer`) as the dW GEMM's B operand."""
     if gemm in _MX_GEMMS:
         return MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked")
     return _dequantize(data, scale, True, operand_dtype_for(dtype))

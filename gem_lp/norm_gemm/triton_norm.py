@@ -7,23 +7,25 @@ Forward (`rms_norm_mx`), per program `block_m` rows of `x [M, K]`:
 2. sweep again (the chunks come back from L2; with one chunk covering K the tile stays in registers):
    `y = (fp32(x) * rstd) * fp32(w)` in the reference's operation order, then from the FP32 `y`:
    the rowwise MX cast (1x32 along K, payload `[M, K]`), the colwise MX cast (32x1 along M, payload of
-   `y^T`, `[K, M]`; a last partial block takes its max over the real rows), scales plain or straight in
+   `y^T`, `[K, M]` with rows padded to a multiple of 16 bytes, see `colwise_payload_buffer`; a last partial
+   block takes its max over the real rows), scales plain or straight in
    the 128x4 blocked layout (its padding bytes written too: no zero-fill launch), and optionally the
    MX-exact dequantized operands for a BF16/FP32 GEMM:
    `deq(rowwise)` and `deq(colwise)`, both in `x`'s `[M, K]` layout.
 
 The second sweep is the dual cast of `gem_lp.mx.triton_quantize` applied to `y`, with its thread strips
 (each thread holds `thread_rows` consecutive rows x 8 consecutive columns: the 32-row maxima are mostly
-inside the thread and the `y^T` payload leaves as vector stores), its paired colwise store (M even: the
-hardware conversion takes two rows of a column and writes two consecutive bytes of `y^T`) and its cheaper
-scale and payload steps; the sum of squares reduces the same strips, and rstd goes through its output
-buffer so that one thread per row computes it (the strips hold a row's sum in many threads). On sm_90, bf16
-x with both casts, this is 17-18 instructions per element on full tiles (~24 at odd M, whose `y^T` payload
-is stored byte by byte) against 49-51 for the previous layout, 32x32-block tiles `[BLOCK_M/32, 32,
-BLOCK_K/32, 32]`, which `thread_rows=0` still selects (`_rms_norm_mx_kernel`, a candidate launch). The strips
-are the GPU default (`default_config`). Rows of more than `block_k` elements are swept twice; `programs_per_sm`
-bounds the row blocks in flight so that the second sweep can find them in L2, and `max_registers` caps the
-registers of a launch so that more programs fit on an SM.
+inside the thread and the `y^T` payload leaves as vector stores), its paired colwise store (the hardware
+conversion takes two rows of a column and writes two consecutive bytes of `y^T`; for any M, since the rows
+of `y^T` are padded to a multiple of 16 bytes) and its cheaper scale and payload steps; the sum of squares
+reduces the same strips, and rstd goes through its output buffer so that one thread per row computes it
+(the strips hold a row's sum in many threads). On sm_90, bf16 x with both casts, this is 17-18 instructions
+per element on full tiles (19-22 at M not a multiple of 32, whose builds mask every row block; 20-27 with
+byte-wise `y^T` stores before its rows were padded) against 49-51 for the previous layout, 32x32-block tiles
+`[BLOCK_M/32, 32, BLOCK_K/32, 32]`, which `thread_rows=0` still selects (`_rms_norm_mx_kernel`, a candidate
+launch). The strips are the GPU default (`default_config`). Rows of more than `block_k` elements are swept
+twice; `programs_per_sm` bounds the row blocks in flight so that the second sweep can find them in L2, and
+`max_registers` caps the registers of a launch so that more programs fit on an SM.
 
 With `weight=None` the kernel skips the norm (`y = x`): a dual MX cast that also writes the dequantized
 operands, the producer pass of the MX GEMMs. It has no row reduction and reads x once, either one program per
@@ -120,7 +122,7 @@ MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
 # (still 3 programs per SM), so the one that runs is no longer exactly the one measured.
 MEASURED_CONFIG = NormConfig(32, 256, 4, 8, False, 0, 168)
 MEASURED_KS = (1024, 4096)
-# Odd M (the y^T payload stored byte by byte), dequantized operands or the integer E4M3 rounding need more
+# M not a multiple of 32 (see `strip_config`), dequantized operands or the integer E4M3 rounding need more
 # registers than those tiles leave: 32 rows (64 for K = 32) x at most 64 columns a program, in one warp.
 HEAVY_BLOCK_K = 64
 # The tuning space `benchmarks/bench_norm_gemm.py` times (each checked against the reference) and the GPU tests
@@ -308,7 +310,7 @@ def _zero_m_padding(M, K: tl.constexpr, row_scale_ptr, col_scale_ptr, ROW_MX: tl
 @triton.jit
 def _quantize_chunk(
     x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
     NMB: tl.constexpr, NKB: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
@@ -338,9 +340,9 @@ def _quantize_chunk(
     if COL_MX or COL_OP:
         byte = scale_byte(tl.max(a, axis=1), RCEIL)  # [NMB, NKB, 32]; rows past M hold 0
         q = encode(y, byte[:, None, :, :], HW_CAST)
-        if COL_MX:  # payload of y^T, [K, M] contiguous
-            col_off = tl.cast(k0, tl.int64) * M + m0
-            tl.store(col_data_ptr + col_off + k * M + m, q, mask=in_bounds)
+        if COL_MX:  # payload of y^T, [K, M] with rows col_stride apart
+            col_off = tl.cast(k0, tl.int64) * col_stride + m0
+            tl.store(col_data_ptr + col_off + k * col_stride + m, q, mask=in_bounds)
             r = k0 + tl.arange(0, NKB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
             c = m0 // 32 + tl.arange(0, NMB)[:, None, None]
             n_cols = (M + 31) // 32
@@ -365,7 +367,7 @@ def _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K: tl.constexpr, BLOCK_K: t
 @triton.jit
 def _blocks_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -395,7 +397,7 @@ def _blocks_row_block(
             sum_sq = tl.sum(tl.sum(x * x, axis=3), axis=2)
             rstd = _rstd(sum_sq, K, eps)
         _quantize_chunk(x, m, k, m0, 0, M, K, in_bounds, rstd, w_ptr,
-                        row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                        row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                         NMB, NKB, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST)
     else:
         if NORMALIZE:
@@ -411,8 +413,8 @@ def _blocks_row_block(
             if COL_SUMS:
                 _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K, BLOCK_K)
             _quantize_chunk(x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
-                            row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
-                            NMB, NKB, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
+                            row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
+                            col_op_ptr, NMB, NKB, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
                             HW_CAST)
     if NORMALIZE:
         rows = m0 + tl.arange(0, NMB)[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -422,7 +424,7 @@ def _blocks_row_block(
 @triton.jit
 def _rms_norm_mx_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -433,7 +435,7 @@ def _rms_norm_mx_kernel(
         _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
     else:
         _blocks_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
-                          row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                          row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                           colsum_ptr, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
                           BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS)
 
@@ -499,7 +501,7 @@ def _amax_bits_of_cols(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
 @triton.jit
 def _cast_strips(
     y, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr,
     COL_OP: tl.constexpr, BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
     EVEN: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
@@ -518,12 +520,17 @@ def _cast_strips(
             store_operand(row_op_ptr + row_off, e4m3_value(q, HW_CAST) * scale_value(byte), mask, HW_CAST)
     if COL_MX or COL_OP:
         byte = block_scale(_amax_bits_of_cols(a, ROW_BLOCKS_IN_THREAD), RCEIL)
-        if COL_MX:  # payload of y^T, [K, M] contiguous: a thread's rows of a column are consecutive bytes
+        if COL_MX:  # payload of y^T, rows col_stride apart: a thread's rows of a column are consecutive bytes
             if PAIRED_COLWISE:
-                store_colwise_pairs(col_data_ptr, M, m0, k0, m_strip, k, y, byte, M - m0, K - k0, EVEN, HW_CAST)
+                # Masked by the padded row length col_stride, not by M: a multiple of 16 (the mask is then
+                # constant over a thread's pairs and the stores stay vectors for any M); the pairs past M land
+                # in the padding columns, which hold no data.
+                store_colwise_pairs(col_data_ptr, col_stride, m0, k0, m_strip, k, y, byte,
+                                    (col_stride - m0) // 2, K - k0, EVEN, HW_CAST)
             else:
                 q = tl.permute(block_payload(y, byte, HW_CAST), (0, 1, 2, 3, 5, 4))
-                out = col_data_ptr + k0.to(tl.int64) * M + m0 + tl.permute(k * M + m, (0, 1, 2, 3, 5, 4))
+                out = (col_data_ptr + k0.to(tl.int64) * col_stride + m0
+                       + tl.permute(k * col_stride + m, (0, 1, 2, 3, 5, 4)))
                 tl.store(out, q, mask=None if EVEN else tl.permute(in_bounds, (0, 1, 2, 3, 5, 4)))
             store_scales(col_scale_ptr, byte, k0 + k, (m0 + m_block) // 32, K, (M + 31) // 32, BLOCKED_SCALES,
                           EVEN)
@@ -580,7 +587,7 @@ def _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K: tl.constexpr, eps, BLOCK_M: 
 @triton.jit
 def _norm_cast_strips(
     x, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
     BLOCK_K: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr, NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr,
     COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr, BLOCKED_SCALES: tl.constexpr,
     RCEIL: tl.constexpr, HW_CAST: tl.constexpr, EVEN_M: tl.constexpr, EVEN: tl.constexpr,
@@ -601,7 +608,7 @@ def _norm_cast_strips(
     else:
         y = x
     _cast_strips(y, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
-                 row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                 row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                  ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
                  PAIRED_COLWISE)
 
@@ -643,7 +650,7 @@ def _load_chunk(x_rows, k0, k, row_ok, K: tl.constexpr, EVEN: tl.constexpr, MAY_
 @triton.jit
 def _norm_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -680,7 +687,7 @@ def _norm_row_block(
             rstd = _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K, eps, BLOCK_M, EVEN_M)
         k0 = tl.cast(0, tl.int32)  # a tensor, as in the chunk loop
         _norm_cast_strips(x, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
-                          row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                          row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                           BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES,
                           RCEIL, HW_CAST, EVEN_M, EVEN, PAIRED_COLWISE)
     else:
@@ -715,15 +722,15 @@ def _norm_row_block(
             if COL_SUMS:
                 _add_column_sums(colsum_ptr, xc, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
             _norm_cast_strips(xc, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, chunk_in_bounds,
-                              row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
-                              BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                              row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
+                              col_op_ptr, BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
                               BLOCKED_SCALES, RCEIL, HW_CAST, EVEN_M, EVEN, PAIRED_COLWISE)
 
 
 @triton.jit
 def _cast_tile(
     m0, k0, x_ptr, stride_xm, M, K: tl.constexpr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -751,7 +758,7 @@ def _cast_tile(
     if COL_SUMS:
         _add_column_sums(colsum_ptr, x, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
     _cast_strips(x, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
-                 row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                 row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                  ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
                  PAIRED_COLWISE)
 
@@ -759,7 +766,7 @@ def _cast_tile(
 @triton.jit
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -778,21 +785,21 @@ def _rms_norm_mx_strips_kernel(
         N_K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
         pid = tl.program_id(0)
         _cast_tile((pid // N_K_TILES) * BLOCK_M, (pid % N_K_TILES) * BLOCK_K, x_ptr, stride_xm, M, K,
-                   row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-                   BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                   row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
+                   colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
                    BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
             _norm_row_block(m0, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
-                            row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
-                            colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX,
-                            COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M,
+                            row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
+                            col_op_ptr, colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE,
+                            ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M,
                             PAIRED_COLWISE, COL_SUMS, PREFETCH)
             m0 += n_walkers * BLOCK_M
     else:
         _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
-                        row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, row_op_ptr, col_op_ptr,
+                        row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                         colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX,
                         ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE,
                         COL_SUMS, PREFETCH)
@@ -848,7 +855,9 @@ class NormMXOutputs:
 
     Attributes:
         rowwise: `y [M, K]` in MXFP8, 1x32 blocks along K (scales `[M, K/32]`, plain or blocked).
-        colwise: `y^T [K, M]` in MXFP8, 1x32 blocks along M (scales `[K, ceil(M/32)]`, plain or blocked).
+        colwise: `y^T [K, M]` in MXFP8, 1x32 blocks along M (scales `[K, ceil(M/32)]`, plain or blocked). The
+            payload is a view with a contiguous last dim and rows `colwise_row_stride(M)` bytes apart (M rounded
+            up to 16): not contiguous unless M is a multiple of 16; the padding columns hold no data.
         rstd: `[M]` float32 (None without the norm).
         row_operand: `deq(rowwise)`, `[M, K]` in `operand_dtype`: the forward GEMM operand.
         col_operand: `deq(colwise)` laid out as `y`, `[M, K]` in `operand_dtype`: the operand of a GEMM
@@ -888,10 +897,13 @@ def default_config(K: int, aligned_m: bool = True, operands: bool = False, hw_ca
 def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
     """The thread-strip launch for rows of K elements with the fewest sm_90 instructions per element.
 
-    `aligned_m`: M is a multiple of 32 (whole row blocks, colwise payload rows 16-byte aligned); for other M the
-    light 1-warp launch: the multi-warp ones need 190-255 registers there (2 programs per SM) or spill under the
-    measured launch's cap, and on the H200 (K = 4096) the measured launch took 0.47-0.53 ms at M = 32766 / 32784
-    against 0.38 for this one at M = 32767. `operands`: dequantized operands are written; `hw_cast=False`: the
+    `aligned_m`: M is a multiple of 32 (whole row blocks); for other M the light 1-warp launch: the multi-warp
+    ones needed 190-255 registers there (2 programs per SM) or spilled under the measured launch's cap, and on
+    the H200 (K = 4096) the measured launch took 0.47-0.53 ms at M = 32766 / 32784 against 0.38 for this one at
+    M = 32767. Those figures predate the padded colwise rows (`colwise_payload_buffer`), with which the
+    unaligned builds keep their vector stores and the measured launch no longer spills there (sm_90: 20.2
+    instructions per element at K = 4096 and M = 32766 or 32767, 168 registers, against 25.0 and 180 spilled
+    bytes before): to be timed again. `operands`: dequantized operands are written; `hw_cast=False`: the
     integer E4M3 rounding.
     """
     if interpreter_enabled():
@@ -913,6 +925,8 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
     is given; `column_sums`: float32 `[K]` of zeros, to which the kernel adds `x`'s column sums (weight None).
+    The colwise payload `[K, M]` has a contiguous last dim and a row stride that is a multiple of 16 (at least
+    M): `colwise_payload_buffer`'s view; the kernel may write the padding columns past M (they hold no data).
     Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
     Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
@@ -925,9 +939,10 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     # Payloads are written as bytes; the kernel never sees an fp8 pointer.
     row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
-    span = max(block_m * max(x.stride(0), K), block_k * M)  # largest offset inside one tile
-    args = (x, x.stride(0), weight, M, K, float(eps), rstd, row_data, row_scale, col_data, col_scale, row_op, col_op,
-            column_sums)  # positions of M and the operands: _M_ARG, _ROW_OP_ARG, _COL_OP_ARG
+    col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
+    span = max(block_m * max(x.stride(0), K), block_k * col_stride)  # largest offset inside one tile
+    args = (x, x.stride(0), weight, M, K, float(eps), rstd, row_data, row_scale, col_data, col_stride, col_scale,
+            row_op, col_op, column_sums)  # positions of M and the operands: _M_ARG, _ROW_OP_ARG, _COL_OP_ARG
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
@@ -949,7 +964,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
         elif tile_programs:
             n_programs = n_blocks * ceil_div(K, block_k)
         kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
-                      EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and M % 2 == 0 and thread_rows > 1,
+                      EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and thread_rows > 1,
                       PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0,
                       TILE_PROGRAMS=bool(tile_programs))
     return kernel, (n_programs + m_padding,), args, kwargs
@@ -957,20 +972,21 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
 
 # Token counts that reach every build an M of the same class (a multiple of 32 or not, as `default_config`
 # chooses launches) can select (`_compile_token_count_variants`): whole row blocks or not (EVEN_M, block_m 64 or
-# 128), divisible by 16 or not (Triton's integer specialization), even or odd (PAIRED_COLWISE), blocked-scale
-# padding past M or not (M_PADDING).
+# 128), divisible by 16 or not (Triton's integer specialization), blocked-scale padding past M or not
+# (M_PADDING). (M's parity no longer selects a build: the colwise payload's padded rows take pairs for any M.)
 _VARIANT_TOKEN_COUNTS = ((4112, 4098, 4080, 4082, 4097, 4065), (4096, 4128, 4160))
-_M_ARG, _ROW_OP_ARG, _COL_OP_ARG = 3, 11, 12  # in `forward_launch`'s args
+_M_ARG, _ROW_OP_ARG, _COL_OP_ARG = 3, 12, 13  # in `forward_launch`'s args
 _VARIANTS_COMPILED: set = set()
 
 
 def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> None:
     """Compile, at a launch configuration's first use, the builds that other M of the same class select.
 
-    The build depends on M through Triton's integer specialization (M % 16) and through EVEN_M, PAIRED_COLWISE
-    and M_PADDING. In training M changes every batch, so without this a new build compiles in
-    the middle of a run whenever a batch first falls in another class (measured: 4-9 compiles of ~0.8 s at steps
-    2, 4, 9 and 12 of a 30-step run). Costs a few more compiles at the first step instead.
+    The build depends on M through Triton's integer specialization (M % 16) and through EVEN_M and M_PADDING
+    (the colwise payload's row stride is a multiple of 16 for every M, so its specialization never changes). In
+    training M changes every batch, so without this a new build compiles in the middle of a run whenever a batch
+    first falls in another class (measured: 4-9 compiles of ~0.8 s at steps 2, 4, 9 and 12 of a 30-step run).
+    Costs a few more compiles at the first step instead.
     """
     if kernel is not _rms_norm_mx_strips_kernel:
         return
@@ -988,13 +1004,13 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
     blocked, row_mx, col_mx = kwargs["BLOCKED_SCALES"], kwargs["ROW_MX"], kwargs["COL_MX"]
     seen = set()
     for m in _VARIANT_TOKEN_COUNTS[aligned]:
-        flags = (m % 16 == 0, m % block_m == 0, col_mx and m % 2 == 0 and thread_rows > 1,
+        flags = (m % 16 == 0, m % block_m == 0,
                  blocked and ((row_mx and m % 128 != 0) or (col_mx and ceil_div(m, BLOCK) % 4 != 0)))
         if flags in seen:
             continue
         seen.add(flags)
         kernel.warmup(*args[:_M_ARG], m, *args[_M_ARG + 1:], grid=(1,),
-                      **dict(kwargs, EVEN_M=flags[1], PAIRED_COLWISE=flags[2], M_PADDING=flags[3]))
+                      **dict(kwargs, EVEN_M=flags[1], M_PADDING=flags[2]))
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:
@@ -1050,6 +1066,40 @@ def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# The colwise payload `y^T [K, M]` is the view `[:, :M]` of a `[K, colwise_row_stride(M)]` buffer: rows a multiple
+# of 16 bytes apart whatever M is. Triton specializes an integer argument on divisibility by 16, so the kernel
+# sees the stride aligned and stores each thread's run of consecutive bytes of a column (THREAD_ROWS of them, or
+# their 16-bit pairs) as one vector; with rows M apart, an M that is not a multiple of 16 (most token counts of a
+# jagged batch) turned them into single-byte stores (sm_90: 5-10 more instructions per element). The padding
+# columns M .. stride - 1 are never read as data (the kernel may write zeros or leave them unwritten). For M a
+# multiple of 16 the view is the whole, contiguous buffer.
+COLWISE_ROW_ALIGN = 16
+
+
+def colwise_row_stride(M: int) -> int:
+    """Row stride (elements = bytes) of the colwise payload buffer for M tokens: M rounded up to 16."""
+    return ceil_div(M, COLWISE_ROW_ALIGN) * COLWISE_ROW_ALIGN
+
+
+def colwise_payload_buffer(K: int, M: int, device: torch.device) -> torch.Tensor:
+    """Uninitialized float8_e4m3fn `[K, M]` view (row stride `colwise_row_stride(M)`) for the colwise payload."""
+    stride = colwise_row_stride(M)
+    # the whole [K, stride] storage (padding of the last row included: the kernel may write it); as_strided is
+    # a free view, where indexing would add a slice op to every call
+    return _new_buffer((K * stride,), PAYLOAD_DTYPE, device).as_strided((K, M), (stride, 1))
+
+
+def _checked_colwise_stride(data: torch.Tensor, K: int, M: int) -> int:
+    """The row stride of a colwise payload `data [K, M]`, checked: last dim contiguous, stride a multiple of 16."""
+    stride = data.stride(0)
+    if (data.shape != (K, M) or (M > 1 and data.stride(1) != 1) or stride % COLWISE_ROW_ALIGN
+            or stride < M or stride < COLWISE_ROW_ALIGN):
+        raise ValueError(f"the colwise payload must be [K={K}, M={M}] with a contiguous last dim and a row stride "
+                         f"that is a multiple of {COLWISE_ROW_ALIGN} and >= M (colwise_payload_buffer), got shape "
+                         f"{tuple(data.shape)} strides {data.stride()}")
+    return stride
+
+
 _NO_CONFIG = (None,) * len(CONFIG_FIELDS)
 
 
@@ -1085,7 +1135,8 @@ def rms_norm_mx(
         weight: `[K]` RMSNorm weight (any float dtype), or None for no norm (`y = x`).
         eps: added to the mean of squares (as FP32).
         scaling: `"rceil"` or `"floor"`.
-        rowwise, colwise: write the MX casts (payload + scales) of `y` along K / of `y^T` along M.
+        rowwise, colwise: write the MX casts (payload + scales) of `y` along K / of `y^T` along M (the colwise
+            payload is a `[K, M]` view with rows padded to a multiple of 16 bytes: see `NormMXOutputs`).
         row_operand, col_operand: write `deq(rowwise)` / `deq(colwise)` as `[M, K]` tensors of
             `operand_dtype` (bfloat16 or float32): exact MX values a BF16/FP32 GEMM consumes (bfloat16
             rounds only values below 2^-126 that need more than its subnormal precision).
@@ -1131,7 +1182,7 @@ def rms_norm_mx(
                _new_buffer((blocked_size(M, n_kb),) if blocked_scales else (M, n_kb), SCALE_DTYPE, dev))
     if colwise:
         n_mb = ceil_div(M, BLOCK)
-        col = (_new_buffer((K, M), PAYLOAD_DTYPE, dev),
+        col = (colwise_payload_buffer(K, M, dev),
                _new_buffer((blocked_size(K, n_mb),) if blocked_scales else (K, n_mb), SCALE_DTYPE, dev))
     if weight is not None:
         rstd = _new_buffer((M,), torch.float32, dev)
@@ -1164,7 +1215,9 @@ def rms_norm_quantize_triton(x2: torch.Tensor, weight: torch.Tensor, eps: float,
 
     `x2 [M, K]` and `weight [K]` in any layout (copied to a contiguous last dim when needed). With
     `blocked_scales=False` the scales are plain `[M, K/32]` / `[K, ceil(M/32)]` matrices, as the reference
-    returns them; with True they are in the 128x4 blocked layout (`scale_layout="blocked"`).
+    returns them; with True they are in the 128x4 blocked layout (`scale_layout="blocked"`). Unlike the
+    reference's, the colwise payload is not contiguous unless M is a multiple of 16: a `[K, M]` view with rows
+    padded to a multiple of 16 bytes (the same values; `.contiguous()` gives the reference's layout).
     """
     if x2.dim() == 2 and x2.stride(1) != 1 and x2.shape[1] > 1:
         x2 = x2.contiguous()

@@ -548,8 +548,8 @@ for operands in (0, 1, 2):
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     res[f"gemm{operands}"] = k.asm["ptx"].count("wgmma.mma_async")
 sig = dict(x_ptr="*bf16", stride_xm="i32", w_ptr="*fp32", M="i32", eps="fp32", rstd_ptr="*fp32",
-           row_data_ptr="*u8", row_scale_ptr="*u8", col_data_ptr="*u8", col_scale_ptr="*u8", row_op_ptr="*bf16",
-           col_op_ptr="*bf16")
+           row_data_ptr="*u8", row_scale_ptr="*u8", col_data_ptr="*u8", col_stride="i32", col_scale_ptr="*u8",
+           row_op_ptr="*bf16", col_op_ptr="*bf16")
 for K, bk in ((1024, 1024), (4096, 256)):
     flags = dict(K=K, BLOCK_M=32, BLOCK_K=bk, ONE_PASS=bk >= K, NORMALIZE=True, ROW_MX=True, COL_MX=True,
                  ROW_OP=True, COL_OP=True, BLOCKED_SCALES=True, RCEIL=True, HW_CAST=True, LARGE_OFFSETS=False)
