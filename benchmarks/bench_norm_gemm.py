@@ -724,6 +724,7 @@ def main(sections: tuple[str, ...] = ("norm", "gemm", "linear")) -> None:
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
     accuracy: dict[str, dict] = {}
+    bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy)  # filled as the sections run (partial runs too)
     for section in [f for n, f in (("norm", bench_norm), ("norm", bench_norm_token_counts), ("norm", bench_operand_cast),
                                    ("gemm", bench_gemm))
                     if n in sections]:

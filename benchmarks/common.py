@@ -2,13 +2,15 @@
 
 Every script builds a `Bench`, records rows with `bench.time(...)`, and calls `bench.finish()`, which
 prints the table last (the part of the output that is read) and writes `<name>.json` under $OUT
-(or ./.bench_out when $OUT is unset).
+(or ./.bench_out when $OUT is unset). A run stopped by SIGTERM (`timeout`) does the same with the rows it has,
+marked `partial` in the JSON.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -45,12 +47,23 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
 
 
 class Bench:
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, finish_on_sigterm: bool = True):
         self.name = name
         self.rows: list[dict] = []
         self.extra: dict = {}
         self.env = self._env()
         print(self.env, flush=True)
+        if finish_on_sigterm:  # a run stopped by `timeout` still prints its table and writes its JSON
+            signal.signal(signal.SIGTERM, self._finish_on_sigterm)
+
+    def _finish_on_sigterm(self, signum, frame) -> None:
+        print(f"\nstopped by signal {signum}: the rows measured so far", flush=True)
+        self.extra["partial"] = True
+        try:
+            self.finish()
+        finally:
+            sys.stdout.flush()
+            os._exit(124)
 
     @staticmethod
     def _env() -> dict:
