@@ -59,9 +59,11 @@ def _varlen_attention(q, k, v, q_offs, kv_offs, *, causal: bool, scale: float) -
 
 def _checked(offsets: torch.Tensor, name: str, total: int) -> torch.Tensor:
     """`check_offsets` once per offsets tensor (and version) and token count: its copy to the CPU is a host sync,
-    and every attention layer of a step passes the same offsets (see `plan.cached_plan`)."""
+    and every attention layer of a step passes the same offsets (see `plan.cached_plan`). The check does not
+    depend on `name` (only its error message does), so offsets passed as `q_offsets` to one layer and as
+    `kv_offsets` to the next are checked once."""
     check_offsets_form(offsets, name)
-    return cached_plan(offsets, ("checked", name, total), lambda: check_offsets(offsets, name, total))
+    return cached_plan(offsets, ("checked", total), lambda: check_offsets(offsets, name, total))
 
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor | None,

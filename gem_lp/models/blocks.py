@@ -65,7 +65,9 @@ class JaggedSelfAttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
-        q, k, v = (qkv[:, i].contiguous() for i in range(3))
+        # unbind, not three selects: its backward is one stack into dQKV, where each select's backward would
+        # write a zero-filled [T, 3, H, D] tensor and the three would then be added up
+        q, k, v = (part.contiguous() for part in qkv.unbind(1))
         attn = self.ops.attention(q, k, v, offsets, causal=self.causal)
         x = x + self.out(attn.reshape(t, self.num_heads * self.head_dim))
         return x + self.mlp(x)
@@ -94,6 +96,23 @@ class SequenceReadout(nn.Module):
         self.kv = ops.norm_linear(d_model, 2 * width)
         self.query_out = ops.linear(width, d_model)
         self.target_out = ops.linear(width, d_model)
+        self._target_offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def target_offsets(self, batch: int, device: torch.device) -> torch.Tensor:
+        """int64 `[B + 1]` offsets `0, 1, ..., B` of the one-query-per-sequence target attention on `device`.
+
+        Made once per (B, device) and reused: the attention op validates an offsets tensor once (a copy to the
+        CPU, so a host sync) and builds its launch plans once per tensor, so a new tensor each step would cost
+        a sync and those device ops every step. Never written in place. Not kept while a CUDA graph is
+        being captured (its memory would belong to the graph's pool).
+        """
+        key = (batch, device)
+        offsets = self._target_offsets.get(key)
+        if offsets is None:
+            offsets = torch.arange(batch + 1, dtype=torch.int64, device=device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._target_offsets[key] = offsets
+        return offsets
 
     def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor):
         """tokens `[T, d_model]`, offsets int64 `[B + 1]`, target `[B, d_target]` ->
@@ -101,18 +120,16 @@ class SequenceReadout(nn.Module):
         t, b = tokens.shape[0], target.shape[0]
         h, d = self.num_heads, self.head_dim
         kv = self.kv(tokens).view(t, 2, h, d)
-        k, v = kv[:, 0].contiguous(), kv[:, 1].contiguous()
+        k, v = (part.contiguous() for part in kv.unbind(1))  # see JaggedSelfAttentionBlock.forward
 
         n_query = self.query_tokens.shape[0]
         q = self.query_proj(self.query_tokens.to(tokens.dtype)).view(n_query, h, d)
-        # built on the device: torch.tensor(..., device=cuda) is a blocking copy, a host sync every step
-        query_offsets = torch.arange(2, dtype=torch.int64, device=tokens.device) * n_query
-        read = self.ops.attention(q, k, v, query_offsets, offsets, broadcast_q=True)  # [B*K, h, d]
+        # q_offsets=None: one shared query sequence of n_query rows, nothing to build or validate each step
+        read = self.ops.attention(q, k, v, None, offsets, broadcast_q=True)  # [B*K, h, d]
         query_summary = self.query_out(read.reshape(b * n_query, h * d)).view(b, n_query, -1)
 
         q_target = self.target_proj(target).view(b, h, d)
-        target_offsets = torch.arange(b + 1, dtype=torch.int64, device=tokens.device)
-        read = self.ops.attention(q_target, k, v, target_offsets, offsets)  # [B, h, d]
+        read = self.ops.attention(q_target, k, v, self.target_offsets(b, tokens.device), offsets)  # [B, h, d]
         target_summary = self.target_out(read.reshape(b, h * d))
         return query_summary, target_summary
 
