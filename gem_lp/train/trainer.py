@@ -165,17 +165,26 @@ class Trainer:
         return DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=self.device.type == "cuda",
                           prefetch_factor=4 if workers > 0 else None, persistent_workers=False)
 
-    def _check_finite_grads(self, dense_norm: torch.Tensor | None, step: int) -> None:
+    def _checked_loss(self, loss: torch.Tensor, dense_norm: torch.Tensor | None, step: int) -> float:
+        """The loss as a float, after checking it and the gradients finite: one device-to-host copy per step,
+        after the backward is queued (a read of the loss before it would leave the GPU idle while the host
+        queues the backward). Raises `NonFiniteError` before the optimizer step otherwise."""
         norms = [p.grad.detach().norm() for p in self.model.embedding_parameters() if p.grad is not None]
         if dense_norm is not None:
             norms.append(dense_norm.detach())
         else:
             norms += [p.grad.detach().norm() for p in self.model.dense_parameters() if p.grad is not None]
-        if norms and not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # one sync
+        values = torch.stack([loss.detach().float()] + [n.float() for n in norms]).cpu()  # the one sync
+        value = float(values[0])
+        if not math.isfinite(value):
+            raise NonFiniteError(f"step {step}: training loss is {value} (non-finite); stopping before the "
+                                 f"optimizer step{self._last_checkpoint_note()}")
+        if not bool(torch.isfinite(values[1:]).all()):
             bad = [name for name, p in self.model.named_parameters()
                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
             raise NonFiniteError(f"step {step}: non-finite gradients in {bad[:5]}{' ...' if len(bad) > 5 else ''}; "
                                  f"stopping before the optimizer step{self._last_checkpoint_note()}")
+        return value
 
     def _last_checkpoint_note(self) -> str:
         if self.checkpoint_path.is_file():
@@ -187,15 +196,11 @@ class Trainer:
         batch = batch.to(self.device, non_blocking=True)
         logits = self.model(batch)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise NonFiniteError(f"step {step}: training loss is {value} (non-finite); stopping before the "
-                                 f"optimizer step{self._last_checkpoint_note()}")
         loss.backward()
         dense_norm = None
         if self.tcfg.grad_clip is not None:
             dense_norm = torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(), self.tcfg.grad_clip)
-        self._check_finite_grads(dense_norm, step)
+        value = self._checked_loss(loss, dense_norm, step)
         self.dense_optimizer.step()
         self.embedding_optimizer.step()
         self.dense_scheduler.step()

@@ -72,9 +72,18 @@ def test_nan_loss_stops_naming_the_step(tiny_config, tmp_path):
         return output * math.nan if calls["n"] == 3 else output
 
     trainer.model.dense_input.register_forward_hook(poison)
+    after_two = {}
+
+    def remember(module, args):  # the weights as the third step starts
+        if calls["n"] == 2:
+            after_two.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+    trainer.model.dense_input.register_forward_pre_hook(remember)
     with pytest.raises(NonFiniteError, match=r"step 3: training loss is nan"):
         trainer.fit()
     assert trainer.step == 2
+    for k, v in trainer.model.state_dict().items():  # the NaN loss's backward ran; no update followed it
+        assert torch.equal(v, after_two[k]), k
 
 
 def test_nan_gradient_stops_before_the_update(tiny_config, tmp_path):
