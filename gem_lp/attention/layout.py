@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from ..jagged.metadata import check_offsets_form as check_jagged_offsets_form
 from ..mx.formats import BLOCK, INPUT_DTYPES, ceil_div
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -36,13 +37,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_offsets_form(offsets, name: str, device: torch.device | None = None) -> None:
-    """The offsets checks that need no host sync: a 1-D int32/int64 tensor `[B+1]`, on the CPU or `device`."""
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets [B+1], got {type(offsets).__name__}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{name} must be 1-D [B+1] with at least one entry, got shape {tuple(offsets.shape)}")
+    """The offsets checks that need no host sync (`gem_lp.jagged`'s): a 1-D int32/int64 tensor `[B+1]`, on the
+    CPU or `device`."""
+    check_jagged_offsets_form(offsets, name=name)
     if device is not None and offsets.device.type != "cpu" and offsets.device != device:
         raise ValueError(f"{name} must be on the CPU or on q's device {device}, got {offsets.device}")
 

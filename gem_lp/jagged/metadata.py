@@ -104,16 +104,17 @@ class JaggedLayout:
                    tile_token_table(offsets, scale_offsets, tiles))
 
 
-def check_offsets_form(offsets: torch.Tensor, values: torch.Tensor | None = None) -> None:
-    """The checks that need no host sync: type, rank, dtype, size and device of `offsets`."""
+def check_offsets_form(offsets: torch.Tensor, values: torch.Tensor | None = None, name: str = "offsets") -> None:
+    """The checks that need no host sync: type, rank, dtype, size and (with `values`) device of `offsets`;
+    errors name the argument `name`."""
     if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"offsets must be a torch.Tensor [B+1] of int32/int64, got {type(offsets).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor [B+1] of int32/int64, got {type(offsets).__name__}")
     if offsets.dim() != 1:
-        raise ValueError(f"offsets must be 1-D [B+1], got shape {tuple(offsets.shape)}")
+        raise ValueError(f"{name} must be 1-D [B+1], got shape {tuple(offsets.shape)}")
     if offsets.dtype not in OFFSET_DTYPES:
-        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
     if offsets.numel() == 0:
-        raise ValueError("offsets must have B+1 >= 1 elements (an empty batch is offsets = [0]), got 0")
+        raise ValueError(f"{name} must have B+1 >= 1 elements (an empty batch is [0]), got 0")
     if values is not None:
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor [T, ...], got {type(values).__name__}")
@@ -121,7 +122,7 @@ def check_offsets_form(offsets: torch.Tensor, values: torch.Tensor | None = None
             raise ValueError("values must have a leading token dimension [T, ...], got a 0-d tensor")
         if offsets.device != values.device:
             raise ValueError(
-                f"offsets must be on the same device as values: offsets on {offsets.device}, "
+                f"{name} must be on the same device as values: {name} on {offsets.device}, "
                 f"values on {values.device}"
             )
 

@@ -604,18 +604,13 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
         raise ValueError(f"chunk_d must be a power-of-two multiple of 32 dividing D = {d}, got {chunk_d}")
     orientations = tuple(o for o, want in (("hdim", hdim), ("seq", seq), ("square", square)) if want)
     base = INTERPRETER_LAUNCH if interpreter and not on_cuda else default_launch(orientations, True)
-    rows = base.rows if rows is None else rows
-    thread_rows = base.thread_rows if thread_rows is None else thread_rows
-    row_blocks_in_thread = base.row_blocks_in_thread if row_blocks_in_thread is None else row_blocks_in_thread
-    num_warps = base.num_warps if num_warps is None else num_warps
-    max_registers = base.max_registers if max_registers is None else max_registers
-    programs_per_sm = base.programs_per_sm if programs_per_sm is None else programs_per_sm
-    direct_inverse = base.direct_inverse if direct_inverse is None else direct_inverse
-    tile_table = base.tile_table if tile_table is None else tile_table
-    unmasked_full = base.unmasked_full if unmasked_full is None else unmasked_full
-    const_strides = base.const_strides if const_strides is None else const_strides
-    shift_offsets = base.shift_offsets if shift_offsets is None else shift_offsets
-    float_max = base.float_max if float_max is None else float_max
+    given = dict(rows=rows, thread_rows=thread_rows, row_blocks_in_thread=row_blocks_in_thread, num_warps=num_warps,
+                 max_registers=max_registers, programs_per_sm=programs_per_sm, direct_inverse=direct_inverse,
+                 tile_table=tile_table, unmasked_full=unmasked_full, const_strides=const_strides,
+                 shift_offsets=shift_offsets, float_max=float_max)
+    (rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm, direct_inverse, tile_table,
+     unmasked_full, const_strides, shift_offsets, float_max) = base._replace(
+        **{name: v for name, v in given.items() if v is not None})
     check_strip_launch(rows, thread_rows, num_warps)
     if max_registers != 0 and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 0 (no limit) or 16..255, got {max_registers}")

@@ -179,6 +179,18 @@ def tile_axes(NMB: tl.constexpr, NKB: tl.constexpr, THREAD_ROWS: tl.constexpr, R
 
 
 @triton.jit
+def strip_coordinates(NMB: tl.constexpr, NKB: tl.constexpr, THREAD_ROWS: tl.constexpr,
+                      ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """Row and column of every element of the strip tile (`tile_axes`), with the first row of its 32-row block,
+    of its 32-column block and of its thread's strip: `(m, k, m_block, k_block, m_strip)`, tile-relative."""
+    g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    m_block = mb * 32
+    k_block = kb * 32
+    m_strip = m_block + c * THREAD_ROWS
+    return m_strip + r, k_block + g * 8 + e, m_block, k_block, m_strip
+
+
+@triton.jit
 def max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Max over each 1x32 block (axes e and g), dims kept."""
     if ROW_BLOCKS_IN_THREAD:
@@ -284,12 +296,7 @@ def _mx_cast_2d_kernel(
     pid = tl.program_id(0)
     m0 = (pid // n_k_tiles) * BLOCK_M
     k0 = (pid % n_k_tiles) * BLOCK_K
-    g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
-    m_block = mb * 32  # first row of each element's 32-row block
-    k_block = kb * 32  # first column of each element's 32-column block
-    m_strip = m_block + c * THREAD_ROWS  # first row of each thread's strip
-    m = m_strip + r
-    k = k_block + g * 8 + e
+    m, k, m_block, k_block, m_strip = strip_coordinates(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     if not EVEN:  # a partial tile at the M or K edge
         in_bounds = (m < M - m0) & (k < K - k0)
     if LARGE_OFFSETS:  # some offset inside a tile (e.g. BLOCK_K * M) reaches 2^31

@@ -57,7 +57,7 @@ from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
 from ..mx.triton_quantize import (block_payload, block_scale, float_max_cols_of_blocks, float_max_rows_of_blocks,
                                   max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
-                                  tile_axes)
+                                  strip_coordinates)
 from .reference import RMSNormQuantized
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
@@ -664,12 +664,7 @@ def _norm_row_block(
     EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0  # no masks anywhere
     if BLOCKED_SCALES and K % 128 != 0:
         _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
-    g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
-    m_block = mb * 32  # first row of each element's 32-row block
-    k_block = kb * 32  # first column of each element's 32-column block
-    m_strip = m_block + c * THREAD_ROWS  # first row of each thread's strip
-    m = m_strip + r
-    k = k_block + g * 8 + e
+    m, k, m_block, k_block, m_strip = strip_coordinates(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     rows = m0 + m  # [.., THREAD_ROWS, 1]: one per row, for rstd
     if LARGE_OFFSETS:  # k * M or m * stride inside one tile reaches 2^31
         m = m.to(tl.int64)
@@ -743,12 +738,7 @@ def _cast_tile(
     if BLOCKED_SCALES and K % 128 != 0:
         if k0 == 0:  # once per row block
             _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
-    g, c, kb, mb, r, e = tile_axes(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
-    m_block = mb * 32
-    k_block = kb * 32
-    m_strip = m_block + c * THREAD_ROWS
-    m = m_strip + r
-    k = k_block + g * 8 + e
+    m, k, m_block, k_block, m_strip = strip_coordinates(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     if LARGE_OFFSETS:
         m = m.to(tl.int64)
         k = k.to(tl.int64)

@@ -129,11 +129,9 @@ class _FakeDriver:
         get_current_stream = staticmethod(lambda device: 1234)
 
 
-def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
-    """With a compiled kernel (CUDA) and `DIRECT_RELAUNCH`, the first launch of a plan and pointer specialization
-    goes through the JIT and later ones straight to that kernel's launcher with the same arguments plus the
-    constexprs in parameter order; other dtypes or a pointer off 16-byte alignment go through the JIT again."""
-    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", True)
+def _compiled_launch_setup(mixed_batch, monkeypatch):
+    """A batch with the JIT, the compiled-launch check and the driver faked (as on CUDA, no GPU): values, layout,
+    the fake JIT and hdim+seq output buffers."""
     values, layout = _batch(mixed_batch)
     jit = _FakeJit(tk._jagged_mx_kernel.arg_names)
     monkeypatch.setattr(tk, "_jagged_mx_kernel", jit)
@@ -141,6 +139,15 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     monkeypatch.setattr(tk, "_driver", _FakeDriver)
     tk._launch_plan.cache_clear()
     payloads, scales = tk._allocate(values, layout.padded_total, True, True, False)
+    return values, layout, jit, payloads, scales
+
+
+def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
+    """With a compiled kernel (CUDA) and `DIRECT_RELAUNCH`, the first launch of a plan and pointer specialization
+    goes through the JIT and later ones straight to that kernel's launcher with the same arguments plus the
+    constexprs in parameter order; other dtypes or a pointer off 16-byte alignment go through the JIT again."""
+    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", True)
+    values, layout, jit, payloads, scales = _compiled_launch_setup(mixed_batch, monkeypatch)
 
     def go(v):
         tk.launch(v, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads, scales,
@@ -184,13 +191,7 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
 def test_launches_go_through_the_jit_by_default(mixed_batch, monkeypatch):
     """Without `DIRECT_RELAUNCH` (the default) every launch of a compiled kernel goes through Triton's JIT."""
     assert tk.DIRECT_RELAUNCH is False
-    values, layout = _batch(mixed_batch)
-    jit = _FakeJit(tk._jagged_mx_kernel.arg_names)
-    monkeypatch.setattr(tk, "_jagged_mx_kernel", jit)
-    monkeypatch.setattr(tk, "_compiled_launch", lambda v: True)
-    monkeypatch.setattr(tk, "_driver", _FakeDriver)
-    tk._launch_plan.cache_clear()
-    payloads, scales = tk._allocate(values, layout.padded_total, True, True, False)
+    values, layout, jit, payloads, scales = _compiled_launch_setup(mixed_batch, monkeypatch)
     for _ in range(3):
         tk.launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads,
                   scales, True)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from byte_checks import assert_same_bytes
 
 from gem_lp.mx import MXTensor, dequantize, quantize, quantize_dual, quantize_reference, to_blocked
 from gem_lp.mx.triton_quantize import CANDIDATE_CONFIGS, mx_cast_2d
@@ -102,14 +103,6 @@ def mx_test_input(M: int, K: int, dtype: torch.dtype, seed: int, device=DEVICE) 
     for special in (math.nan, math.inf, -math.inf):
         x.view(-1)[randint(M * K, some(2))] = special
     return x.to(dtype).to(device)
-
-
-def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    a, e = actual.view(torch.uint8), expected.view(torch.uint8)
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    bad = (a != e).nonzero()
-    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {a.numel()} bytes differ, first at "
-                              f"{tuple(bad[0].tolist())}: {a[tuple(bad[0])].item()} vs {e[tuple(bad[0])].item()}")
 
 
 def expected_casts(x, scaling, *, rowwise, colwise, square, blocked):

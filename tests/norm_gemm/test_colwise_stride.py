@@ -8,6 +8,7 @@ MXLinear backward, the public `rms_norm_quantize`) reads the view as its values.
 """
 import pytest
 import torch
+from byte_checks import assert_same_bytes, u8
 
 from gem_lp.mx import MXTensor, dequantize, quantize_reference, to_blocked
 from gem_lp.norm_gemm import rms_norm_quantize, triton_norm
@@ -27,17 +28,6 @@ CONFIGS = (None, NormConfig(32, 64, 1, 1), NormConfig(64, 32, 1, 16), NormConfig
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def u8(t):
-    return t.view(torch.uint8)
-
-
-def assert_same_bytes(actual, expected, what):
-    a, e = u8(actual).cpu(), u8(expected).cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    bad = (a != e).nonzero()
-    assert bad.numel() == 0, f"{what}: {bad.shape[0]} of {a.numel()} bytes differ, first at {tuple(bad[0].tolist())}"
 
 
 def assert_padded_view(data, K, M):

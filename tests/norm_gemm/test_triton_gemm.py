@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from byte_checks import assert_same_bytes, u8
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gem_lp.mx import MXTensor, dequantize, quantize_reference, to_blocked
@@ -41,17 +42,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def u8(t):
-    return t.view(torch.uint8)
-
-
-def assert_same_bytes(actual, expected, what):
-    a, e = u8(actual), u8(expected)
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    bad = (a != e).nonzero()
-    assert bad.numel() == 0, f"{what}: {bad.shape[0]} of {a.numel()} bytes differ, first at {tuple(bad[0].tolist())}"
 
 
 def assert_same_values(actual, expected, what):

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from byte_checks import assert_same_bytes, u8
 
 from gem_lp.mx import dequantize, quantize_reference, to_blocked
 from gem_lp.norm_gemm import triton_norm
@@ -84,18 +85,6 @@ def norm_weight(K, dtype, seed):
 
 def cpu_reference(x, w, eps, scaling):
     return rms_norm_quantize_reference(x.cpu(), w.cpu(), eps, scaling)
-
-
-def u8(t):
-    return t.view(torch.uint8)
-
-
-def assert_same_bytes(actual, expected, what):
-    a, e = u8(actual).cpu(), u8(expected).cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    bad = (a != e).nonzero()
-    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {a.numel()} bytes differ, first at "
-                              f"{tuple(bad[0].tolist())}: {a[tuple(bad[0])].item()} vs {e[tuple(bad[0])].item()}")
 
 
 def assert_same_values(actual, expected, what):
