@@ -25,6 +25,7 @@ TB/s is effective: bf16 read once + payloads + scales written (the useful bytes 
 is credited with the same useful bytes). Each row's info holds the bytes it moves and stores, the padding
 ratio B*Lmax/T and the speed-up over the peer. Bit-identity against the per-sequence reference is checked
 on a sample of sequences (PASS/FAIL printed). Run: python benchmarks/bench_jagged.py
+(`--workloads B --sets hdim+seq` for a part).
 `python benchmarks/bench_jagged.py --compile-only` (no GPU needed) builds every launch for sm_90 as the GPU
 run would and prints its registers, spills, programs per SM and SASS instruction count, then what the register
 limits 128, 96 and 80 cost the hdim+seq and hdim defaults in spills; it fails if one does not build.
@@ -138,7 +139,7 @@ def verify_sample(values, layout, ours, n_random: int = 10, seed: int = 0) -> tu
 # --- one workload -------------------------------------------------------------------------------------
 
 
-def run_workload(bench: Bench, name: str, cfg: dict) -> None:
+def run_workload(bench: Bench, name: str, cfg: dict, sets: tuple[str, ...] = tuple(LAUNCH_SETS)) -> None:
     lengths = lognormal_lengths(cfg["batch"], cfg["mean"], seed=0, lo=cfg["lo"], hi=cfg["hi"])
     heads, dim, batch = cfg["heads"], cfg["dim"], cfg["batch"]
     total, max_len = int(lengths.sum()), int(lengths.max())
@@ -227,7 +228,7 @@ def run_workload(bench: Bench, name: str, cfg: dict) -> None:
             log(f"{name}: {label}: {row['speedup_vs_peer']:.2f}x the peer of its group "
                 f"(padding ratio {padding_ratio:.2f})")
 
-    tune(bench, name, values, layout, padding_ratio)
+    tune(bench, name, values, layout, padding_ratio, sets)
     del values, ours
     torch.cuda.empty_cache()
 
@@ -247,26 +248,27 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
     from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
 
     grid, jit_args, jit_kwargs = launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
-                                             layout.padded_total, payloads, scales, True)
+                                             layout.padded_total, payloads, scales, True,
+                                             tile_tokens=layout.tile_tokens)
     import gem_lp.jagged.triton_kernel as tk
 
-    def direct_relaunch_call():
-        tk.DIRECT_RELAUNCH = True
+    def jit_call():
+        saved, tk.DIRECT_RELAUNCH = tk.DIRECT_RELAUNCH, False
         try:
             return quantize_jagged(values, layout, orients, backend="triton")
         finally:
-            tk.DIRECT_RELAUNCH = False
+            tk.DIRECT_RELAUNCH = saved
 
     ways = [
         ("quantize_jagged (public call)", lambda: quantize_jagged(values, layout, orients, backend="triton")),
-        ("quantize_jagged with DIRECT_RELAUNCH (compiled launcher)", direct_relaunch_call),
+        ("quantize_jagged without DIRECT_RELAUNCH (the JIT every call)", jit_call),
         ("Triton JIT launch every call (no direct relaunch)",
          lambda: _jagged_mx_kernel[grid](*jit_args, **jit_kwargs)),
         ("torch.ops.gem_lp.jagged_mx_quantize (custom-op dispatch)",
          lambda: torch.ops.gem_lp.jagged_mx_quantize(*op_args)),
         ("launch into preallocated outputs (Triton launch only)",
          lambda: launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
-                        payloads, scales, True)),
+                        payloads, scales, True, tile_tokens=layout.tile_tokens)),
     ]
     graph_row = None
     try:
@@ -330,7 +332,8 @@ def candidates(set_name: str) -> tuple[LaunchOptions, list[LaunchOptions]]:
     return default, [default] + [LaunchOptions(*c) for c in pool if LaunchOptions(*c) != default]
 
 
-def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, padding_ratio: float) -> None:
+def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, padding_ratio: float,
+         sets: tuple[str, ...] = tuple(LAUNCH_SETS)) -> None:
     """Every launch of `CANDIDATE_LAUNCHES` (default first) per orientation set, launch only; each one's
     bytes compared with the default launch's (checked against the reference above and, for every launch,
     by the GPU tests): PASS/FAIL. Each row also holds the launch's sm_90 build figures (registers, spills,
@@ -340,11 +343,13 @@ def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, pa
     scale_bytes = {"hdim+seq": h * (hdim_bytes + seq_bytes), "hdim": h * hdim_bytes,
                    "square": h * (hdim_bytes + seq_bytes)}
     for set_name, orients in LAUNCH_SETS.items():
+        if set_name not in sets:
+            continue
         group = f"{name} tuning {set_name}"
         default, launches = candidates(set_name)
         want_payloads, want_scales = allocate_outputs(values, layout.padded_total, orients)
         launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, want_payloads,
-               want_scales, True)
+               want_scales, True, tile_tokens=layout.tile_tokens)
         nb = useful_bytes(values, 1 if set_name != "hdim+seq" else 2, scale_bytes[set_name])
         timed = []
         for opts in launches:
@@ -385,7 +390,7 @@ def tune(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, pa
             torch.cuda.empty_cache()
 
 
-def main() -> None:
+def main(workloads: tuple[str, ...] = tuple(WORKLOADS), sets: tuple[str, ...] = tuple(LAUNCH_SETS)) -> None:
     bench = Bench("bench_jagged")
     if not torch.cuda.is_available():
         print("bench_jagged needs a CUDA device (or --compile-only)", flush=True)
@@ -393,8 +398,10 @@ def main() -> None:
     torch.manual_seed(0)
     bench.copy_bandwidth()
     for name, cfg in WORKLOADS.items():
+        if name not in workloads:
+            continue
         try:
-            run_workload(bench, name, cfg)
+            run_workload(bench, name, cfg, sets)
         except Exception as e:  # one workload failing must not hide the other
             log(f"workload {name} failed: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(limit=4)
@@ -535,6 +542,18 @@ def compile_only() -> int:
 
 
 if __name__ == "__main__":
-    if "--compile-only" in sys.argv[1:]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true", help="build every launch for sm_90, no GPU needed")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of A,B")
+    parser.add_argument("--sets", default=",".join(LAUNCH_SETS),
+                        help="tuning groups to time, a comma-separated subset of " + ",".join(LAUNCH_SETS))
+    args = parser.parse_args()
+    for given, known, what in ((args.workloads, WORKLOADS, "--workloads"), (args.sets, LAUNCH_SETS, "--sets")):
+        unknown = set(given.split(",")) - set(known)
+        if unknown:
+            parser.error(f"{what}: unknown {sorted(unknown)}; expected a subset of {','.join(known)}")
+    if args.compile_only:
         sys.exit(compile_only())
-    main()
+    main(tuple(args.workloads.split(",")), tuple(args.sets.split(",")))

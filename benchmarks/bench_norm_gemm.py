@@ -606,9 +606,9 @@ def _time_with_host(bench: Bench, group: str, name: str, fn, **info) -> float | 
     return ms
 
 
-def bench_linear(bench: Bench, accuracy: dict) -> None:
-    """MXLinear forward+backward and forward per GEMM route beside nn.Linear; each of these rows also holds its
-    host time per call (`host_ms_per_call`, `host_bound`)."""
+def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEAR_GEMMS) -> None:
+    """MXLinear forward+backward and forward per GEMM route (`gemms`) beside nn.Linear; each of these rows also
+    holds its host time per call (`host_ms_per_call`, `host_bound`)."""
     for M, K, N in LINEAR_SHAPES:
         group = f"linear fwd+bwd {M}x{K}->{N}"
         fwd_group = group.replace("fwd+bwd", "fwd")
@@ -637,7 +637,7 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
         accuracy[f"{M}x{K}->{N} bf16"] = dict(Y=sqnr_db(y16, y32), dX=sqnr_db(dx16, dx32), dW=sqnr_db(dw16, dw32),
                                              saved_bytes=saved_bf16)
         del y16, dx16, dw16
-        for gemm in tg.LINEAR_GEMMS:
+        for gemm in gemms:
             name = f"ours MXLinear gemm={gemm}"
 
             def step(gemm=gemm):
@@ -702,7 +702,7 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
                 bench.time(ngroup, "F.rms_norm + nn.Linear bf16 (torch.compile)", compiled, flop=flop, peer=True)
             except Exception as e:
                 _fail(bench, ngroup, "compiled bf16 peer", e)
-            for gemm in ("cublas", "triton_bf16"):
+            for gemm in [g for g in ("cublas", "triton_bf16") if g in gemms]:
                 def norm_step(gemm=gemm):
                     y = rms_norm_mx_linear_triton(x, gw, w, bias, EPS, "rceil", gemm)
                     return torch.autograd.grad(y, (x, gw, w, bias), dy)
@@ -718,14 +718,17 @@ def bench_linear(bench: Bench, accuracy: dict) -> None:
         _free()
 
 
-def main(sections: tuple[str, ...] = ("norm", "gemm", "linear")) -> None:
+SECTIONS = ("norm", "tokens", "cast", "gemm", "linear")
+
+
+def main(sections: tuple[str, ...] = SECTIONS, gemms: tuple[str, ...] = tg.LINEAR_GEMMS) -> None:
     t0 = time.time()
     bench = Bench("bench_norm_gemm")
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
     accuracy: dict[str, dict] = {}
     bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy)  # filled as the sections run (partial runs too)
-    for section in [f for n, f in (("norm", bench_norm), ("norm", bench_norm_token_counts), ("norm", bench_operand_cast),
+    for section in [f for n, f in (("norm", bench_norm), ("tokens", bench_norm_token_counts), ("cast", bench_operand_cast),
                                    ("gemm", bench_gemm))
                     if n in sections]:
         try:
@@ -735,7 +738,7 @@ def main(sections: tuple[str, ...] = ("norm", "gemm", "linear")) -> None:
         _free()
     try:
         if "linear" in sections:
-            bench_linear(bench, accuracy)
+            bench_linear(bench, accuracy, gemms)
     except Exception as e:
         _fail(bench, "bench_linear", "section", e)
     bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy, wall_s=time.time() - t0)
@@ -754,11 +757,19 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true",
                         help="build the norm launches for sm_90 without a GPU (TRITON_INTERPRET must be unset)")
-    parser.add_argument("--sections", default="norm,gemm,linear",
-                        help="comma-separated subset of norm,gemm,linear to run")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated subset of " + ",".join(SECTIONS) + " to run (tokens: the norm's "
+                        "default at unaligned token counts; cast: the dY operand cast)")
+    parser.add_argument("--linear-gemms", default=",".join(tg.LINEAR_GEMMS),
+                        help="MXLinear GEMM routes the linear section times, a subset of " + ",".join(tg.LINEAR_GEMMS))
     args = parser.parse_args()
+    for given, known, what in ((args.sections, SECTIONS, "--sections"), (args.linear_gemms, tg.LINEAR_GEMMS,
+                                                                        "--linear-gemms")):
+        unknown = set(given.split(",")) - set(known)
+        if unknown:
+            parser.error(f"{what}: unknown {sorted(unknown)}; expected a subset of {','.join(known)}")
     if args.compile_only:
         sys.exit(compile_only())
     if not torch.cuda.is_available():
         sys.exit("bench_norm_gemm needs a CUDA device (or --compile-only)")
-    main(tuple(args.sections.split(",")))
+    main(tuple(args.sections.split(",")), tuple(args.linear_gemms.split(",")))

@@ -373,13 +373,14 @@ for name, heads, dim in (("hs", 16, 128), ("h", 16, 128), ("q", 4, 128), ("all",
     values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
     offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])
     tile_seq = torch.zeros(tp // 128, dtype=torch.int32)
+    tile_tokens = torch.zeros(tp // 128, 2, dtype=torch.int64)
     hb, sb = scale_sizes(tp, dim)
     payloads = {o: torch.empty(t, heads, dim, dtype=PAYLOAD_DTYPE) for o in SETS[name]}
     scales = {s: torch.empty(heads, hb if s.endswith("hdim") else sb, dtype=torch.uint8)
               for o in SETS[name] for s in ((o,) if o != "square" else ("square_hdim", "square_seq"))}
     # the GPU's default launch options (no interpreter here), the hardware cast
     grid, args, kwargs = launch_args(values, offsets, scale_offsets, tile_seq, tp, payloads, scales, True,
-                                     hw_cast=True)
+                                     tile_tokens=tile_tokens, hw_cast=True)
     ptx = compile_for_target(_jagged_mx_kernel, args, kwargs).asm["ptx"]
     regs, spills = ptxas_usage(ptx)
     print(json.dumps(dict(name=name, regs=regs, spills=spills, cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),

@@ -188,9 +188,9 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
 
 
 
-def test_launches_go_through_the_jit_by_default(mixed_batch, monkeypatch):
-    """Without `DIRECT_RELAUNCH` (the default) every launch of a compiled kernel goes through Triton's JIT."""
-    assert tk.DIRECT_RELAUNCH is False
+def test_launches_go_through_the_jit_without_direct_relaunch(mixed_batch, monkeypatch):
+    """With `DIRECT_RELAUNCH` off every launch of a compiled kernel goes through Triton's JIT."""
+    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", False)
     values, layout, jit, payloads, scales = _compiled_launch_setup(mixed_batch, monkeypatch)
     for _ in range(3):
         tk.launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads,
