@@ -219,7 +219,7 @@ def _payload(x, amax_bits, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LEAN: tl.
     LEAN (rceil, hardware cast): fewer instructions per block. The inverse scale 2^(127 - byte) comes straight
     from d = amax / 448 rounded up to a power of two (its exponent field is byte << 23; d <= 2^-127 gives
     byte 0), without forming the byte or clamping it; a NaN/Inf block gets NaN from the FMA's addend
-    -(amax - amax), which is -0 for finite blocks (so the product, -0 included, is unchanged) and NaN
+    amax * -0.0, which is -0 for finite blocks (so the product, -0 included, is unchanged) and NaN
     otherwise (the conversion then writes 0x7F). 7 instructions per block instead of 9.
     """
     if LEAN and RCEIL and HW_CAST:
@@ -227,7 +227,10 @@ def _payload(x, amax_bits, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LEAN: tl.
         d = (af * 0.0022321429569274187).to(tl.uint32, bitcast=True)
         up = tl.where(d > 0x400000, (d + 0x7FFFFF) & 0xFF800000, 0)  # byte << 23 for finite blocks
         inv = (0x7F000000 - up).to(tl.float32, bitcast=True)
-        y = tl.fma(x, inv, -(af - af))
+        # the addend -0 (NaN for a NaN/Inf amax) from its bits: Triton writes both -(a - a) and the literal
+        # -0.0 as +0, and x + 0 would turn a -0 payload into +0
+        neg_zero = tl.full((), 0x80000000, tl.uint32).to(tl.float32, bitcast=True)
+        y = tl.fma(x, inv, af * neg_zero)
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return block_payload(x, block_scale(amax_bits, RCEIL), HW_CAST)
 

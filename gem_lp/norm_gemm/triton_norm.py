@@ -122,6 +122,10 @@ MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
 # (still 3 programs per SM), so the one that runs is no longer exactly the one measured.
 MEASURED_CONFIG = NormConfig(32, 256, 4, 8, False, 0, 168)
 MEASURED_KS = (1024, 4096)
+# Where MEASURED_CONFIG is also the default for M not a multiple of 32. H200, M = 32784 / 32766 / 32767: at
+# K = 4096 it took 0.301 / 0.263 / 0.263 ms against the light launch's 0.351 / 0.283 / 0.283 (aligned M = 32768:
+# 0.246); at K = 1024 the light launch won, 0.145 / 0.138 / 0.136 against 0.151 / 0.152 / 0.151 (aligned 0.139).
+MEASURED_UNALIGNED_KS = (4096,)
 # M not a multiple of 32 (see `strip_config`), dequantized operands or the integer E4M3 rounding need more
 # registers than those tiles leave: 32 rows (64 for K = 32) x at most 64 columns a program, in one warp.
 HEAVY_BLOCK_K = 64
@@ -872,12 +876,14 @@ def default_config(K: int, aligned_m: bool = True, operands: bool = False, hw_ca
                    normalize: bool = True) -> NormConfig:
     """Launch configuration of the forward kernel when the caller gives none.
 
-    On the GPU: `MEASURED_CONFIG` for the RMSNorm (`normalize`) at the K it was timed at, M a multiple of 32
-    (`aligned_m`), with the hardware conversion and no dequantized operands; `OPERAND_CAST_CONFIG` (one program per
-    tile, measured) for the operand cast without the norm; otherwise `strip_config`'s choice (the other arguments
-    are its own). Without the norm (a dual cast) the measured launch's register cap would spill.
+    On the GPU: `MEASURED_CONFIG` for the RMSNorm (`normalize`) at the K it was timed at (`MEASURED_KS`), M a
+    multiple of 32 (`aligned_m`; any M at `MEASURED_UNALIGNED_KS`), with the hardware conversion and no
+    dequantized operands; `OPERAND_CAST_CONFIG` (one program per tile, measured) for the operand cast without the
+    norm; otherwise `strip_config`'s choice (the other arguments are its own). Without the norm (a dual cast) the
+    measured launch's register cap would spill.
     """
-    if K in MEASURED_KS and normalize and aligned_m and not operands and hw_cast and not interpreter_enabled():
+    if (K in MEASURED_KS and (aligned_m or K in MEASURED_UNALIGNED_KS) and normalize and not operands and hw_cast
+            and not interpreter_enabled()):
         return MEASURED_CONFIG
     if not normalize and operands and hw_cast and not interpreter_enabled():
         return OPERAND_CAST_CONFIG
@@ -887,13 +893,10 @@ def default_config(K: int, aligned_m: bool = True, operands: bool = False, hw_ca
 def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
     """The thread-strip launch for rows of K elements with the fewest sm_90 instructions per element.
 
-    `aligned_m`: M is a multiple of 32 (whole row blocks); for other M the light 1-warp launch: the multi-warp
-    ones needed 190-255 registers there (2 programs per SM) or spilled under the measured launch's cap, and on
-    the H200 (K = 4096) the measured launch took 0.47-0.53 ms at M = 32766 / 32784 against 0.38 for this one at
-    M = 32767. Those figures predate the padded colwise rows (`colwise_payload_buffer`), with which the
-    unaligned builds keep their vector stores and the measured launch no longer spills there (sm_90: 20.2
-    instructions per element at K = 4096 and M = 32766 or 32767, 168 registers, against 25.0 and 180 spilled
-    bytes before): to be timed again. `operands`: dequantized operands are written; `hw_cast=False`: the
+    `aligned_m`: M is a multiple of 32 (whole row blocks); for other M the light 1-warp launch, which the H200
+    timed at 0.136-0.145 ms for K = 1024 and M = 32767 / 32766 / 32784 (aligned M with the measured launch:
+    0.139). With the padded colwise rows (`colwise_payload_buffer`) the unaligned builds keep their vector
+    stores, and at K = 4096 the measured launch is faster there (`MEASURED_UNALIGNED_KS`). `operands`: dequantized operands are written; `hw_cast=False`: the
     integer E4M3 rounding.
     """
     if interpreter_enabled():

@@ -628,10 +628,17 @@ def test_gpu_hw_cast_equals_integer_rounding_and_variants():
 
 
 @pytest.mark.gpu
-def test_gpu_warp_specialized_loop_matches():
+@pytest.mark.parametrize("precision", [
+    "bf16",
+    # Triton 3.6's warp specialization asserts while compiling the mxfp8 loop (TaskIdPropagation.cpp:162,
+    # visitBranchOperand); strict, so a Triton that compiles it makes this test fail until it is looked at
+    pytest.param("mxfp8", marks=pytest.mark.xfail(raises=RuntimeError, strict=True,
+                                                  reason="Triton 3.6 warp specialization fails to compile it")),
+])
+def test_gpu_warp_specialized_loop_matches(precision):
     (q, k, v), offs = _gpu_batch(GPU_LENGTHS, 2, 128, seed=2)
-    o, lse = attention_forward(q, k, v, offs, offs, precision="mxfp8")
-    o_ws, lse_ws = attention_forward(q, k, v, offs, offs, precision="mxfp8", warp_specialize=True)
+    o, lse = attention_forward(q, k, v, offs, offs, precision=precision)
+    o_ws, lse_ws = attention_forward(q, k, v, offs, offs, precision=precision, warp_specialize=True)
     assert torch.equal(o_ws, o) and torch.equal(lse_ws, lse)
 
 

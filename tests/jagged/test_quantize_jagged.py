@@ -364,6 +364,7 @@ def test_composes_with_torch_compile(mixed_batch):
 _HOPPER_COMPILE = """
 import json, torch
 from gem_lp.jagged.tensor import scale_sizes
+import re
 from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
@@ -384,13 +385,14 @@ for name, heads, dim in (("hs", 16, 128), ("h", 16, 128), ("q", 4, 128), ("all",
     ptx = compile_for_target(_jagged_mx_kernel, args, kwargs).asm["ptx"]
     regs, spills = ptxas_usage(ptx)
     print(json.dumps(dict(name=name, regs=regs, spills=spills, cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
-                          ld_v4=ptx.count("ld.global.v4"))))
+                          ld_v4=ptx.count("ld.global.v4"), lean=kwargs["LEAN"],
+                          neg_zero=len(re.findall(r"mul.f32[^;]*0f80000000;", ptx)))))
 """
 
 
 def test_kernel_compiles_for_hopper():
     """sm_90 builds of the default launches (hdim+seq, hdim, square; D = 96 with every padding path):
-    hardware E4M3 conversion, 16-byte loads, no register spills."""
+    hardware E4M3 conversion, 16-byte loads, no register spills, a true -0 in the lean payload's addend."""
     import json
     import os
     import subprocess
@@ -404,3 +406,6 @@ def test_kernel_compiles_for_hopper():
     assert [b["name"] for b in builds] == ["hs", "h", "q", "all"], done.stdout
     for b in builds:
         assert b["cvt"] > 0 and b["ld_v4"] > 0 and b["spills"] == 0, b
+        # the lean payload's FMA addend is amax * -0.0 with a true -0 (Triton compiles a -0.0 literal and
+        # -(a - a) to +0, which turns -0 inputs into +0 payloads)
+        assert not b["lean"] or b["neg_zero"] > 0, b

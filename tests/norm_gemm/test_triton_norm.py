@@ -26,6 +26,7 @@ from gem_lp.mx import dequantize, quantize_reference, to_blocked
 from gem_lp.norm_gemm import triton_norm
 from gem_lp.norm_gemm.reference import rms_norm_fp32, rms_norm_quantize_reference
 from gem_lp.norm_gemm.triton_norm import (CANDIDATE_CONFIGS, CONFIG_FIELDS, MEASURED_CONFIG, MEASURED_KS,
+                                          MEASURED_UNALIGNED_KS,
                                           OPERAND_CAST_CANDIDATE_CONFIGS, NormConfig, default_config,
                                           rms_norm_backward, rms_norm_mx, rms_norm_quantize_triton, strip_config)
 
@@ -376,12 +377,14 @@ def test_blocked_scale_padding_written_by_the_kernel(cfg, K):
 
 
 def test_default_config_on_the_gpu(monkeypatch):
-    """The measured launch where it was measured (K 1024 and 4096, M even, hardware conversion, no operands);
-    the instruction-count choice everywhere else."""
+    """The measured launch where it was measured (K 1024 and 4096, M a multiple of 32, and any M at K = 4096;
+    hardware conversion, no operands); the instruction-count choice everywhere else."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     for K in MEASURED_KS:
         assert default_config(K) == MEASURED_CONFIG
-        for flags in ((False, False, True), (True, True, True), (True, False, False)):
+        assert (default_config(K, False) == MEASURED_CONFIG) == (K in MEASURED_UNALIGNED_KS)
+        for flags in ((True, True, True), (True, False, False)) + (() if K in MEASURED_UNALIGNED_KS else
+                                                                   ((False, False, True),)):
             assert default_config(K, *flags) == strip_config(K, *flags) != MEASURED_CONFIG
         assert default_config(K, normalize=False) == strip_config(K) != MEASURED_CONFIG
     assert MEASURED_CONFIG[3] > 0, "the default is a thread-strip launch"
@@ -541,8 +544,9 @@ def test_default_configs_compile_for_hopper():
             assert b["st_vec"] > 0, b
         if not b["kw"] and b["M"] == 4096:
             assert b["instructions_per_element"] <= (22 if b["K"] % 128 == 0 else 25), b
-    assert [b["config"] for b in builds if not b["kw"] and b["K"] in MEASURED_KS and b["M"] % 2 == 0] == (
-        [list(MEASURED_CONFIG)] * 2 * len(MEASURED_KS))
+    assert [b["config"] for b in builds if not b["kw"] and b["K"] in MEASURED_KS
+            and (b["M"] % 32 == 0 or b["K"] in MEASURED_UNALIGNED_KS)] == (
+        [list(MEASURED_CONFIG)] * (2 * len(MEASURED_KS) + len(MEASURED_UNALIGNED_KS)))
 
 
 _HOPPER_COMPILE_NEW = """
