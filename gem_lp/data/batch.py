@@ -35,8 +35,8 @@ class RecBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "RecBatch":
         """Copy to `device` with plain `.to()` (no fbgemm op touches device tensors)."""
         return RecBatch(
-            sparse_features=self.sparse_features.to(device=torch.device(device), non_blocking=non_blocking),
-            sequence_features=self.sequence_features.to(device=torch.device(device), non_blocking=non_blocking),
+            sparse_features=kjt_to(self.sparse_features, device, non_blocking),
+            sequence_features=kjt_to(self.sequence_features, device, non_blocking),
             dense_features=self.dense_features.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             teacher_logits=self.teacher_logits.to(device, non_blocking=non_blocking),
@@ -50,3 +50,24 @@ class RecBatch:
             labels=self.labels.pin_memory(),
             teacher_logits=self.teacher_logits.pin_memory(),
         )
+
+
+def kjt_to(kjt: KeyedJaggedTensor, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
+    """`kjt` copied to `device`, keeping its per-key lengths and offsets (host lists) but not its `to_dict()`.
+
+    TorchRec's `KeyedJaggedTensor.to` hands the copy the source's cached `to_dict()` result, JaggedTensors still
+    on the old device: a KJT split on the CPU before the copy would then feed CPU ids to CUDA embeddings. The
+    per-key lengths come from the source (a host sync if it is on a GPU; free for CPU batches).
+    """
+    device = torch.device(device)
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values().to(device, non_blocking=non_blocking),
+        weights=None if weights is None else weights.to(device, non_blocking=non_blocking),
+        lengths=kjt.lengths().to(device, non_blocking=non_blocking),
+        offsets=kjt.offsets().to(device, non_blocking=non_blocking),
+        stride=kjt.stride(),
+        length_per_key=kjt.length_per_key(),
+        offset_per_key=kjt.offset_per_key(),
+    )

@@ -79,10 +79,12 @@ class LaunchOptions(NamedTuple):
 # Defaults: the fastest of CANDIDATE_LAUNCHES on the H200 for both workloads of docs/PERF.md ("Jagged").
 DEFAULT_LAUNCH = {
     "hdim": LaunchOptions(32, 8, False, 2),  # A 84% / B 90% of copy (row blocks per thread: 46% / 54%)
-    "square": LaunchOptions(32, 8, False, 2),  # 83% / 85% (16-token strips of 64 rows: 75% / 74%)
+    # square: 8-token strips with direct_inverse, tile_table, const_strides, shift_offsets and float_max at 96
+    # registers: A 83.4% / B 93.5% of copy, against 83.3% / 85.4% without them (16-token strips: 75% / 74%)
+    "square": LaunchOptions(32, 8, False, 2, 96, 0, True, True, False, True, True, True),
     # any set with seq: 4-token strips, 56 registers (9 programs per SM), with the byte-neutral options
     # direct_inverse, tile_table, const_strides, shift_offsets and float_max (566 sm_90 instructions against
-    # 637): hdim+seq A 0.0745 ms against 0.0759 without them (84.5% / 83.3% of copy)
+    # 637): hdim+seq A 85.9% / B 90.5% of copy, against 82.8% / 81.4% without them
     "seq": LaunchOptions(32, 4, False, 4, 56, 0, True, True, False, True, True, True),
 }
 # The tuning space (D = 128): launch options `benchmarks/bench_jagged.py` times and the GPU tests run, as

@@ -144,6 +144,19 @@ def test_batch_to_device_keeps_everything(teacher):
     assert_same(b, b.to("cpu"))
 
 
+def test_batch_to_device_drops_the_split_cache(teacher):
+    """A batch split per key (`to_dict()`, cached by TorchRec) before the copy: the copy's split is on the new
+    device (TorchRec's own `.to` hands over the old device's split), its per-key lengths kept."""
+    b = make_batch(CFG, teacher, 0, "train", 0)
+    for kjt in (b.sparse_features, b.sequence_features):
+        kjt.to_dict()
+    moved = b.to("meta")
+    for src, kjt in ((b.sparse_features, moved.sparse_features), (b.sequence_features, moved.sequence_features)):
+        assert kjt.length_per_key() == src.length_per_key() and kjt.keys() == src.keys()
+        for key, jt in kjt.to_dict().items():
+            assert jt.values().device.type == "meta" and jt.lengths().device.type == "meta", key
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(history_min=5, history_max=4), "history_min"),
     (dict(batch_size=0), "batch_size"),
