@@ -112,6 +112,16 @@ def outputs(fwd, inputs, do, bwd: bool = True):
     return (out.detach(),), grads
 
 
+def default_outputs(mx_fwd, bf16_fwd, inputs, do):
+    """`outputs` of the mxfp8 and bf16 default launches, which variant rows are compared with; (None, None) when
+    they fail (the rows then carry no match)."""
+    try:
+        return outputs(mx_fwd, inputs, do), outputs(bf16_fwd, inputs, do)
+    except Exception as e:
+        print(f"   default outputs FAILED (rows carry no match): {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None, None
+
+
 def time_fwd_bwd(bench: Bench, group: str, name: str, fwd, inputs, flop: float, *, peer: bool = False,
                  bwd: bool = True, ref=None, do=None, host: bool = False, **info) -> None:
     """Time `fwd()` alone, then the backward of its output (autograd.grad with dO `do`, or a random one).
@@ -340,11 +350,7 @@ def jagged_workloads(bench: Bench, quick: bool) -> None:
         common = dict(causal=causal)
         mx_default = ours(q, k, v, offs, precision="mxfp8", **common)
         bf16_default = ours(q, k, v, offs, precision="bf16", **common)
-        ref_mx = ref_bf16 = None
-        try:
-            ref_mx, ref_bf16 = outputs(mx_default, (q, k, v), do), outputs(bf16_default, (q, k, v), do)
-        except Exception as e:
-            print(f"   default outputs FAILED (rows carry no match): {type(e).__name__}: {str(e)[:300]}", flush=True)
+        ref_mx, ref_bf16 = default_outputs(mx_default, bf16_default, (q, k, v), do)
         time_fwd_bwd(bench, group, "ours mxfp8 producer const_p", mx_default, (q, k, v), flop, do=do, host=True)
         time_fwd_bwd(bench, group, "ours mxfp8 producer dynamic",
                      ours(q, k, v, offs, precision="mxfp8", p_quant="dynamic", **common), (q, k, v), flop, do=do)
@@ -409,11 +415,7 @@ def broadcast(bench: Bench) -> None:
     args = (qb, k, v, None, offs)
     mx_default = ours(*args, broadcast_q=True, precision="mxfp8")
     bf16_default = ours(*args, broadcast_q=True, precision="bf16")
-    ref_mx = ref_bf16 = None
-    try:
-        ref_mx, ref_bf16 = outputs(mx_default, (qb, k, v), do), outputs(bf16_default, (qb, k, v), do)
-    except Exception as e:
-        print(f"   default outputs FAILED (rows carry no match): {type(e).__name__}: {str(e)[:300]}", flush=True)
+    ref_mx, ref_bf16 = default_outputs(mx_default, bf16_default, (qb, k, v), do)
     time_fwd_bwd(bench, group, "ours mxfp8", mx_default, (qb, k, v), flop, do=do, host=True)
     rows = (
         ("ours mxfp8 K, V through the producer pass (kv_in_kernel=False)",

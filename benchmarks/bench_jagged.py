@@ -10,11 +10,11 @@ Rows per workload:
       permute: that favours the peer).
   "<W> hdim only": ours hdim only, and the peer that needs no padding: the compiled dense cast of the
       packed [T*H, D].
-  "<W> host overhead": hdim+seq through the public `quantize_jagged`, through Triton's JIT on every call
-      (what `launch` did before it relaunched the compiled kernel directly), through the custom op's
-      dispatcher, as a bare `launch` into preallocated outputs, and replayed from a CUDA graph (GPU time
-      alone); each row holds the host time per call (host_us) and its ms above the replay's
-      (ms_over_replay_us).
+  "<W> host overhead": hdim+seq through the public `quantize_jagged` (direct relaunch of the compiled
+      kernel), the public call with `DIRECT_RELAUNCH` off (Triton's JIT on every call), the bare kernel
+      through the JIT, the custom op's dispatcher, a `launch` into preallocated outputs, and replayed from a
+      CUDA graph (GPU time alone); each row holds the host time per call (host_us) and its ms above the
+      replay's (ms_over_replay_us).
   "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` and `PERSISTENT_LAUNCHES` (default first;
       `LaunchOptions` tuples (rows, thread_rows, row_blocks_in_thread, num_warps, max_registers,
       programs_per_sm)) for hdim+seq, hdim and square, launch only, each checked byte for byte against the
@@ -235,9 +235,10 @@ def run_workload(bench: Bench, name: str, cfg: dict, sets: tuple[str, ...] = tup
 
 def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, nbytes: int,
                   padding_ratio: float) -> dict | None:
-    """hdim+seq four ways, in group "<W> host overhead": the public `quantize_jagged` call, the custom op
-    through the dispatcher (what compiled graphs call), the kernel launched into preallocated outputs
-    (`launch`: the Triton launch only) and the CUDA-graph replay of the public call (GPU time alone). Each
+    """hdim+seq six ways, in group "<W> host overhead": the public `quantize_jagged` call with and without
+    `DIRECT_RELAUNCH`, the bare kernel through Triton's JIT, the custom op through the dispatcher (what
+    compiled graphs call), the kernel launched into preallocated outputs (`launch`: the Triton launch only)
+    and the CUDA-graph replay of the public call (GPU time alone). Each
     row holds `host_us`, the host time per call; ms above the replay's is host time the GPU waited for.
     Returns the replay's row (None if it failed)."""
     group = f"{name} host overhead"

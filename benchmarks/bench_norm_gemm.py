@@ -448,6 +448,19 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
                 reread_mib_in_flight=in_flight / 2**20)
 
 
+def _report_build(label: str, build, describe) -> bool:
+    """Print the sm_90 figures of `build()` (a `build_norm` result) with `describe(figures)` appended, or its
+    failure; True when it built."""
+    try:
+        b = build()
+    except Exception as e:
+        print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return False
+    print(f"  {label}: {b['instructions_per_element']:5.1f} instructions/element  registers {b['regs']:3d}  "
+          f"spill bytes {b['spills']}  programs/SM {b['programs_per_sm']}  {describe(b)}", flush=True)
+    return True
+
+
 def compile_only() -> int:
     """Build every norm launch the GPU run times (RMSNorm + both casts; the dY operand cast with and without
     column sums), for sm_90 on this machine (no GPU); 1 if one fails."""
@@ -455,30 +468,16 @@ def compile_only() -> int:
     for M, K in NORM_SHAPES:
         for i, cfg in enumerate(norm_configs(K)):
             label = f"{M}x{K} {cfg!r:24s}" + (" (default)" if i == 0 else "")
-            try:
-                b = build_norm(M, K, cfg)
-            except Exception as e:
-                failed += 1
-                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            print(f"  {label}: {b['instructions_per_element']:5.1f} instructions/element  registers {b['regs']:3d}  "
-                  f"spill bytes {b['spills']}  programs/SM {b['programs_per_sm']}  re-read in flight "
-                  f"{b['reread_mib_in_flight']:6.1f} MiB", flush=True)
+            failed += not _report_build(label, lambda: build_norm(M, K, cfg),
+                                        lambda b: f"re-read in flight {b['reread_mib_in_flight']:6.1f} MiB")
     operands = dict(normalize=False, rowwise=False, colwise=False, row_operand=True, col_operand=True)
     for M, K in OPERAND_CAST_SHAPES:
         for sums in (False, True):
             for i, cfg in enumerate(operand_cast_configs(K)):
                 label = (f"{M}x{K} dY operands{' + sums' if sums else '       '} {cfg!r:26s}"
                          + (" (default)" if i == 0 else ""))
-                try:
-                    b = build_norm(M, K, cfg, column_sums=sums, **operands)
-                except Exception as e:
-                    failed += 1
-                    print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    continue
-                print(f"  {label}: {b['instructions_per_element']:5.1f} instructions/element  registers "
-                      f"{b['regs']:3d}  spill bytes {b['spills']}  programs/SM {b['programs_per_sm']}  "
-                      f"float32 atomics {b['atomics']}", flush=True)
+                failed += not _report_build(label, lambda: build_norm(M, K, cfg, column_sums=sums, **operands),
+                                            lambda b: f"float32 atomics {b['atomics']}")
     print(f"sm_90 builds: {'all built' if not failed else f'{failed} FAILED'}")
     return 1 if failed else 0
 

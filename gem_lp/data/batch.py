@@ -59,6 +59,9 @@ def kjt_to(kjt: KeyedJaggedTensor, device: torch.device | str, non_blocking: boo
     on the old device: a KJT split on the CPU before the copy would then feed CPU ids to CUDA embeddings. The
     per-key lengths come from the source (a host sync if it is on a GPU; free for CPU batches).
     """
+    if kjt.variable_stride_per_key():
+        raise ValueError("kjt_to: kjt has a variable stride per key, which this copy does not carry; expected one "
+                         "stride (batch size) for every key")
     device = torch.device(device)
     weights = kjt.weights_or_none()
     return KeyedJaggedTensor(

@@ -195,3 +195,14 @@ def test_candidate_from_history():
         history = raw.hist_items[offsets[i]:offsets[i + 1]]
         if history.numel():
             assert bool((history == raw.candidates[i]).any()), i
+
+
+def test_kjt_copy_refuses_a_variable_stride_per_key():
+    from torchrec import KeyedJaggedTensor
+
+    from gem_lp.data.batch import kjt_to
+
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(4), lengths=torch.tensor([1, 2, 1]),
+                            stride_per_key_per_rank=[[2], [1]])
+    with pytest.raises(ValueError, match="variable stride per key"):
+        kjt_to(kjt, "cpu")
