@@ -251,14 +251,14 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
     grid, jit_args, jit_kwargs = launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
                                              layout.padded_total, payloads, scales, True,
                                              tile_tokens=layout.tile_tokens)
-    import gem_lp.jagged.triton_kernel as tk
+    import gem_lp.triton_launch as tl_launch
 
     def jit_call():
-        saved, tk.DIRECT_RELAUNCH = tk.DIRECT_RELAUNCH, False
+        saved, tl_launch.DIRECT_RELAUNCH = tl_launch.DIRECT_RELAUNCH, False
         try:
             return quantize_jagged(values, layout, orients, backend="triton")
         finally:
-            tk.DIRECT_RELAUNCH = saved
+            tl_launch.DIRECT_RELAUNCH = saved
 
     ways = [
         ("quantize_jagged (public call)", lambda: quantize_jagged(values, layout, orients, backend="triton")),

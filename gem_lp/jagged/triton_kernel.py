@@ -26,10 +26,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton import knobs as _knobs
-from triton.runtime import driver as _driver
 
 from ..backend import interpreter_enabled, sm_count
+from ..triton_launch import constexpr_values, relaunch
 from ..mx.formats import PAYLOAD_DTYPE
 from ..mx.triton_numerics import abs_bits, exact_f32
 from ..mx.triton_quantize import (block_payload, block_scale, check_strip_launch, float_max_cols_of_blocks,
@@ -640,7 +639,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     )
     if max_registers:
         kwargs["maxnreg"] = max_registers
-    constexprs = tuple(kwargs[name] for name in _jagged_mx_kernel.arg_names[_N_TENSOR_ARGS + len(scalars):])
+    constexprs = constexpr_values(_jagged_mx_kernel, _N_TENSOR_ARGS + len(scalars), kwargs)
     return _LaunchPlan(grid, scalars, kwargs, constexprs, {})
 
 
@@ -688,49 +687,20 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
 _N_TENSOR_ARGS = 12
 
 
-# Direct relaunch (below) calls Triton 3.6's compiled-kernel launcher the way its JIT does. On the H200 it cut
-# the public call's host time from 61 to 40 us (workload A; B: 94 to 61), which the GPU no longer waits for
-# (A: 0.083 to 0.0757 ms per call). False sends every launch through the JIT.
-DIRECT_RELAUNCH = True
+# Direct relaunch of the compiled kernel (`gem_lp.triton_launch`): on the H200 it cut the public call's host time
+# from 61 to 40 us (workload A; B: 94 to 61), which the GPU no longer waits for (A: 0.083 to 0.0757 ms per call).
+# `triton_launch.DIRECT_RELAUNCH = False` sends every launch through the JIT.
 
 
 def _run(grid: tuple[int], args: tuple, plan: _LaunchPlan) -> None:
-    """Launch `_jagged_mx_kernel`. The first launch of each (device, dtypes and 16-byte alignment of the
-    tensors) with a plan goes through Triton's JIT, which binds and specializes the arguments and finds (or
-    compiles) the kernel; later ones call that compiled kernel's launcher directly with the same arguments,
-    skipping the JIT's per-call binding, specialization and cache lookup (host time the GPU may wait for)."""
-    if (not DIRECT_RELAUNCH or not _compiled_launch(args[0])
-            or _knobs.runtime.debug or _knobs.compilation.instrumentation_mode):  # the JIT's business
-        _jagged_mx_kernel[grid](*args, **plan.kwargs)
-        return
-    device = _driver.active.get_current_device()
-    tensors = args[:_N_TENSOR_ARGS]
-    key = (device, *(t.dtype for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors))
-    kernel = plan.compiled.get(key)
-    if kernel is None:
-        kernel = _jagged_mx_kernel[grid](*args, **plan.kwargs)
-        if _relaunchable(kernel):
-            plan.compiled[key] = kernel
-        return
-    stream = _driver.active.get_current_stream(device)
-    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-    # the launch metadata only feeds the enter hooks (profilers): built when one is registered, as the JIT does
-    metadata = (kernel.launch_metadata(grid, stream, *args, *plan.constexprs) if getattr(enter, "calls", True)
-                else None)
-    kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-               *args, *plan.constexprs)
+    """Launch `_jagged_mx_kernel`: the first launch of each (device, dtypes and 16-byte alignment of the
+    tensors) with a plan goes through Triton's JIT, later ones straight to the compiled kernel's launcher."""
+    relaunch(_jagged_mx_kernel, grid, args, plan.kwargs, plan.constexprs, plan.compiled, _compiled_launch(args[0]))
 
 
 def _compiled_launch(values: torch.Tensor) -> bool:
     """True when the launch runs a compiled kernel (CUDA values), not the interpreter."""
     return values.is_cuda
-
-
-def _relaunchable(kernel) -> bool:
-    """A compiled kernel whose launcher `_run` knows how to call (Triton 3.6's `CompiledKernel`), built without
-    the JIT's debug mode."""
-    return (all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
-            and not getattr(_jagged_mx_kernel, "debug", False))
 
 
 _scale_sizes = functools.lru_cache(maxsize=256)(scale_sizes)

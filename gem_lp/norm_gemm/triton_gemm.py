@@ -30,6 +30,7 @@ and their autograd Functions), built on these GEMMs and on `triton_norm`'s produ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -37,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreter_enabled
+from ..triton_launch import KernelLaunch
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, scale_byte
@@ -303,11 +305,17 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, blocked: bool, dtype: t
     if R == 0 or C == 0:
         return out
     on_gpu = data.is_cuda and not interpreter_enabled()
-    br, bc = (32, 256) if on_gpu else (32, 64)
-    _mx_dequantize_kernel[(ceil_div(R, br) * ceil_div(C, bc),)](
-        data.view(torch.uint8), data.stride(0), scale, out, R, C, BLOCKED=blocked, HW_CAST=on_gpu, BLOCK_R=br,
-        BLOCK_C=bc, num_warps=4 if on_gpu else 1)
+    stride = data.stride(0)
+    _dequantize_launch(R, C, stride, blocked, on_gpu)((data.view(torch.uint8), stride, scale, out, R, C), on_gpu)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _dequantize_launch(R: int, C: int, stride: int, blocked: bool, on_gpu: bool) -> KernelLaunch:
+    """`_mx_dequantize_kernel`'s launch for these ints (relaunched directly after the first: `KernelLaunch`)."""
+    br, bc = (32, 256) if on_gpu else (32, 64)
+    return KernelLaunch(_mx_dequantize_kernel, (ceil_div(R, br) * ceil_div(C, bc),), 6,
+                        dict(BLOCKED=blocked, HW_CAST=on_gpu, BLOCK_R=br, BLOCK_C=bc, num_warps=4 if on_gpu else 1))
 
 
 def _check_config(cfg: GemmConfig, operands: int) -> None:

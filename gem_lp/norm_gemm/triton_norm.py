@@ -46,12 +46,15 @@ by one `sum` over programs.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..backend import interpreter_enabled, sm_count
+from ..triton_launch import KernelLaunch
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
@@ -910,6 +913,16 @@ def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast
 
 
 
+def _forward_args(x, x_stride: int, weight, M: int, K: int, eps: float, rstd, row, col, col_stride: int, row_op,
+                  col_op, column_sums) -> tuple:
+    """The forward kernels' positional arguments (positions of M and the operands: _M_ARG, _ROW_OP_ARG,
+    _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer."""
+    row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
+    col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
+    return (x, x_stride, weight, M, K, eps, rstd, row_data, row_scale, col_data, col_stride, col_scale, row_op,
+            col_op, column_sums)
+
+
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
                    row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
@@ -929,13 +942,10 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     if tile_programs and (weight is not None or thread_rows == 0 or programs_per_sm):
         raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
                          f"{'given' if weight is not None else 'None'} and config {config!r}")
-    # Payloads are written as bytes; the kernel never sees an fp8 pointer.
-    row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
-    col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
     col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
     span = max(block_m * max(x.stride(0), K), block_k * col_stride)  # largest offset inside one tile
-    args = (x, x.stride(0), weight, M, K, float(eps), rstd, row_data, row_scale, col_data, col_stride, col_scale,
-            row_op, col_op, column_sums)  # positions of M and the operands: _M_ARG, _ROW_OP_ARG, _COL_OP_ARG
+    args = _forward_args(x, x.stride(0), weight, M, K, float(eps), rstd, row, col, col_stride, row_op, col_op,
+                         column_sums)
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
@@ -1143,6 +1153,21 @@ def rms_norm_mx(
             added atomically into a zero-filled buffer, so the summation order differs from torch's (and
             between runs): equal to it within FP32 rounding, not bit for bit.
     """
+    given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
+             prefetch, tile_programs)
+    key = None
+    if given == _NO_CONFIG and hw_cast is None and isinstance(x, torch.Tensor):
+        # every argument that the checks and the launch depend on (a hit has passed the checks before)
+        try:
+            key = (x.shape, x.stride(), x.dtype, x.device, weight is None or (
+                weight.shape, weight.stride(), weight.dtype, weight.device), eps, scaling, rowwise, colwise,
+                row_operand, col_operand, operand_dtype, blocked_scales, column_sums, interpreter_enabled())
+            plan = _NORM_PLANS.get(key)
+        except (TypeError, AttributeError):  # an argument of the wrong kind: the checks below name it
+            key = plan = None
+        if plan is not None:
+            return _run_plan(plan, x, weight)
+
     _check_2d(x, "x")
     check_scaling(scaling)
     M, K = x.shape
@@ -1159,46 +1184,100 @@ def rms_norm_mx(
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
     config = default_config(K, M % 32 == 0, row_operand or col_operand, hw_cast, weight is not None)
-    given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-             prefetch, tile_programs)
     if given != _NO_CONFIG:  # the defaults are valid; what the caller gives is checked
         config = NormConfig(*(d if v is None else v for v, d in zip(given, config)))
         _check_config(config)
         if config[8] and weight is not None:
             raise ValueError("tile_programs=True needs weight=None (a row's norm needs the whole row in one program)")
 
-    dev = x.device
-    row = col = rstd = row_op = col_op = None
-    if rowwise:
-        n_kb = K // BLOCK
-        row = (_new_buffer((M, K), PAYLOAD_DTYPE, dev),
-               _new_buffer((blocked_size(M, n_kb),) if blocked_scales else (M, n_kb), SCALE_DTYPE, dev))
-    if colwise:
-        n_mb = ceil_div(M, BLOCK)
-        col = (colwise_payload_buffer(K, M, dev),
-               _new_buffer((blocked_size(K, n_mb),) if blocked_scales else (K, n_mb), SCALE_DTYPE, dev))
-    if weight is not None:
-        rstd = _new_buffer((M,), torch.float32, dev)
-    if row_operand:
-        row_op = _new_buffer((M, K), operand_dtype, dev)
-    if col_operand:
-        col_op = _new_buffer((M, K), operand_dtype, dev)
-    # the kernel adds to it: zero-filled (not a `_new_buffer`)
-    col_sums = torch.zeros(K, dtype=torch.float32, device=dev) if column_sums else None
-
+    n_kb, n_mb = K // BLOCK, ceil_div(M, BLOCK)
+    plan = _NormPlan(
+        M=M, K=K, x_stride=x.stride(0), eps=float(eps), normalize=weight is not None,
+        row_scale=None if not rowwise else (blocked_size(M, n_kb),) if blocked_scales else (M, n_kb),
+        col_scale=None if not colwise else (blocked_size(K, n_mb),) if blocked_scales else (K, n_mb),
+        col_stride=colwise_row_stride(M), row_op=row_operand, col_op=col_operand, operand_dtype=operand_dtype,
+        column_sums=column_sums, scaling=scaling, layout="blocked" if blocked_scales else "plain",
+        orig_dtype=x.dtype if weight is None else torch.float32,  # the normalized y is FP32, as the reference's
+        on_gpu=x.is_cuda and not interpreter_enabled(), launch=None)
+    bufs = _allocate(plan, x.device)
     if M > 0:
         kernel, grid, args, kwargs = forward_launch(
-            x, weight, eps, rstd, row, col, row_op, col_op, blocked_scales=blocked_scales, rceil=scaling == "rceil",
-            hw_cast=hw_cast, config=config, column_sums=col_sums)
+            x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
+            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5])
         if not interpreter_enabled():
             _compile_token_count_variants(kernel, args, kwargs, config)
-        kernel[grid](*args, **kwargs)
-    layout = "blocked" if blocked_scales else "plain"
-    orig = x.dtype if weight is None else torch.float32  # the normalized y is FP32, as in the reference
+        plan = plan._replace(launch=KernelLaunch(kernel, grid, len(args), kwargs))
+        plan.launch(args, plan.on_gpu)
+    if key is not None:
+        if len(_NORM_PLANS) >= _MAX_NORM_PLANS:  # token counts change every batch: keep the recent ones
+            _NORM_PLANS.clear()
+        _NORM_PLANS[key] = plan
+    return _outputs(plan, bufs)
+
+
+class _NormPlan(NamedTuple):
+    """What a `rms_norm_mx` call with given shapes, strides, dtypes and options allocates and launches:
+    everything but the tensors (`launch` None when M = 0). Scale shapes None when not requested."""
+
+    M: int
+    K: int
+    x_stride: int
+    eps: float
+    normalize: bool
+    row_scale: tuple | None
+    col_scale: tuple | None
+    col_stride: int
+    row_op: bool
+    col_op: bool
+    operand_dtype: torch.dtype
+    column_sums: bool
+    scaling: str
+    layout: str
+    orig_dtype: torch.dtype
+    on_gpu: bool
+    launch: KernelLaunch | None
+
+
+# Plans of recent `rms_norm_mx` calls with the default launch (`_NormPlan`): a call whose shapes, strides, dtypes
+# and options were met before skips the checks, the choice of launch and Triton's JIT (`KernelLaunch`). A
+# training step calls it with one token count from every layer; on the H200 the call's host time was a large
+# part of a small layer's time.
+_NORM_PLANS: dict = {}
+_MAX_NORM_PLANS = 256
+
+
+def _allocate(plan: _NormPlan, dev: torch.device) -> tuple:
+    """(row, col, rstd, row_op, col_op, column_sums) buffers of a plan: (payload, scale) pairs for the casts;
+    uninitialized (the kernel writes every byte) except the column sums, which it adds to."""
+    M, K = plan.M, plan.K
+    row = None if plan.row_scale is None else (_new_buffer((M, K), PAYLOAD_DTYPE, dev),
+                                                _new_buffer(plan.row_scale, SCALE_DTYPE, dev))
+    col = None if plan.col_scale is None else (colwise_payload_buffer(K, M, dev),
+                                                _new_buffer(plan.col_scale, SCALE_DTYPE, dev))
+    rstd = _new_buffer((M,), torch.float32, dev) if plan.normalize else None
+    row_op = _new_buffer((M, K), plan.operand_dtype, dev) if plan.row_op else None
+    col_op = _new_buffer((M, K), plan.operand_dtype, dev) if plan.col_op else None
+    sums = torch.zeros(K, dtype=torch.float32, device=dev) if plan.column_sums else None
+    return row, col, rstd, row_op, col_op, sums
+
+
+def _run_plan(plan: _NormPlan, x: torch.Tensor, weight: torch.Tensor | None) -> NormMXOutputs:
+    bufs = _allocate(plan, x.device)
+    if plan.launch is not None:
+        row, col, rstd, row_op, col_op, sums = bufs
+        plan.launch(_forward_args(x, plan.x_stride, weight, plan.M, plan.K, plan.eps, rstd, row, col,
+                                  plan.col_stride, row_op, col_op, sums), plan.on_gpu)
+    return _outputs(plan, bufs)
+
+
+def _outputs(plan: _NormPlan, bufs: tuple) -> NormMXOutputs:
+    row, col, rstd, row_op, col_op, sums = bufs
     return NormMXOutputs(
-        rowwise=None if row is None else MXTensor(row[0], row[1], "1d", 1, scaling, orig, layout),
-        colwise=None if col is None else MXTensor(col[0], col[1], "1d", 1, scaling, orig, layout),
-        rstd=rstd, row_operand=row_op, col_operand=col_op, column_sums=col_sums,
+        rowwise=None if row is None else MXTensor(row[0], row[1], "1d", 1, plan.scaling, plan.orig_dtype,
+                                                  plan.layout),
+        colwise=None if col is None else MXTensor(col[0], col[1], "1d", 1, plan.scaling, plan.orig_dtype,
+                                                  plan.layout),
+        rstd=rstd, row_operand=row_op, col_operand=col_op, column_sums=sums,
     )
 
 
@@ -1254,13 +1333,21 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, got {v}")
     dx = torch.empty(M, K, dtype=x.dtype, device=x.device)
-    n_prog = triton.cdiv(M, block_m)
+    n_prog = ceil_div(M, block_m)
     if n_prog == 0:
         return dx, torch.zeros(K, dtype=torch.float32, device=x.device)
     dw_part = torch.empty(n_prog, K, dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(n_prog,)](
-        x.detach(), x.stride(0), dy.detach(), dy.stride(0), weight.detach(), rstd, dx, dw_part, M, K,
-        BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=block_k >= K, HW_CAST=x.is_cuda and not interpreter_enabled(),
-        num_warps=num_warps,
-    )
+    on_gpu = x.is_cuda and not interpreter_enabled()
+    x_stride, dy_stride = x.stride(0), dy.stride(0)
+    launch = _backward_launch(M, K, x_stride, dy_stride, block_m, block_k, num_warps, on_gpu)
+    launch((x.detach(), x_stride, dy.detach(), dy_stride, weight.detach(), rstd, dx, dw_part, M, K), on_gpu)
     return dx, dw_part.sum(0)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_launch(M: int, K: int, x_stride: int, dy_stride: int, block_m: int, block_k: int, num_warps: int,
+                     on_gpu: bool) -> KernelLaunch:
+    """`_rms_norm_bwd_kernel`'s launch for these ints (relaunched directly after the first: `KernelLaunch`)."""
+    return KernelLaunch(_rms_norm_bwd_kernel, (ceil_div(M, block_m),), 10,
+                        dict(BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=block_k >= K, HW_CAST=on_gpu,
+                             num_warps=num_warps))

@@ -139,8 +139,9 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(mixed_batch, monkeyp
     (skipping the JIT): the same bytes on every call, for values 2 bytes off 16-byte alignment (another
     specialization, through the JIT again), with another dtype, on a side stream and replayed from a CUDA graph."""
     import gem_lp.jagged.triton_kernel as tk
+    import gem_lp.triton_launch as triton_launch
 
-    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", True)
+    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
 
     values, offsets = mixed_batch(4, 128, torch.bfloat16)
     values, offsets = values.cuda(), offsets.cuda()

@@ -6,6 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gem_lp.jagged.triton_kernel as tk
+import gem_lp.triton_launch as triton_launch
 from gem_lp.jagged import JaggedLayout, quantize_jagged
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -136,7 +137,7 @@ def _compiled_launch_setup(mixed_batch, monkeypatch):
     jit = _FakeJit(tk._jagged_mx_kernel.arg_names)
     monkeypatch.setattr(tk, "_jagged_mx_kernel", jit)
     monkeypatch.setattr(tk, "_compiled_launch", lambda v: True)
-    monkeypatch.setattr(tk, "_driver", _FakeDriver)
+    monkeypatch.setattr(triton_launch, "_driver", _FakeDriver)
     tk._launch_plan.cache_clear()
     payloads, scales = tk._allocate(values, layout.padded_total, True, True, False)
     return values, layout, jit, payloads, scales
@@ -146,7 +147,7 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     """With a compiled kernel (CUDA) and `DIRECT_RELAUNCH`, the first launch of a plan and pointer specialization
     goes through the JIT and later ones straight to that kernel's launcher with the same arguments plus the
     constexprs in parameter order; other dtypes or a pointer off 16-byte alignment go through the JIT again."""
-    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", True)
+    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
     values, layout, jit, payloads, scales = _compiled_launch_setup(mixed_batch, monkeypatch)
 
     def go(v):
@@ -162,7 +163,7 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     assert len(jit.launches) == 1 and len(compiled.runs) == 2
     run = compiled.runs[0]
     assert run[:7] == (grid[0], 1, 1, 1234, "function", "packed", None)  # no enter hook: no metadata
-    assert run[7:9] == (tk._knobs.runtime.launch_enter_hook, tk._knobs.runtime.launch_exit_hook)
+    assert run[7:9] == (triton_launch._knobs.runtime.launch_enter_hook, triton_launch._knobs.runtime.launch_exit_hook)
     names = jit.arg_names[len(args):]
     same = [(a.data_ptr(), a.dtype) == (b.data_ptr(), b.dtype) if isinstance(a, torch.Tensor) else a == b
             for a, b in zip(run[9:9 + len(args)], args)]
@@ -181,7 +182,7 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
               True, tile_tokens=layout.tile_tokens)
     assert len(jit.launches) == 4
     # the JIT's debug mode: every launch through the JIT
-    monkeypatch.setattr(tk._knobs.runtime, "debug", True)
+    monkeypatch.setattr(triton_launch._knobs.runtime, "debug", True)
     go(values)
     assert len(jit.launches) == 5 and len(compiled.runs) == 3
     tk._launch_plan.cache_clear()
@@ -190,7 +191,7 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
 
 def test_launches_go_through_the_jit_without_direct_relaunch(mixed_batch, monkeypatch):
     """With `DIRECT_RELAUNCH` off every launch of a compiled kernel goes through Triton's JIT."""
-    monkeypatch.setattr(tk, "DIRECT_RELAUNCH", False)
+    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", False)
     values, layout, jit, payloads, scales = _compiled_launch_setup(mixed_batch, monkeypatch)
     for _ in range(3):
         tk.launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads,

@@ -444,6 +444,41 @@ def test_backward_empty():
     assert dx.shape == (0, 32) and torch.equal(dw, torch.zeros(32, device=DEVICE))
 
 
+def test_repeated_calls_reuse_a_launch_plan():
+    """Calls with the default launch keep a plan per (shapes, strides, dtypes, options): a call met before skips
+    the checks and the launch choice (on the GPU also the JIT) and writes the same bytes as the first. Token
+    counts interleaved as in training (every layer of a step, then the next batch)."""
+    w = norm_weight(64, torch.float32, 3)
+    inputs = {M: exact_sum_input(M, 64, torch.bfloat16, M) for M in (33, 100, 64)}
+    refs = {M: cpu_reference(x, w, 1e-6, "rceil") for M, x in inputs.items()}
+    triton_norm._NORM_PLANS.clear()
+    for M in (33, 100, 33, 64, 100, 33):
+        out = rms_norm_mx(inputs[M], w, 1e-6)
+        assert_same_values(out.rstd, refs[M].rstd, f"rstd M={M}")
+        check_outputs(out, inputs[M], w, 1e-6, "rceil", True, refs[M].rstd, torch.bfloat16, f"M={M}")
+    assert len(triton_norm._NORM_PLANS) == 3
+    launches = [plan.launch for plan in triton_norm._NORM_PLANS.values()]
+    assert all(launch is not None for launch in launches)
+    if DEVICE.type == "cuda":  # relaunched directly after the first call of each plan
+        assert all(launch.compiled for launch in launches)
+    # a launch configuration given by the caller is not cached (it is checked on every call)
+    rms_norm_mx(inputs[33], w, 1e-6, block_k=32)
+    assert len(triton_norm._NORM_PLANS) == 3
+
+
+def test_a_cached_plan_does_not_skip_the_checks_of_other_arguments():
+    x, w = torch.randn(8, 64, device=DEVICE), torch.randn(64, device=DEVICE)
+    rms_norm_mx(x, w)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rms_norm_mx(torch.randn(64, 8, device=DEVICE).t(), w)
+    with pytest.raises(ValueError, match=r"weight must be a contiguous \[K=64\] tensor"):
+        rms_norm_mx(x, torch.randn(128, device=DEVICE)[::2])
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        rms_norm_mx(x.double(), w)
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        rms_norm_mx(x, w, scaling="round")
+
+
 def test_errors():
     x, w = torch.randn(8, 64, device=DEVICE), torch.randn(64, device=DEVICE)
     with pytest.raises(ValueError, match="K must be a multiple of 32, got K=40"):

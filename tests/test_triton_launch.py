@@ -1,0 +1,112 @@
+"""Direct relaunch of compiled Triton kernels (`gem_lp.triton_launch`), with the JIT and driver faked (no GPU)."""
+import pytest
+import torch
+
+import gem_lp.triton_launch as triton_launch
+from gem_lp.triton_launch import KernelLaunch, constexpr_values
+
+
+class _FakeCompiled:
+    """Stands in for Triton's compiled kernel: records what its launcher is called with."""
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+    def launch_metadata(self, *args):
+        return None
+
+
+class _Param:
+    def __init__(self, name, default):
+        self.name, self.default = name, default
+
+
+class _FakeJit:
+    """Stands in for a JIT kernel `k(a, n, b, BLOCK, FLAG=True)`: each launch through it compiles anew."""
+    arg_names = ["a", "n", "b", "BLOCK", "FLAG"]
+    debug = None
+
+    def __init__(self):
+        import inspect
+        empty = inspect.Parameter.empty
+        self.params = [_Param("a", empty), _Param("n", empty), _Param("b", empty), _Param("BLOCK", empty),
+                       _Param("FLAG", True)]
+        self.launches, self.compiled = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            self.compiled.append(_FakeCompiled())
+            return self.compiled[-1]
+        return run
+
+
+class _FakeDriver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    monkeypatch.setattr(triton_launch, "_driver", _FakeDriver)
+    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
+    return _FakeJit()
+
+
+def test_constexprs_in_parameter_order_with_defaults(jit):
+    assert constexpr_values(jit, 3, dict(BLOCK=64, num_warps=4)) == (64, True)
+    assert constexpr_values(jit, 3, dict(BLOCK=64, FLAG=False)) == (64, False)
+    with pytest.raises(TypeError, match="BLOCK"):
+        constexpr_values(jit, 3, dict(FLAG=False))
+
+
+def test_first_launch_through_the_jit_then_directly(jit):
+    launch = KernelLaunch(jit, (7, 2), 3, dict(BLOCK=64, num_warps=4))
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    launch((a, 5, b), True)
+    assert len(jit.launches) == 1 and jit.launches[0] == ((7, 2), (a, 5, b), dict(BLOCK=64, num_warps=4))
+    launch((a, 5, b), True)
+    launch((a.clone(), 5, b), True)  # another aligned float32 tensor: the same build
+    compiled = jit.compiled[0]
+    assert len(jit.launches) == 1 and len(compiled.runs) == 2
+    run = compiled.runs[0]
+    assert run[:9] == (7, 2, 1, 1234, "function", "packed", None, triton_launch._knobs.runtime.launch_enter_hook,
+                       triton_launch._knobs.runtime.launch_exit_hook)
+    assert run[9] is a and run[10:] == (5, b, 64, True)  # the arguments, then the constexprs with defaults
+
+
+def test_another_build_goes_through_the_jit(jit):
+    launch = KernelLaunch(jit, (1,), 3, dict(BLOCK=32))
+    a, b = torch.zeros(64), torch.zeros(64)
+    launch((a, 1, b), True)
+    launch((a.double(), 1, b), True)  # another dtype
+    shifted = torch.zeros(65)[1:]  # 4 bytes off 16-byte alignment
+    launch((shifted, 1, b), True)
+    launch((a, 1, None), True)  # None where a tensor was
+    assert len(jit.launches) == 4
+    for args in ((a, 1, b), (a.double(), 1, b), (shifted, 1, b), (a, 1, None)):
+        launch(args, True)
+    assert len(jit.launches) == 4 and [len(c.runs) for c in jit.compiled] == [1, 1, 1, 1]
+
+
+def test_the_jit_every_time_off_the_gpu_in_debug_mode_or_when_switched_off(jit, monkeypatch):
+    launch = KernelLaunch(jit, (1,), 3, dict(BLOCK=32))
+    args = (torch.zeros(8), 1, torch.zeros(8))
+    for _ in range(2):
+        launch(args, False)  # the interpreter
+    assert len(jit.launches) == 2
+    launch(args, True)
+    monkeypatch.setattr(triton_launch._knobs.runtime, "debug", True)
+    launch(args, True)
+    monkeypatch.setattr(triton_launch._knobs.runtime, "debug", False)
+    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", False)
+    launch(args, True)
+    assert len(jit.launches) == 5 and not any(c.runs for c in jit.compiled)
+    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
+    launch(args, True)
+    assert len(jit.compiled[2].runs) == 1
