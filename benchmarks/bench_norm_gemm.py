@@ -13,7 +13,8 @@ Sections (each one guarded: a failing variant or peer is recorded, the rest stil
 * gemm: `mx_gemm` per route from MX operands (the dequantize pass of the dequant routes included) beside
   cuBLAS BF16 `torch.mm` and cuBLAS FP8 rowwise `torch._scaled_mm`; every route's Y checked against the
   FP32 reference within the accumulation bound.
-* linear: `mx_linear_triton` forward+backward per GEMM route beside `nn.Linear` in BF16, with the bytes
+* linear: `mx_linear_triton` forward+backward per GEMM route beside `nn.Linear` in BF16 (`--linear-tokens`
+  sets M, e.g. 32767 as a jagged batch has), with the bytes
   each saves for the backward and the SQNR of Y, dX, dW against FP32; the public `MXLinear` module once. Each
   of these rows holds its host milliseconds per call (`host_ms_per_call`; `host_bound` when it reaches the
   row's time, i.e. the row measures the host; JSON `linear_host_ms_per_call`).
@@ -605,10 +606,13 @@ def _time_with_host(bench: Bench, group: str, name: str, fn, **info) -> float | 
     return ms
 
 
-def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEAR_GEMMS) -> None:
+def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEAR_GEMMS,
+                 tokens: tuple[int, ...] | None = None) -> None:
     """MXLinear forward+backward and forward per GEMM route (`gemms`) beside nn.Linear; each of these rows also
-    holds its host time per call (`host_ms_per_call`, `host_bound`)."""
-    for M, K, N in LINEAR_SHAPES:
+    holds its host time per call (`host_ms_per_call`, `host_bound`). `tokens`: the M of every shape (default
+    32768; a jagged batch's token count is rarely a multiple of 16, so 32767 shows what training meets)."""
+    shapes = LINEAR_SHAPES if tokens is None else tuple((m, k, n) for m in tokens for _, k, n in LINEAR_SHAPES)
+    for M, K, N in shapes:
         group = f"linear fwd+bwd {M}x{K}->{N}"
         fwd_group = group.replace("fwd+bwd", "fwd")
         flop = 3 * 2.0 * M * N * K
@@ -662,7 +666,7 @@ def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEA
             _time_with_host(bench, group, name + " (W re-quantized)", step_new_weight, flop=flop)
             _time_with_host(bench, fwd_group, name, lambda gemm=gemm: mx_linear_triton(x, w, bias, "rceil", gemm),
                             flop=flop / 3)
-        if (M, K, N) == LINEAR_SHAPES[-1]:  # the public module (ops.mx_linear's checks and dispatch) once
+        if (M, K, N) == shapes[-1]:  # the public module (ops.mx_linear's checks and dispatch) once
             try:
                 from gem_lp.norm_gemm import MXLinear
 
@@ -684,7 +688,7 @@ def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEA
                 _time_with_host(bench, fwd_group, "ours MXLinear module (gem_lp.norm_gemm.MXLinear, cuBLAS route)",
                                 lambda: layer(x), flop=flop / 3)
                 del layer, params
-        if (M, K, N) == LINEAR_SHAPES[0]:  # the fused RMSNorm + linear once
+        if (M, K, N) == shapes[0]:  # the fused RMSNorm + linear once
             gw = torch.ones(K, device=DEVICE, requires_grad=True)
             gw16 = gw.detach().bfloat16().requires_grad_()
             ngroup = f"rmsnorm+linear fwd+bwd {M}x{K}->{N}"
@@ -720,7 +724,8 @@ def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEA
 SECTIONS = ("norm", "tokens", "cast", "gemm", "linear")
 
 
-def main(sections: tuple[str, ...] = SECTIONS, gemms: tuple[str, ...] = tg.LINEAR_GEMMS) -> None:
+def main(sections: tuple[str, ...] = SECTIONS, gemms: tuple[str, ...] = tg.LINEAR_GEMMS,
+         linear_tokens: tuple[int, ...] | None = None) -> None:
     t0 = time.time()
     bench = Bench("bench_norm_gemm")
     bench.copy_bandwidth()
@@ -737,7 +742,7 @@ def main(sections: tuple[str, ...] = SECTIONS, gemms: tuple[str, ...] = tg.LINEA
         _free()
     try:
         if "linear" in sections:
-            bench_linear(bench, accuracy, gemms)
+            bench_linear(bench, accuracy, gemms, linear_tokens)
     except Exception as e:
         _fail(bench, "bench_linear", "section", e)
     bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy, wall_s=time.time() - t0)
@@ -761,6 +766,8 @@ if __name__ == "__main__":
                         "default at unaligned token counts; cast: the dY operand cast)")
     parser.add_argument("--linear-gemms", default=",".join(tg.LINEAR_GEMMS),
                         help="MXLinear GEMM routes the linear section times, a subset of " + ",".join(tg.LINEAR_GEMMS))
+    parser.add_argument("--linear-tokens", default=None,
+                        help="comma-separated token counts M for the linear section's shapes (default 32768)")
     args = parser.parse_args()
     for given, known, what in ((args.sections, SECTIONS, "--sections"), (args.linear_gemms, tg.LINEAR_GEMMS,
                                                                         "--linear-gemms")):
@@ -771,4 +778,10 @@ if __name__ == "__main__":
         sys.exit(compile_only())
     if not torch.cuda.is_available():
         sys.exit("bench_norm_gemm needs a CUDA device (or --compile-only)")
-    main(tuple(args.sections.split(",")), tuple(args.linear_gemms.split(",")))
+    try:
+        tokens = None if args.linear_tokens is None else tuple(int(m) for m in args.linear_tokens.split(","))
+    except ValueError:
+        parser.error(f"--linear-tokens: expected comma-separated integers, got {args.linear_tokens!r}")
+    if tokens is not None and min(tokens) < 1:
+        parser.error(f"--linear-tokens: token counts must be >= 1, got {args.linear_tokens!r}")
+    main(tuple(args.sections.split(",")), tuple(args.linear_gemms.split(",")), tokens)

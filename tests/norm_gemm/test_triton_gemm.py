@@ -326,6 +326,21 @@ def test_saved_activation_is_the_colwise_mx_cast():
     assert_same_values(y2, y.detach(), "no_grad forward")
 
 
+@pytest.mark.parametrize("M", [33, 70, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_saved_operand_rows_are_16_byte_aligned(M, dtype):
+    """The dW GEMM reads X's colwise operand `[K, M]` transposed: its rows are a multiple of 16 elements apart
+    whatever M is (cuBLAS runs a leading dimension that is not a multiple of 16 bytes only on slow kernels), with
+    the dequantized values of the saved colwise cast."""
+    K = 64
+    x = torch.randn(M, K, device=DEVICE, dtype=dtype)
+    col = tg.rms_norm_mx(x, None, rowwise=False, colwise=True).colwise
+    op = tg._saved_col_operand(col.data, col.scale, "rceil", "cublas", dtype)
+    assert op.shape == (K, M) and op.stride(1) == 1 and op.stride(0) % 16 == 0 and op.stride(0) - M < 16
+    want = dequantize(MXTensor(col.data.contiguous(), col.plain_scale(), "1d", 1))
+    assert_same_values(op, want.to(op.dtype), "saved operand")
+
+
 def test_weight_quantizations_are_cached_until_the_weight_changes():
     tg.clear_weight_cache()
     M, K, N = 33, 64, 32
