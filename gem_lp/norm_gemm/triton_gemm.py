@@ -221,8 +221,10 @@ def _mx_gemm_kernel(
 
 @triton.jit
 def _mx_dequantize_kernel(data_ptr, stride_data, scale_ptr, out_ptr, stride_out, R, C, BLOCKED: tl.constexpr,
-                          HW_CAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # data: [R, C] payload, rows stride_data apart (a padded colwise payload); out: [R, C], rows stride_out apart
+                          TRANSPOSED: tl.constexpr, HW_CAST: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    # data: [R, C] payload, rows stride_data apart (a padded colwise payload). out: [R, C] with rows stride_out
+    # apart, or with TRANSPOSED its transpose [C, R] (element (r, c) at c * stride_out + r).
     NCB: tl.constexpr = BLOCK_C // 32
     n_c_tiles = tl.cdiv(C, BLOCK_C)
     pid = tl.program_id(0)
@@ -230,11 +232,17 @@ def _mx_dequantize_kernel(data_ptr, stride_data, scale_ptr, out_ptr, stride_out,
     cb = (pid % n_c_tiles) * NCB + tl.arange(0, NCB)[None, :, None]
     c = cb * 32 + tl.arange(0, 32)[None, None, :]
     ok = (r < R) & (c < C)
-    q = tl.load(data_ptr + r.to(tl.int64) * stride_data + c, mask=ok, other=0)
+    if TRANSPOSED:
+        # the payload is a colwise payload buffer (rows of stride_data bytes, a multiple of 16, all allocated):
+        # loads over the whole padded row stay vectors whatever C is; only columns < C are stored
+        q = tl.load(data_ptr + r.to(tl.int64) * stride_data + c, mask=(r < R) & (c < stride_data), other=0)
+        dst = out_ptr + c.to(tl.int64) * stride_out + r
+    else:
+        q = tl.load(data_ptr + r.to(tl.int64) * stride_data + c, mask=ok, other=0)
+        dst = out_ptr + r.to(tl.int64) * stride_out + c
     n_cb = (C + 31) // 32
     byte = tl.load(scale_ptr + scale_offset(r, cb, n_cb, BLOCKED), mask=(r < R) & (cb < n_cb), other=127)
-    store_operand(out_ptr + r.to(tl.int64) * stride_out + c, e4m3_value(q, HW_CAST) * scale_value(byte.to(tl.int32)),
-                  ok, HW_CAST)
+    store_operand(dst, e4m3_value(q, HW_CAST) * scale_value(byte.to(tl.int32)), ok, HW_CAST)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -297,37 +305,32 @@ def mx_dequantize_operand(mx: MXTensor, dtype: torch.dtype = torch.bfloat16) -> 
     return _dequantize(mx.data, mx.scale, mx.scale_layout == "blocked", dtype)
 
 
-# Row alignment (elements) of the dequantized colwise operands that a GEMM reads transposed: cuBLAS takes a
-# leading dimension that is not a multiple of 16 bytes only on slow kernels. On the H200 an odd token count M (the
-# rows of X^T [K, M], M apart) took MXLinear's fwd+bwd at 32767x1024->3072 from 1.06 to 2.29 ms, in the dW GEMM.
-# 16 elements (32 or 64 bytes): Triton specializes an int on divisibility by 16, so the row stride, always a
-# multiple of 16, never selects another build as M changes.
-OPERAND_ROW_ALIGN = 16
-
-
 def _dequantize(data: torch.Tensor, scale: torch.Tensor, blocked: bool, dtype: torch.dtype,
-                aligned_rows: bool = False) -> torch.Tensor:
+                transposed: bool = False) -> torch.Tensor:
     """`mx_dequantize_operand`'s launch for a checked payload `data [R, C]` (last dim contiguous, rows
-    possibly padded) and its scales (no checks). Returns a `[R, C]` tensor of `dtype`: contiguous, or with
-    `aligned_rows` a view whose rows are `C` rounded up to a multiple of `OPERAND_ROW_ALIGN` elements apart."""
+    possibly padded) and its scales (no checks). Returns a contiguous `[R, C]` tensor of `dtype`, or with
+    `transposed` the `[R, C]` transposed view of a contiguous `[C, R]` tensor; `transposed` needs a colwise
+    payload buffer (`triton_norm.colwise_payload_buffer`: every byte of its padded rows allocated)."""
     R, C = data.shape
-    row = ceil_div(C, OPERAND_ROW_ALIGN) * OPERAND_ROW_ALIGN if aligned_rows else C
-    out = torch.empty(R * row, dtype=dtype, device=data.device).as_strided((R, C), (row, 1))
+    out = torch.empty((C, R) if transposed else (R, C), dtype=dtype, device=data.device)
     if R == 0 or C == 0:
-        return out
+        return out.t() if transposed else out
     on_gpu = data.is_cuda and not interpreter_enabled()
     stride = data.stride(0)
-    _dequantize_launch(R, C, stride, row, blocked, on_gpu)((data.view(torch.uint8), stride, scale, out, row, R, C),
-                                                           on_gpu)
-    return out
+    stride_out = R if transposed else C
+    _dequantize_launch(R, C, stride, transposed, blocked, on_gpu)(
+        (data.view(torch.uint8), stride, scale, out, stride_out, R, C), on_gpu)
+    return out.t() if transposed else out
 
 
 @functools.lru_cache(maxsize=256)
-def _dequantize_launch(R: int, C: int, stride: int, stride_out: int, blocked: bool, on_gpu: bool) -> KernelLaunch:
-    """`_mx_dequantize_kernel`'s launch for these ints (relaunched directly after the first: `KernelLaunch`)."""
-    br, bc = (32, 256) if on_gpu else (32, 64)
+def _dequantize_launch(R: int, C: int, stride: int, transposed: bool, blocked: bool, on_gpu: bool) -> KernelLaunch:
+    """`_mx_dequantize_kernel`'s launch for these ints (relaunched directly after the first: `KernelLaunch`).
+    Transposed, a tile spans 64 rows: each stored run of the output is 128 bytes."""
+    br, bc = ((64, 128) if transposed else (32, 256)) if on_gpu else (32, 64)
     return KernelLaunch(_mx_dequantize_kernel, (ceil_div(R, br) * ceil_div(C, bc),), 7,
-                        dict(BLOCKED=blocked, HW_CAST=on_gpu, BLOCK_R=br, BLOCK_C=bc, num_warps=4 if on_gpu else 1))
+                        dict(BLOCKED=blocked, TRANSPOSED=transposed, HW_CAST=on_gpu, BLOCK_R=br, BLOCK_C=bc,
+                             num_warps=4 if on_gpu else 1))
 
 
 def _check_config(cfg: GemmConfig, operands: int) -> None:
@@ -717,10 +720,16 @@ def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = 
 
 def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype):
     """The saved colwise MX tensor of X (`X^T [K, M]` along M, blocked scales; the payload a view with rows
-    padded to a multiple of 16 bytes, see `triton_norm.colwise_payload_buffer`) as the dW GEMM's B operand."""
+    padded to a multiple of 16 bytes, see `triton_norm.colwise_payload_buffer`) as the dW GEMM's B operand.
+
+    Dequantized, it is the `[K, M]` view of a contiguous `[M, K]` tensor: the GEMM reads both operands along
+    their non-contracted dim, as for BF16 `nn.Linear`. Contiguous along M instead, cuBLAS runs an M that is not
+    a multiple of 8 (most token counts of a jagged batch) on an unvectorized kernel: on the H200 that dW GEMM
+    took 1.66 ms at 32767x1024->3072 against 0.26 at M = 32760, and the dequantize pass 0.195 against 0.026 ms.
+    """
     if gemm in _MX_GEMMS:
         return MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked")
-    return _dequantize(data, scale, True, operand_dtype_for(dtype), aligned_rows=True)
+    return _dequantize(data, scale, True, operand_dtype_for(dtype), transposed=True)
 
 
 def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b):
