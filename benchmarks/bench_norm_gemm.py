@@ -716,9 +716,40 @@ def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEA
                     _fail(bench, ngroup, f"ours gemm={gemm}", e)
                     continue
                 _time_with_host(bench, ngroup, f"ours RMSNormMXLinear gemm={gemm}", norm_step, flop=flop)
+        if (M, K, N) == shapes[0] and "cublas" in gemms:
+            _time_new_token_counts(bench, M, K, N, w, bias, w16, b16)
         del x, w, bias, dy, w16, b16
         tg.clear_weight_cache()
         _free()
+
+
+def _time_new_token_counts(bench: Bench, M: int, K: int, N: int, w, bias, w16, b16) -> None:
+    """fwd+bwd with a new token count on every call (M - 1, M - 2, ...: as a jagged batch brings every step),
+    ours (cuBLAS route) beside nn.Linear. cuBLAS plans a GEMM once per shape; nn.Linear meets a new shape on
+    every call, ours runs its GEMMs at bucketed token counts (`triton_gemm.gemm_rows`)."""
+    g = torch.Generator(device=DEVICE).manual_seed(M + 1)
+    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+    dy = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    group = f"linear fwd+bwd, a new token count every call, {M}x{K}->{N}"
+    flop = 3 * 2.0 * M * N * K  # within 0.1% for every token count timed
+
+    def stepper(fn):
+        counts = iter(range(M - 1, M // 2, -1))  # distinct token counts, never repeated within a timing
+
+        def step():
+            m = next(counts)
+            return fn(x[:m], dy[:m])
+        return step
+
+    rows = (("nn.Linear bf16 (cuBLAS)", lambda a, d: torch.autograd.grad(F.linear(a, w16, b16), (x, w16, b16), d),
+             True),
+            ("ours MXLinear gemm=cublas", lambda a, d: torch.autograd.grad(
+                mx_linear_triton(a, w, bias, "rceil", "cublas"), (x, w, bias), d), False))
+    for name, fn, peer in rows:
+        try:
+            _time_with_host(bench, group, name, stepper(fn), flop=flop, peer=peer)
+        except Exception as e:
+            _fail(bench, group, name, e)
 
 
 SECTIONS = ("norm", "tokens", "cast", "gemm", "linear")

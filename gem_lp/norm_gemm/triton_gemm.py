@@ -306,13 +306,17 @@ def mx_dequantize_operand(mx: MXTensor, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def _dequantize(data: torch.Tensor, scale: torch.Tensor, blocked: bool, dtype: torch.dtype,
-                transposed: bool = False) -> torch.Tensor:
+                transposed: bool = False, padded_cols: int | None = None) -> torch.Tensor:
     """`mx_dequantize_operand`'s launch for a checked payload `data [R, C]` (last dim contiguous, rows
     possibly padded) and its scales (no checks). Returns a contiguous `[R, C]` tensor of `dtype`, or with
-    `transposed` the `[R, C]` transposed view of a contiguous `[C, R]` tensor; `transposed` needs a colwise
-    payload buffer (`triton_norm.colwise_payload_buffer`: every byte of its padded rows allocated)."""
+    `transposed` the transposed view of a contiguous `[padded_cols (default C), R]` tensor whose rows C.. are
+    zeros; `transposed` needs a colwise payload buffer (`triton_norm.colwise_payload_buffer`: every byte of its
+    padded rows allocated)."""
     R, C = data.shape
-    out = torch.empty((C, R) if transposed else (R, C), dtype=dtype, device=data.device)
+    cols = C if padded_cols is None else padded_cols
+    out = torch.empty((cols, R) if transposed else (R, C), dtype=dtype, device=data.device)
+    if transposed and cols > C:
+        out[C:].zero_()
     if R == 0 or C == 0:
         return out.t() if transposed else out
     on_gpu = data.is_cuda and not interpreter_enabled()
@@ -703,22 +707,41 @@ def _gemm_nt(a, b, gemm: str, out_dtype: torch.dtype, bias: torch.Tensor | None 
 BIAS_GRAD_FROM_DY_CAST = True
 
 
-def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = False):
+# cuBLAS picks (and caches) a kernel per GEMM shape: the first call at a new shape costs 0.2-0.35 ms of host time
+# on the H200's host (torch.mm at 32768x1024x3072: 223-351 us at a new M, 28-34 us at a known one). A jagged batch
+# brings a new token count M every step, so every GEMM of every layer paid it every step. The cuBLAS route runs
+# its GEMMs at M rounded up to a bucket (`gemm_rows`, under 1/32 more rows, zero rows past M) so that the shapes
+# repeat across steps. False: GEMMs at M.
+GEMM_ROW_BUCKETS = True
+
+
+def gemm_rows(M: int) -> int:
+    """The M the cuBLAS route's GEMMs run at: M rounded up to a multiple of 2^(bit_length(M) - 6) (at most 32
+    buckets per power of two, under 1/32 more rows); M when `GEMM_ROW_BUCKETS` is off."""
+    if not GEMM_ROW_BUCKETS:
+        return M
+    step = 1 << max(0, M.bit_length() - 6)
+    return -(-M // step) * step
+
+
+def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = False, rows: int | None = None):
     """dY `[M, N]` quantized along N (for dX) and along M (for dW), from one pass over dY.
 
-    Returns `(row, col_t, sums)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[M, N]` and the
-    `[N, M]` transposed view of the colwise values; `sums`: dY's column sums, float32 `[N]`, when asked, else None.
+    Returns `(row, col_t, sums)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[rows, N]` and the
+    `[N, rows]` transposed view of the colwise values (rows past M zeros; `rows` default M); `sums`: dY's column
+    sums, float32 `[N]`, when asked, else None.
     """
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     if gemm in _MX_GEMMS:
         out = rms_norm_mx(dy, None, scaling=scaling, rowwise=True, colwise=True, column_sums=column_sums)
         return out.rowwise, out.colwise, out.column_sums
     out = rms_norm_mx(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True, col_operand=True,
-                      operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums)
+                      operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums, operand_rows=rows)
     return out.row_operand, out.col_operand.t(), out.column_sums
 
 
-def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype):
+def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype,
+                       rows: int | None = None):
     """The saved colwise MX tensor of X (`X^T [K, M]` along M, blocked scales; the payload a view with rows
     padded to a multiple of 16 bytes, see `triton_norm.colwise_payload_buffer`) as the dW GEMM's B operand.
 
@@ -726,28 +749,41 @@ def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, ge
     their non-contracted dim, as for BF16 `nn.Linear`. Contiguous along M instead, cuBLAS runs an M that is not
     a multiple of 8 (most token counts of a jagged batch) on an unvectorized kernel: on the H200 that dW GEMM
     took 1.66 ms at 32767x1024->3072 against 0.26 at M = 32760, and the dequantize pass 0.195 against 0.026 ms.
+    `rows`: the padded M of the GEMM (`gemm_rows`), zeros past M.
     """
     if gemm in _MX_GEMMS:
         return MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked")
-    return _dequantize(data, scale, True, operand_dtype_for(dtype), transposed=True)
+    return _dequantize(data, scale, True, operand_dtype_for(dtype), transposed=True, padded_cols=rows)
 
 
-def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b):
-    """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`."""
+def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None):
+    """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `rows`: the
+    GEMMs' padded M (`x_col` then has `rows` columns, zeros past M); dIn is then a view of its first M rows."""
     scaling, gemm = ctx.scaling, ctx.gemm
     sums_in_cast = need_b and BIAS_GRAD_FROM_DY_CAST
-    dy_row, dy_col_t, dy_sums = _dy_operands(dy, scaling, gemm, sums_in_cast)
+    dy_row, dy_col_t, dy_sums = _dy_operands(dy, scaling, gemm, sums_in_cast, rows)
     d_in = d_w = d_b = None
     if need_in:
         if gemm in _MX_GEMMS:  # B = W^T quantized along N, [K, N]
             d_in = _gemm_nt(dy_row, w_ops.col, gemm, d_in_dtype)
         else:  # B^T = the colwise values of W, [N, K]: B = their transposed view
             d_in = _gemm_nt(dy_row, w_ops.col.t(), gemm, d_in_dtype)
+        d_in = _first_rows(d_in, dy.shape[0])
     if need_w:
         d_w = _gemm_nt(dy_col_t, x_col, gemm, dw_dtype)
     if need_b:  # FP32 column sums of dY
         d_b = dy_sums if sums_in_cast else dy.sum(0, dtype=torch.float32)
     return d_in, d_w, d_b
+
+
+def _rows(M: int, gemm: str) -> int | None:
+    """The padded M of a layer's GEMMs on the cuBLAS route (`gemm_rows`); None (M) on the others."""
+    return gemm_rows(M) if gemm == "cublas" else None
+
+
+def _first_rows(t: torch.Tensor, M: int) -> torch.Tensor:
+    """The first M rows of a GEMM result computed at a padded M (a view), or the result itself."""
+    return t if t.shape[0] == M else t[:M]
 
 
 def _as_dtype(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -775,9 +811,10 @@ class MXLinearTritonFunction(torch.autograd.Function):
         mx_ops = gemm in _MX_GEMMS
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # only dW reads X's colwise cast
         out = rms_norm_mx(_contiguous_last(x2), None, scaling=scaling, rowwise=mx_ops, colwise=need_w,
-                          row_operand=not mx_ops, operand_dtype=opd)
+                          row_operand=not mx_ops, operand_dtype=opd, operand_rows=_rows(x2.shape[0], gemm))
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_x)
         y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, _bias_for(bias, gemm))
+        y = _first_rows(y, x2.shape[0])
         col = out.colwise
         ctx.save_for_backward(col.data if need_w else None, col.scale if need_w else None, weight)
         ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
@@ -791,8 +828,9 @@ class MXLinearTritonFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
             if need_x and ctx.w_ops.col is None else ctx.w_ops
-        x_col = _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype) if need_w else None
-        dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b)
+        rows = _rows(dy.shape[0], ctx.gemm)
+        x_col = _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows) if need_w else None
+        dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows)
         return dx, dw, _as_dtype(db, b_dtype), None, None
 
 
@@ -812,10 +850,11 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         mx_ops = gemm in _MX_GEMMS
         need_w = ctx.needs_input_grad[2]  # only dW reads the colwise cast of the normalized activation
         out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=need_w, row_operand=not mx_ops,
-                          operand_dtype=opd)
+                          operand_dtype=opd, operand_rows=_rows(x.shape[0], gemm))
         need_dyn = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_dyn)
         y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, _bias_for(bias, gemm))
+        y = _first_rows(y, x.shape[0])
         col = out.colwise
         ctx.save_for_backward(x, g, out.rstd, col.data if need_w else None, col.scale if need_w else None, weight)
         ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
@@ -830,8 +869,10 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         need_dyn = need_x or need_g
         w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
             if need_dyn and ctx.w_ops.col is None else ctx.w_ops
-        yn_col = _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype) if need_w else None
-        dyn, dw, db = _linear_backward(ctx, dy, w_ops, yn_col, torch.float32, w_dtype, need_dyn, need_w, need_b)
+        rows = _rows(dy.shape[0], ctx.gemm)
+        yn_col = _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype, rows) if need_w else None
+        dyn, dw, db = _linear_backward(ctx, dy, w_ops, yn_col, torch.float32, w_dtype, need_dyn, need_w, need_b,
+                                       rows)
         dx = dg = None
         if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
             dx, dg = rms_norm_backward(x, norm_weight, rstd, dyn)

@@ -856,7 +856,8 @@ class NormMXOutputs:
             payload is a view with a contiguous last dim and rows `colwise_row_stride(M)` bytes apart (M rounded
             up to 16): not contiguous unless M is a multiple of 16; the padding columns hold no data.
         rstd: `[M]` float32 (None without the norm).
-        row_operand: `deq(rowwise)`, `[M, K]` in `operand_dtype`: the forward GEMM operand.
+        row_operand: `deq(rowwise)`, `[M, K]` in `operand_dtype`: the forward GEMM operand (`[operand_rows, K]`
+            with zero rows past M when `operand_rows` is given; so is `col_operand`).
         col_operand: `deq(colwise)` laid out as `y`, `[M, K]` in `operand_dtype`: the operand of a GEMM
             contracting over M (read transposed).
         column_sums: `x.float().sum(0)`, `[K]` float32 (weight None only), summed in another order than
@@ -1129,6 +1130,7 @@ def rms_norm_mx(
     tile_programs: bool | None = None,
     hw_cast: bool | None = None,
     column_sums: bool = False,
+    operand_rows: int | None = None,
 ) -> NormMXOutputs:
     """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch (no other launch:
     every output is allocated uninitialized and written whole by the kernel; `column_sums` adds a zero fill).
@@ -1152,6 +1154,8 @@ def rms_norm_mx(
             gradient of a linear layer from the pass that casts its dY). Each row block's partial sums are
             added atomically into a zero-filled buffer, so the summation order differs from torch's (and
             between runs): equal to it within FP32 rounding, not bit for bit.
+        operand_rows: rows of `row_operand` / `col_operand` (>= M; default M). Rows M and beyond are zeros:
+            a GEMM then runs at this padded M (cuBLAS plans once per shape; see `triton_gemm.gemm_rows`).
     """
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
              prefetch, tile_programs)
@@ -1161,7 +1165,8 @@ def rms_norm_mx(
         try:
             key = (x.shape, x.stride(), x.dtype, x.device, weight is None or (
                 weight.shape, weight.stride(), weight.dtype, weight.device), eps, scaling, rowwise, colwise,
-                row_operand, col_operand, operand_dtype, blocked_scales, column_sums, interpreter_enabled())
+                row_operand, col_operand, operand_dtype, blocked_scales, column_sums, operand_rows,
+                interpreter_enabled())
             plan = _NORM_PLANS.get(key)
         except (TypeError, AttributeError):  # an argument of the wrong kind: the checks below name it
             key = plan = None
@@ -1181,6 +1186,10 @@ def rms_norm_mx(
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype}")
     if column_sums and weight is not None:
         raise ValueError("column_sums=True needs weight=None (the sums are of x, for a dual cast without the norm)")
+    if operand_rows is None:
+        operand_rows = M
+    elif not isinstance(operand_rows, int) or operand_rows < M:
+        raise ValueError(f"operand_rows must be an int >= M={M}, got {operand_rows!r}")
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
     config = default_config(K, M % 32 == 0, row_operand or col_operand, hw_cast, weight is not None)
@@ -1195,7 +1204,8 @@ def rms_norm_mx(
         M=M, K=K, x_stride=x.stride(0), eps=float(eps), normalize=weight is not None,
         row_scale=None if not rowwise else (blocked_size(M, n_kb),) if blocked_scales else (M, n_kb),
         col_scale=None if not colwise else (blocked_size(K, n_mb),) if blocked_scales else (K, n_mb),
-        col_stride=colwise_row_stride(M), row_op=row_operand, col_op=col_operand, operand_dtype=operand_dtype,
+        col_stride=colwise_row_stride(M), row_op=row_operand, col_op=col_operand, operand_rows=operand_rows,
+        operand_dtype=operand_dtype,
         column_sums=column_sums, scaling=scaling, layout="blocked" if blocked_scales else "plain",
         orig_dtype=x.dtype if weight is None else torch.float32,  # the normalized y is FP32, as the reference's
         on_gpu=x.is_cuda and not interpreter_enabled(), launch=None)
@@ -1229,6 +1239,7 @@ class _NormPlan(NamedTuple):
     col_stride: int
     row_op: bool
     col_op: bool
+    operand_rows: int
     operand_dtype: torch.dtype
     column_sums: bool
     scaling: str
@@ -1255,10 +1266,18 @@ def _allocate(plan: _NormPlan, dev: torch.device) -> tuple:
     col = None if plan.col_scale is None else (colwise_payload_buffer(K, M, dev),
                                                 _new_buffer(plan.col_scale, SCALE_DTYPE, dev))
     rstd = _new_buffer((M,), torch.float32, dev) if plan.normalize else None
-    row_op = _new_buffer((M, K), plan.operand_dtype, dev) if plan.row_op else None
-    col_op = _new_buffer((M, K), plan.operand_dtype, dev) if plan.col_op else None
+    row_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.row_op else None
+    col_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.col_op else None
     sums = torch.zeros(K, dtype=torch.float32, device=dev) if plan.column_sums else None
     return row, col, rstd, row_op, col_op, sums
+
+
+def _operand_buffer(M: int, rows: int, K: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A `[rows, K]` operand buffer whose rows M.. are zeros (the kernel writes the first M rows)."""
+    buf = _new_buffer((rows, K), dtype, dev)
+    if rows > M:
+        buf[M:].zero_()
+    return buf
 
 
 def _run_plan(plan: _NormPlan, x: torch.Tensor, weight: torch.Tensor | None) -> NormMXOutputs:

@@ -263,6 +263,46 @@ def test_mx_linear_exact_inputs_equal_reference(M, K, N):
         assert_same_values(got, want, f"{gemm} {what}")
 
 
+def test_gemm_rows_buckets():
+    assert [tg.gemm_rows(m) for m in (0, 1, 33, 63, 64, 100, 129, 300, 32767, 32768, 262145)] == [
+        0, 1, 33, 63, 64, 100, 132, 304, 32768, 32768, 262144 + 8192]
+    for m in range(1, 5000, 7):
+        assert m <= tg.gemm_rows(m) < m * (1 + 1 / 32)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["linear", "rmsnorm+linear"])
+@pytest.mark.parametrize("M", [129, 300])
+def test_cublas_route_at_a_padded_token_count(norm, M, monkeypatch):
+    """At an M that `gemm_rows` pads (129 -> 132, 300 -> 304) the cuBLAS route's GEMMs run on zero-padded
+    operands: Y and every gradient have the true shapes and equal, on exact inputs, the same computation without
+    padding and the reference."""
+    K, N = 64, 96
+    dtype = torch.bfloat16
+    x, w = exact_linear_tensor(M, K, M, dtype), exact_linear_tensor(N, K, N, torch.float32)
+    dy = exact_linear_tensor(M, N, M + N, dtype)
+    gw = torch.full((K,), 0.5, device=DEVICE)
+    if norm:
+        def ours(a, g, b):
+            return rms_norm_mx_linear_triton(a, g, b, None, 1e-6, "rceil", "cublas")
+        ins = (x, gw, w)
+    else:
+        def ours(a, b):
+            return mx_linear_triton(a, b, None, "rceil", "cublas")
+        ins = (x, w)
+    y, grads = run_linear(ours, ins, dy)
+    assert y.shape == (M, N) and [g.shape for g in grads] == [t.shape for t in ins]
+    monkeypatch.setattr(tg, "GEMM_ROW_BUCKETS", False)
+    y0, grads0 = run_linear(ours, ins, dy)
+    assert_same_values(y, y0, "Y")
+    for got, want in zip(grads, grads0):
+        assert_same_values(got, want, "gradient")
+    if not norm:
+        y_ref, grads_ref = run_linear(lambda a, b: MXLinearFunction.apply(a, b, None, "rceil"), ins, dy)
+        assert_same_values(y, y_ref, "Y vs reference")
+        for got, want in zip(grads, grads_ref):
+            assert_same_values(got, want, "gradient vs reference")
+
+
 def _fp32_rel(gemm):
     """Relative error of FP32 results: accumulation order, or the FP8 MMA's alignment on sm_90."""
     return 2.0**-12 if (gemm == "fp8" and ON_GPU) else 1e-5

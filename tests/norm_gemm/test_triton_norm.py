@@ -466,6 +466,18 @@ def test_repeated_calls_reuse_a_launch_plan():
     assert len(triton_norm._NORM_PLANS) == 3
 
 
+def test_operand_rows_pad_the_operands_with_zero_rows():
+    x = exact_sum_input(33, 64, torch.bfloat16, 5)
+    plain = rms_norm_mx(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True)
+    out = rms_norm_mx(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True, operand_rows=40)
+    for got, want in ((out.row_operand, plain.row_operand), (out.col_operand, plain.col_operand)):
+        assert got.shape == (40, 64)
+        assert_same_values(got[:33], want, "operand rows")
+        assert not got[33:].any()
+    with pytest.raises(ValueError, match="operand_rows must be an int >= M=33, got 32"):
+        rms_norm_mx(x, None, row_operand=True, operand_rows=32)
+
+
 def test_a_cached_plan_does_not_skip_the_checks_of_other_arguments():
     x, w = torch.randn(8, 64, device=DEVICE), torch.randn(64, device=DEVICE)
     rms_norm_mx(x, w)
