@@ -4,58 +4,14 @@ import torch
 
 import gem_lp.triton_launch as triton_launch
 from gem_lp.triton_launch import KernelLaunch, constexpr_values
-
-
-class _FakeCompiled:
-    """Stands in for Triton's compiled kernel: records what its launcher is called with."""
-    function, packed_metadata = "function", "packed"
-
-    def __init__(self):
-        self.runs = []
-
-    def run(self, *args):
-        self.runs.append(args)
-
-    def launch_metadata(self, *args):
-        return None
-
-
-class _Param:
-    def __init__(self, name, default):
-        self.name, self.default = name, default
-
-
-class _FakeJit:
-    """Stands in for a JIT kernel `k(a, n, b, BLOCK, FLAG=True)`: each launch through it compiles anew."""
-    arg_names = ["a", "n", "b", "BLOCK", "FLAG"]
-    debug = None
-
-    def __init__(self):
-        import inspect
-        empty = inspect.Parameter.empty
-        self.params = [_Param("a", empty), _Param("n", empty), _Param("b", empty), _Param("BLOCK", empty),
-                       _Param("FLAG", True)]
-        self.launches, self.compiled = [], []
-
-    def __getitem__(self, grid):
-        def run(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-            self.compiled.append(_FakeCompiled())
-            return self.compiled[-1]
-        return run
-
-
-class _FakeDriver:
-    class active:
-        get_current_device = staticmethod(lambda: 0)
-        get_current_stream = staticmethod(lambda device: 1234)
+from launch_fakes import FakeDriver, FakeJit
 
 
 @pytest.fixture
 def jit(monkeypatch):
-    monkeypatch.setattr(triton_launch, "_driver", _FakeDriver)
+    monkeypatch.setattr(triton_launch, "_driver", FakeDriver)
     monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
-    return _FakeJit()
+    return FakeJit(["a", "n", "b", "BLOCK", "FLAG"], defaults=dict(FLAG=True))  # k(a, n, b, BLOCK, FLAG=True)
 
 
 def test_constexprs_in_parameter_order_with_defaults(jit):

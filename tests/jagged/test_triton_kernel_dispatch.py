@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gem_lp.jagged.triton_kernel as tk
 import gem_lp.triton_launch as triton_launch
+from launch_fakes import FakeDriver, FakeJit
 from gem_lp.jagged import JaggedLayout, quantize_jagged
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -94,50 +95,14 @@ def test_invalid_options_raise_every_time(mixed_batch, bad):
                    scales, True, **bad)
 
 
-class _FakeCompiled:
-    """Stands in for Triton's compiled kernel: records what its launcher is called with."""
-    function, packed_metadata = "function", "packed"
-
-    def __init__(self):
-        self.runs = []
-
-    def run(self, *args):
-        self.runs.append(args)
-
-    def launch_metadata(self, *args):
-        return None
-
-
-class _FakeJit:
-    """Stands in for the JIT kernel: each launch through it returns a new compiled kernel."""
-
-    def __init__(self, arg_names):
-        self.arg_names = arg_names
-        self.launches = []
-        self.compiled = []
-
-    def __getitem__(self, grid):
-        def run(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-            self.compiled.append(_FakeCompiled())
-            return self.compiled[-1]
-        return run
-
-
-class _FakeDriver:
-    class active:
-        get_current_device = staticmethod(lambda: 0)
-        get_current_stream = staticmethod(lambda device: 1234)
-
-
 def _compiled_launch_setup(mixed_batch, monkeypatch):
     """A batch with the JIT, the compiled-launch check and the driver faked (as on CUDA, no GPU): values, layout,
     the fake JIT and hdim+seq output buffers."""
     values, layout = _batch(mixed_batch)
-    jit = _FakeJit(tk._jagged_mx_kernel.arg_names)
+    jit = FakeJit(tk._jagged_mx_kernel.arg_names)
     monkeypatch.setattr(tk, "_jagged_mx_kernel", jit)
     monkeypatch.setattr(tk, "_compiled_launch", lambda v: True)
-    monkeypatch.setattr(triton_launch, "_driver", _FakeDriver)
+    monkeypatch.setattr(triton_launch, "_driver", FakeDriver)
     tk._launch_plan.cache_clear()
     payloads, scales = tk._allocate(values, layout.padded_total, True, True, False)
     return values, layout, jit, payloads, scales
