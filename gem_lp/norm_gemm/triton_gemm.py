@@ -707,11 +707,11 @@ def _gemm_nt(a, b, gemm: str, out_dtype: torch.dtype, bias: torch.Tensor | None 
 BIAS_GRAD_FROM_DY_CAST = True
 
 
-# cuBLAS picks (and caches) a kernel per GEMM shape: the first call at a new shape costs 0.2-0.35 ms of host time
-# on the H200's host (torch.mm at 32768x1024x3072: 223-351 us at a new M, 28-34 us at a known one). A jagged batch
-# brings a new token count M every step, so every GEMM of every layer paid it every step. The cuBLAS route runs
-# its GEMMs at M rounded up to a bucket (`gemm_rows`, under 1/32 more rows, zero rows past M) so that the shapes
-# repeat across steps. False: GEMMs at M.
+# cuBLAS picks (and caches) a kernel per GEMM shape: the first call at a new shape costs 0.1-0.3 ms of host time
+# on the H200's host (the layer's GEMMs at 32767x1024x3072: 113-272 us at a new M, 21-26 us at a known one;
+# benchmarks/profile_linear.py). A jagged batch brings a new token count M every step, so every GEMM of every
+# layer paid it every step. The cuBLAS route runs its GEMMs at M rounded up to a bucket (`gemm_rows`, under 1/32
+# more rows, zero rows past M) so that the shapes repeat across steps. False: GEMMs at M.
 GEMM_ROW_BUCKETS = True
 
 
