@@ -379,6 +379,14 @@ def test_saved_operand_is_read_along_its_features(M, dtype):
     assert op.shape == (K, M) and op.t().is_contiguous()
     want = dequantize(MXTensor(col.data.contiguous(), col.plain_scale(), "1d", 1))
     assert_same_values(op, want.to(op.dtype), "saved operand")
+    # the pass reads whole padded rows of the payload: what the padding holds (here NaN bytes) never shows
+    stride = col.data.stride(0)
+    if stride > M:
+        full = col.data.as_strided((K, stride), (stride, 1))
+        u8(full)[:, M:] = 0x7F
+        op = tg._saved_col_operand(col.data, col.scale, "rceil", "cublas", dtype, rows=M + 5)
+        assert op.shape == (K, M + 5) and not op[:, M:].any()
+        assert_same_values(op[:, :M], want.to(op.dtype), "saved operand, NaN bytes in the payload's padding")
 
 
 def test_weight_quantizations_are_cached_until_the_weight_changes():
