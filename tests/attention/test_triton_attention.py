@@ -505,6 +505,48 @@ def test_custom_op_registration():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_eager_calls_skip_the_custom_ops_with_the_same_results(monkeypatch):
+    """Eager calls run the ops' implementations and registered backward without the dispatcher (host time);
+    they give what the custom ops give, and traced calls (a dispatch mode active) still go through the ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import gem_lp.attention.triton_attention as ta
+
+    offs = offsets_of([20, 13, 0, 31])
+    t = int(offs[-1])
+    q, k, v = (randn(t, 2, 64).requires_grad_() for _ in range(3))
+    do = randn(t, 2, 64)
+
+    def run():
+        o, lse = jagged_attention_triton(q, k, v, offs, causal=True, precision="mxfp8", return_lse=True,
+                                         fwd_config=FWD_CFG, bwd_config=BWD_CFG)
+        return (o, lse, *torch.autograd.grad((o, lse), (q, k, v), (do, torch.ones_like(lse))))
+
+    eager = run()
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Seen.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        through_ops = run()
+    assert any("jagged_attention_fwd" in op for op in Seen.ops) and any("jagged_attention_bwd" in op
+                                                                        for op in Seen.ops)
+    for a, b in zip(eager, through_ops):
+        assert torch.equal(a, b)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call went through the custom op")
+
+    monkeypatch.setattr(ta, "_attention_fwd_op", refuse)
+    monkeypatch.setattr(ta, "_attention_bwd_op", refuse)
+    for a, b in zip(run(), eager):
+        assert torch.equal(a, b)
+
+
 def test_torch_compile_fullgraph():
     """A model calling the kernels compiles as one graph (the ops are opaque custom ops with fake impls)."""
     offs = offsets_of([40, 0, 25])

@@ -1,0 +1,107 @@
+"""Python host time of the Triton paths' calls, on a CPU with every Triton launch replaced by a no-op.
+
+Run from the project root on any machine: `python -m benchmarks.host_cpu [--profile]`. The kernels run nowhere
+(TRITON_INTERPRET=1, launches mocked), so what is timed is the Python and the torch ops around them: a relative
+measure of host-side changes without a GPU (a GPU host's Python is slower, and its launches cost more). Rows:
+`jagged_attention` fwd and fwd+bwd (mxfp8, bf16) on a small jagged batch, `mx_linear_triton` and
+`rms_norm_mx_linear_triton` fwd+bwd (cuBLAS route, torch's CPU matmuls included) beside `F.linear`.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # before gem_lp imports triton
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import gem_lp.attention.triton_attention as ta  # noqa: E402
+from gem_lp.attention import jagged_attention  # noqa: E402
+from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
+from gem_lp.norm_gemm import triton_norm as tn  # noqa: E402
+
+
+class _NoLaunch:
+    """A kernel whose launches do nothing (keeps the names and signature the launch code reads)."""
+
+    def __init__(self, kernel):
+        self.arg_names, self.fn = kernel.arg_names, kernel.fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _mock_launches() -> None:
+    for module in (ta, tn, tg):
+        for name in dir(module):
+            obj = getattr(module, name)
+            if name.endswith("_kernel") and hasattr(obj, "arg_names") and hasattr(obj, "fn"):
+                setattr(module, name, _NoLaunch(obj))
+    tn._compile_token_count_variants = lambda *args, **kwargs: None
+
+
+def _us_per_call(fn, calls: int = 300) -> float:
+    for _ in range(10):
+        fn()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def cases() -> dict:
+    offs = torch.tensor([0, 300, 317, 1317, 1381, 1510, 2210, 2243, 2244])
+    t = int(offs[-1])
+    q, k, v = (torch.randn(t, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(t, 2, 128, dtype=torch.bfloat16)
+    M, K, N = 64, 64, 96
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.randn(N, K, requires_grad=True), torch.randn(N, requires_grad=True)
+    gw = torch.ones(K, requires_grad=True)
+    dy = torch.randn(M, N, dtype=torch.bfloat16)
+    out = {}
+    for prec in ("mxfp8", "bf16"):
+        def attn_fwd(prec=prec):
+            with torch.no_grad():
+                return jagged_attention(q, k, v, offs, precision=prec, backend="triton")
+
+        def attn_step(prec=prec):
+            o = jagged_attention(q, k, v, offs, precision=prec, backend="triton")
+            return torch.autograd.grad(o, (q, k, v), do)
+        out[f"jagged_attention {prec} fwd"] = attn_fwd
+        out[f"jagged_attention {prec} fwd+bwd"] = attn_step
+    out["mx_linear_triton fwd+bwd"] = lambda: torch.autograd.grad(
+        tg.mx_linear_triton(x, w, b, "rceil", "cublas"), (x, w, b), dy)
+    out["rms_norm_mx_linear_triton fwd+bwd"] = lambda: torch.autograd.grad(
+        tg.rms_norm_mx_linear_triton(x, gw, w, b, 1e-6, "rceil", "cublas"), (x, gw, w, b), dy)
+    out["F.linear bf16 fwd+bwd (peer)"] = lambda: torch.autograd.grad(
+        F.linear(x, w.bfloat16(), b.bfloat16()), (x, w, b), dy)
+    return out
+
+
+def main(profile: bool) -> None:
+    _mock_launches()
+    rows = cases()
+    for name, fn in rows.items():
+        print(f"{name:40s} {_us_per_call(fn):8.1f} us per call", flush=True)
+    if profile:
+        for name in ("jagged_attention mxfp8 fwd+bwd", "mx_linear_triton fwd+bwd"):
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(200):
+                rows[name]()
+            pr.disable()
+            print(f"--- cProfile of 200 calls: {name}")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
+    main(parser.parse_args().profile)
