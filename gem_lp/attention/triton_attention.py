@@ -1550,13 +1550,16 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _attention_fwd_impl(*inputs)
+        ctx.device_type = inputs[0].device.type
+        with torch.autocast(ctx.device_type, enabled=False):  # as for the op: autocast does not reach it
+            output = _attention_fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx, do, dlse):
-        return _backward(ctx, do, dlse, _attention_bwd_impl)
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _backward(ctx, do, dlse, _attention_bwd_impl)
 
 
 def _direct_call(*tensors: torch.Tensor) -> bool:
