@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import host_us_per_call  # noqa: E402
 from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
 from gem_lp.norm_gemm.triton_norm import rms_norm_mx  # noqa: E402
 
@@ -34,19 +35,6 @@ DEV = "cuda"
 def _bench(fn) -> float:
     from triton.testing import do_bench
     return do_bench(fn, warmup=50, rep=300)
-
-
-def _host_ms(fn, calls: int = 100) -> float:
-    """Host milliseconds per call, launches queued without waiting."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t) / calls * 1e3
-    torch.cuda.synchronize()
-    return host
 
 
 def kernels(out: dict) -> None:
@@ -148,7 +136,8 @@ def calls(out: dict) -> None:
 
             def peer():
                 return torch.autograd.grad(F.linear(x, w16, b16), (x, w16, b16), dy)
-        row = {name: dict(host_ms=_host_ms(fn), ms=_bench(fn)) for name, fn in (("ours", ours), ("bf16", peer))}
+        row = {name: dict(host_ms=host_us_per_call(fn, calls=100) / 1e3, ms=_bench(fn))
+               for name, fn in (("ours", ours), ("bf16", peer))}
         row["ours / bf16"] = row["bf16"]["ms"] / row["ours"]["ms"]
         key = f"{M}x{K}->{N}{' with RMSNorm' if norm else ''}"
         res[key] = row

@@ -14,6 +14,14 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def skips_dispatch(*tensors: torch.Tensor) -> bool:
+    """True when an eager call may run a custom op's implementation without the dispatcher: plain tensors, not
+    under torch.compile, no dispatch mode (fake tensors, tracing) active. In eager mode a custom op's dispatch
+    can cost as much host time as the rest of the call; traced and compiled graphs must see the op."""
+    return (all(type(t) is torch.Tensor for t in tensors) and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     """`auto` -> `triton` when every tensor is on CUDA, else `reference`; checks an explicit choice."""
     if backend not in BACKENDS:

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreter_enabled
+from ..backend import interpreter_enabled, skips_dispatch
 from ..mx.triton_numerics import abs_bits, e4m3_bits, encode, inv_scale, scale_byte
 from ..mx.triton_quantize import check_strip_launch, max_cols_of_blocks, max_rows_of_blocks, tile_axes
 from .layout import check_offsets_form, check_qkv
@@ -1562,13 +1562,6 @@ class _EagerAttention(torch.autograd.Function):
             return _backward(ctx, do, dlse, _attention_bwd_impl)
 
 
-def _direct_call(*tensors: torch.Tensor) -> bool:
-    """True when eager calls may skip the custom ops: plain tensors, not under torch.compile, no dispatch mode
-    (fake tensors, tracing) active."""
-    return (all(type(t) is torch.Tensor for t in tensors) and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0)
-
-
 # ============================================================================ public entry point
 
 
@@ -1628,7 +1621,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         q_offsets = torch.arange(2, dtype=torch.int64, device=q.device) * q.shape[0]  # no host sync
     q_offs = q_offsets.to(device=q.device, dtype=torch.int64)
     kv_offs = kv_offsets.to(device=q.device, dtype=torch.int64)
-    fwd = _EagerAttention.apply if _direct_call(q, k, v, q_offs, kv_offs) else _attention_fwd_op
+    fwd = _EagerAttention.apply if skips_dispatch(q, k, v, q_offs, kv_offs) else _attention_fwd_op
     o, lse = fwd(q, k, v, q_offs, kv_offs, causal, broadcast_q, precision, float(softmax_scale), p_quant, variant,
                  warp_specialize, bool(q_in_kernel), bool(kv_in_kernel), bool(kv_tma), producer, validate_offsets,
                  bwd_variant, dq_accum, float(dq_static_scale), list(fwd_config or ()), list(bwd_config or ()),

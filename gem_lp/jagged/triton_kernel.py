@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreter_enabled, sm_count
-from ..triton_launch import constexpr_values, relaunch
+from ..backend import interpreter_enabled, skips_dispatch, sm_count
+from ..triton_launch import KernelLaunch
 from ..mx.formats import PAYLOAD_DTYPE
 from ..mx.triton_numerics import abs_bits, exact_f32
 from ..mx.triton_quantize import (block_payload, block_scale, check_strip_launch, float_max_cols_of_blocks,
@@ -545,7 +545,7 @@ def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torc
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
                                       const_strides, shift_offsets, float_max, tile_tokens, hw_cast)
-    return grid, args, plan.kwargs
+    return grid, args, plan.launch.kwargs
 
 
 def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
@@ -563,7 +563,7 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
         sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table, unmasked_full,
         const_strides, shift_offsets, float_max)
     if tile_tokens is None:
-        if plan.kwargs["TILE_TABLE"]:
+        if plan.launch.kwargs["TILE_TABLE"]:
             raise ValueError("tile_table launches need tile_tokens ([Tp/128, 2] int64, JaggedLayout.tile_tokens)")
         tile_tokens = tile_seq  # not read
     # pointers of the orientations not requested are never dereferenced: any uint8 buffer will do
@@ -578,19 +578,16 @@ def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, paylo
     args = (values, offsets, scale_offsets, tile_seq, tile_tokens, p_hdim, p_seq, p_square,
             scales.get("hdim", dummy), scales.get("seq", dummy), scales.get("square_hdim", dummy),
             scales.get("square_seq", dummy), *plan.scalars)
-    return plan.grid, args, plan
+    return plan.launch.grid, args, plan
 
 
 class _LaunchPlan(NamedTuple):
-    """Everything of a launch but the tensors (`_launch_plan`). `constexprs`: the kwargs that are kernel
-    parameters, in parameter order (what a compiled kernel's launcher takes after the other arguments);
-    `compiled`: the compiled kernel of each (device, pointer specialization) launched with this plan."""
+    """Everything of a launch but the tensors (`_launch_plan`): the scalar arguments that follow the tensors, and
+    the `KernelLaunch` (grid, keyword arguments, their constexpr values in parameter order, the compiled kernel of
+    each device and pointer specialization met, for direct relaunch)."""
 
-    grid: tuple[int]
     scalars: tuple[int, ...]
-    kwargs: dict
-    constexprs: tuple
-    compiled: dict
+    launch: KernelLaunch
 
 
 @functools.lru_cache(maxsize=256)
@@ -639,8 +636,7 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
     )
     if max_registers:
         kwargs["maxnreg"] = max_registers
-    constexprs = constexpr_values(_jagged_mx_kernel, _N_TENSOR_ARGS + len(scalars), kwargs)
-    return _LaunchPlan(grid, scalars, kwargs, constexprs, {})
+    return _LaunchPlan(scalars, KernelLaunch(_jagged_mx_kernel, grid, _N_TENSOR_ARGS + len(scalars), kwargs))
 
 
 def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
@@ -679,7 +675,7 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
                                       rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
                                       max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
                                       const_strides, shift_offsets, float_max, tile_tokens)
-    _run(grid, args, plan)
+    _run(args, plan)
 
 
 # Tensor arguments of `_jagged_mx_kernel` (values, 4 metadata, 3 payloads, 4 scales): what a compiled kernel is
@@ -692,10 +688,10 @@ _N_TENSOR_ARGS = 12
 # `triton_launch.DIRECT_RELAUNCH = False` sends every launch through the JIT.
 
 
-def _run(grid: tuple[int], args: tuple, plan: _LaunchPlan) -> None:
+def _run(args: tuple, plan: _LaunchPlan) -> None:
     """Launch `_jagged_mx_kernel`: the first launch of each (device, dtypes and 16-byte alignment of the
     tensors) with a plan goes through Triton's JIT, later ones straight to the compiled kernel's launcher."""
-    relaunch(_jagged_mx_kernel, grid, args, plan.kwargs, plan.constexprs, plan.compiled, _compiled_launch(args[0]))
+    plan.launch(args, _compiled_launch(args[0]))
 
 
 def _compiled_launch(values: torch.Tensor) -> bool:
@@ -741,11 +737,11 @@ def _jagged_mx_quantize_impl(values: torch.Tensor, offsets: torch.Tensor, scale_
     if padded_total:
         grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads,
                                           scales, rceil, tile_tokens=tile_tokens)
-        _run(grid, args, plan)
+        _run(args, plan)
     return _flat(payloads, scales)
 
 
-# The custom op is what traced and compiled graphs call; eager calls skip its dispatch (see `_direct_call`).
+# The custom op is what traced and compiled graphs call; eager calls skip its dispatch (`skips_dispatch`).
 jagged_mx_quantize = torch.library.custom_op("gem_lp::jagged_mx_quantize", _jagged_mx_quantize_impl,
                                              mutates_args=())
 
@@ -756,20 +752,12 @@ def _(values, offsets, scale_offsets, tile_seq, tile_tokens, padded_total, hdim,
     return _flat(payloads, scales)
 
 
-def _direct_call(*tensors: torch.Tensor) -> bool:
-    """True when the op's implementation may run without the dispatcher: plain tensors, not under
-    torch.compile, no dispatch mode (fake tensors, tracing) active. In eager mode the custom op's dispatch
-    costs about as much host time as the rest of the call."""
-    return (all(type(t) is torch.Tensor for t in tensors) and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0)
-
-
 def quantize_jagged_triton(values: torch.Tensor, layout, orientations: tuple[str, ...], scaling: str):
     """Triton backend of `quantize_jagged` (arguments already checked there)."""
     hdim, seq, square = "hdim" in orientations, "seq" in orientations, "square" in orientations
     args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens, layout.padded_total,
             hdim, seq, square, scaling == "rceil")
-    direct = _direct_call(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens)
+    direct = skips_dispatch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens)
     outs = iter(_jagged_mx_quantize_impl(*args) if direct else jagged_mx_quantize(*args))
     t, heads, d = values.shape
     jmx = JaggedMXTensor(layout, scaling, values.dtype, heads, d)

@@ -152,7 +152,7 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(mixed_batch, monkeyp
     payloads, scales = tk._allocate(values, layout.padded_total, True, True, True)
     plan = tk._plan_and_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total,
                              payloads, scales, True, tile_tokens=layout.tile_tokens)[2]
-    assert plan.compiled, "no compiled kernel recorded for direct launches"
+    assert plan.launch.compiled, "no compiled kernel recorded for direct launches"
     shifted = torch.empty(values.numel() + 1, dtype=values.dtype, device="cuda")[1:].view(values.shape)
     shifted.copy_(values)
     assert shifted.data_ptr() % 16 != 0

@@ -74,12 +74,13 @@ def test_launch_plan_reuse_follows_the_ints(mixed_batch):
     assert tk._launch_plan(*args) is tk._launch_plan(*args)
     longer = (*args[:3], layout.padded_total + 128, *args[4:])
     plan = tk._launch_plan(*longer)
-    assert plan.grid != tk._launch_plan(*args).grid and plan.scalars[3] == (layout.padded_total + 128) // 128
+    assert plan.launch.grid != tk._launch_plan(*args).launch.grid and plan.scalars[3] == (layout.padded_total + 128) // 128
     # a lower int32 limit (forced int64 offsets) is a different plan
-    assert tk._launch_plan(*args[:-1], 0).kwargs["LARGE_OFFSETS"] and not tk._launch_plan(*args).kwargs["LARGE_OFFSETS"]
+    assert (tk._launch_plan(*args[:-1], 0).launch.kwargs["LARGE_OFFSETS"]
+            and not tk._launch_plan(*args).launch.kwargs["LARGE_OFFSETS"])
     # the constexpr arguments follow the kernel's parameter order
-    names = tk._jagged_mx_kernel.arg_names[-len(plan.constexprs):]
-    assert names[0] == "H" and plan.constexprs == tuple(plan.kwargs[n] for n in names)
+    names = tk._jagged_mx_kernel.arg_names[-len(plan.launch.constexprs):]
+    assert names[0] == "H" and plan.launch.constexprs == tuple(plan.launch.kwargs[n] for n in names)
 
 
 @pytest.mark.parametrize("bad", [dict(rows=16), dict(max_registers=300)])
