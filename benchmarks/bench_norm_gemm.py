@@ -26,6 +26,7 @@ and the bytes its resident programs keep between the two sweeps; it fails if one
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -53,6 +54,7 @@ from gem_lp.numerics import sqnr_db  # noqa: E402
 EPS = 1e-6
 DEVICE = "cuda"
 NORM_SHAPES = ((32768, 1024), (32768, 4096))  # K of each is a key of triton_norm.CANDIDATE_CONFIGS
+NORM_EXTRA_SHAPES = ((32768, 512),)  # timed when --norm-ks names them
 # MXLinear's dY cast (no norm, both dequantized operands): K a key of triton_norm.OPERAND_CAST_CANDIDATE_CONFIGS
 OPERAND_CAST_SHAPES = ((32768, 3072),)
 # (M, N, K): Y [M, N] = A [M, K] B [N, K]^T
@@ -287,19 +289,24 @@ def _checked_norm_call(bench: Bench, checks: dict, group: str, name: str, x, w, 
     return ok, nbytes
 
 
-def bench_norm(bench: Bench, checks: dict) -> None:
-    """Per shape: every candidate launch of `rms_norm_mx` (bytes checked), then host against kernel time: the
+def bench_norm(bench: Bench, checks: dict, ks: tuple[int, ...] | None = None, match: str | None = None) -> None:
+    """Per shape: every candidate launch of `rms_norm_mx` (bytes checked; timed by CUDA-graph replay, so that the
+    host work of the call, ~20-80 us, does not hide kernels of ~50 us), then host against kernel time: the
     public `rms_norm_quantize` call, the bare launch into preallocated outputs and CUDA-graph replays of the
-    default and the best launch (no host work), then the row operand and the peers."""
+    default and the best launch, then the row operand and the peers. `ks`: the K of the shapes to run
+    (default NORM_SHAPES'); `match`: time only the candidates whose name contains it (and the default)."""
     from gem_lp.norm_gemm import rms_norm_quantize
 
-    for M, K in NORM_SHAPES:
+    shapes = [s for s in NORM_SHAPES + NORM_EXTRA_SHAPES if s[1] in ks] if ks else NORM_SHAPES
+    for M, K in shapes:
         group = f"norm {M}x{K}"
         x, w = _norm_inputs(M, K)
         x_bytes = M * K * 2
         best = None
         default = norm_configs(K)[0]
         for cfg in norm_configs(K):
+            if match and cfg != default and match not in repr(cfg):
+                continue
             kw = _config_kwargs(cfg)
             name = f"ours rms_norm_mx {cfg!r}" + (" (default)" if cfg == default else "")
             checked = _checked_norm_call(bench, checks, group, name, x, w, kw)
@@ -310,8 +317,14 @@ def bench_norm(bench: Bench, checks: dict) -> None:
                 build = {k: v for k, v in build_norm(M, K, cfg).items() if k != "cvt"}
             except Exception as e:
                 build = dict(build_error=f"{type(e).__name__}: {str(e)[:200]}")
-            ms = bench.time(group, name, lambda: rms_norm_mx(x, w, EPS, **kw), nbytes=nbytes, config=list(cfg),
+            try:
+                replay = _graph_replay(lambda kw=kw: rms_norm_mx(x, w, EPS, **kw))
+            except Exception as e:
+                _fail(bench, group, name, e)
+                continue
+            ms = bench.time(group, name + " [graph replay]", replay, nbytes=nbytes, config=list(cfg),
                             bit_identical=ok, **build)
+            del replay
             if ms is not None and ok and (best is None or ms < best[0]):
                 best = (ms, cfg)
         nbytes = _norm_bytes(M, K, rms_norm_mx(x, w, EPS))  # the same useful bytes for every row below
@@ -756,14 +769,17 @@ SECTIONS = ("norm", "tokens", "cast", "gemm", "linear")
 
 
 def main(sections: tuple[str, ...] = SECTIONS, gemms: tuple[str, ...] = tg.LINEAR_GEMMS,
-         linear_tokens: tuple[int, ...] | None = None) -> None:
+         linear_tokens: tuple[int, ...] | None = None, norm_ks: tuple[int, ...] | None = None,
+         norm_match: str | None = None) -> None:
     t0 = time.time()
     bench = Bench("bench_norm_gemm")
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
     accuracy: dict[str, dict] = {}
     bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy)  # filled as the sections run (partial runs too)
-    for section in [f for n, f in (("norm", bench_norm), ("tokens", bench_norm_token_counts), ("cast", bench_operand_cast),
+    norm = functools.partial(bench_norm, ks=norm_ks, match=norm_match)
+    norm.__name__ = "bench_norm"
+    for section in [f for n, f in (("norm", norm), ("tokens", bench_norm_token_counts), ("cast", bench_operand_cast),
                                    ("gemm", bench_gemm))
                     if n in sections]:
         try:
@@ -799,6 +815,12 @@ if __name__ == "__main__":
                         help="MXLinear GEMM routes the linear section times, a subset of " + ",".join(tg.LINEAR_GEMMS))
     parser.add_argument("--linear-tokens", default=None,
                         help="comma-separated token counts M for the linear section's shapes (default 32768)")
+    parser.add_argument("--norm-ks", default=None,
+                        help="comma-separated K of the norm section's shapes (default "
+                        + ",".join(str(k) for _, k in NORM_SHAPES) + "; also "
+                        + ",".join(str(k) for _, k in NORM_EXTRA_SHAPES) + ")")
+    parser.add_argument("--norm-match", default=None,
+                        help="the norm section times only the candidates whose name contains this (e.g. stages)")
     args = parser.parse_args()
     for given, known, what in ((args.sections, SECTIONS, "--sections"), (args.linear_gemms, tg.LINEAR_GEMMS,
                                                                         "--linear-gemms")):
@@ -815,4 +837,11 @@ if __name__ == "__main__":
         parser.error(f"--linear-tokens: expected comma-separated integers, got {args.linear_tokens!r}")
     if tokens is not None and min(tokens) < 1:
         parser.error(f"--linear-tokens: token counts must be >= 1, got {args.linear_tokens!r}")
-    main(tuple(args.sections.split(",")), tuple(args.linear_gemms.split(",")), tokens)
+    known_ks = {k for _, k in NORM_SHAPES + NORM_EXTRA_SHAPES}
+    try:
+        norm_ks = None if args.norm_ks is None else tuple(int(k) for k in args.norm_ks.split(","))
+    except ValueError:
+        parser.error(f"--norm-ks: expected comma-separated integers, got {args.norm_ks!r}")
+    if norm_ks is not None and set(norm_ks) - known_ks:
+        parser.error(f"--norm-ks: unknown K {sorted(set(norm_ks) - known_ks)}; expected some of {sorted(known_ks)}")
+    main(tuple(args.sections.split(",")), tuple(args.linear_gemms.split(",")), tokens, norm_ks, args.norm_match)

@@ -68,7 +68,7 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
 class NormConfig(tuple):
     """Launch configuration `(block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm,
-    max_registers, prefetch, tile_programs)` of `rms_norm_mx`.
+    max_registers, prefetch, tile_programs, stages)` of `rms_norm_mx`.
 
     `block_m` rows x `block_k` columns per tile (powers of two >= 32); a program owns `block_m` rows and
     sweeps K in chunks of `block_k` (`block_k >= K`: x is read once and kept in registers).
@@ -84,24 +84,28 @@ class NormConfig(tuple):
     `tile_programs` (strips without the norm, `weight=None`, only): one program per `block_m x block_k` tile, a
     2-D grid flattened as in `triton_quantize`'s dual cast, instead of one per row block sweeping K: no loop,
     no loop-carried addresses, and the GPU overlaps the tiles of its resident programs.
+    `stages` (strips with the norm, `block_k >= K` and `programs_per_sm > 0` only): n >= 2 pipelines the walk
+    over row blocks, the x tiles of the next n - 1 row blocks copied into shared memory while the current one is
+    worked on (`_staged_row_blocks`).
     The configuration only steers the layout and schedule: every one writes the same bytes.
     """
 
     def __new__(cls, block_m: int, block_k: int, num_warps: int, thread_rows: int = 8,
                 row_blocks_in_thread: bool = False, programs_per_sm: int = 0, max_registers: int = 0,
-                prefetch: bool = False, tile_programs: bool = False):
+                prefetch: bool = False, tile_programs: bool = False, stages: int = 0):
         return super().__new__(cls, (block_m, block_k, num_warps, thread_rows, bool(row_blocks_in_thread),
-                                     programs_per_sm, max_registers, bool(prefetch), bool(tile_programs)))
+                                     programs_per_sm, max_registers, bool(prefetch), bool(tile_programs), stages))
 
     def __repr__(self) -> str:
-        bm, bk, nw, tr, rb, per_sm, max_regs, prefetch, tiles = self
+        bm, bk, nw, tr, rb, per_sm, max_regs, prefetch, tiles, stages = self
         return (f"{bm}x{bk} w{nw} " + (f"r{tr}" + (" rowblk" if rb else "") if tr else "blocks")
                 + (f" {per_sm}/SM" if per_sm else "") + (f" maxreg{max_regs}" if max_regs else "")
-                + (" prefetch" if prefetch else "") + (" tiles" if tiles else ""))
+                + (" prefetch" if prefetch else "") + (" tiles" if tiles else "")
+                + (f" stages{stages}" if stages else ""))
 
 
 CONFIG_FIELDS = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm",
-                 "max_registers", "prefetch", "tile_programs")
+                 "max_registers", "prefetch", "tile_programs", "stages")
 
 
 # `strip_config` gives the thread-strip launch chosen by sm_90 instruction count
@@ -159,6 +163,21 @@ CANDIDATE_CONFIGS = {
         NormConfig(32, 128, 2, 8),  # 165, 6/SM
         NormConfig(32, 64, 1, 8, False, 0, 168),  # 164, 12/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
+        # the staged walk (x read once, the next row blocks' tiles copied to shared memory during the work)
+        NormConfig(32, 1024, 8, 8, False, 1, stages=2),  # 255, 1/SM, 64 KiB staged
+        NormConfig(32, 1024, 8, 8, False, 1, stages=3),  # 255, 1/SM, 128 KiB staged
+        NormConfig(32, 1024, 8, 16, False, 1, stages=2),  # 255, 1/SM
+        NormConfig(32, 1024, 16, 8, False, 1, stages=2),  # 128 (36 spill bytes), 1/SM, 16 warps
+        NormConfig(32, 1024, 16, 8, False, 1, stages=3),  # 128 (36 spill bytes), 1/SM, 16 warps
+        NormConfig(32, 1024, 16, 8, True, 1, stages=2),  # 128 (52 spill bytes), 1/SM, 16 warps
+    ),
+    512: (
+        ONE_PASS_CONFIGS[512],  # 176, 2/SM (x read once, one row block a program)
+        NormConfig(32, 512, 4, 16, False, 2, stages=2),  # 255, 2/SM, 32 KiB staged
+        NormConfig(32, 512, 4, 16, False, 2, stages=3),  # 255, 2/SM, 64 KiB staged
+        NormConfig(32, 512, 8, 8, False, 1, stages=2),  # 171, 1/SM
+        NormConfig(32, 512, 8, 8, False, 1, stages=3),  # 171, 1/SM
+        NormConfig(32, 512, 4, 8, False, 2, stages=2),  # 255, 2/SM
     ),
     4096: (
         MEASURED_CONFIG,  # 162, 3/SM, 12 warps, 99 MiB re-read in flight
@@ -592,6 +611,18 @@ def _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K: tl.constexpr, eps, BLOCK_M: 
 
 
 @triton.jit
+def _weight_of_chunk(w_ptr, k0, k, shape: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """FP32 weight at columns k0 + k (0 past K), loaded in the tile's `shape`: a [.., 8] load gets its own
+    layout, and Triton would then convert the whole tile to it. The loads repeated over a thread's rows are the
+    same instruction."""
+    w_ptrs = tl.broadcast_to(w_ptr + k0 + k, shape)
+    if K % BLOCK_K == 0:
+        return exact_f32(tl.load(w_ptrs))
+    else:
+        return exact_f32(tl.load(w_ptrs, mask=tl.broadcast_to(k < K - k0, shape), other=0.0))
+
+
+@triton.jit
 def _norm_cast_strips(
     x, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
@@ -602,13 +633,7 @@ def _norm_cast_strips(
 ):
     """y = (x * rstd) * w of one chunk (columns k0 + k), or y = x without the norm, and its casts."""
     if NORMALIZE:
-        # w loaded in the tile's shape: a [.., 8] load gets its own layout, and Triton would then convert
-        # the whole tile to it. The loads repeated over a thread's rows are the same instruction.
-        w_ptrs = tl.broadcast_to(w_ptr + k0 + k, x.shape)
-        if K % BLOCK_K == 0:
-            w = exact_f32(tl.load(w_ptrs))
-        else:
-            w = exact_f32(tl.load(w_ptrs, mask=tl.broadcast_to(k < K - k0, x.shape), other=0.0))
+        w = _weight_of_chunk(w_ptr, k0, k, x.shape, K, BLOCK_K)
         y = (x * rstd) * w  # the reference's order
         if not EVEN_M:  # rows past M are 0 for the column maxima, whatever their rstd
             y = tl.where(m < M - m0, y, 0.0)
@@ -760,6 +785,80 @@ def _cast_tile(
                  PAIRED_COLWISE)
 
 
+# The interpreter's `range` takes Python integers only, and its program ids are arrays: there the walk is a
+# `while` loop over the same body.
+_INTERPRETED = tl.constexpr(interpreter_enabled())
+
+
+@triton.jit
+def _staged_row_blocks(
+    x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, n_walkers,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
+    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """RMSNorm with one tile covering K (BLOCK_K >= K): the program walks row blocks p, p + n_walkers, ...
+    and Triton's loop pipeliner copies the x tiles of the next STAGES - 1 row blocks into shared memory
+    (`cp.async`) while the current one is normalized and cast. x is read from DRAM once, and loads are in
+    flight during the work without holding registers. Each thread computes rstd of the rows it holds: the
+    store-barrier-load round trip of `_rstd_of_rows` would stop the pipeliner (it does not move loads across
+    a barrier)."""
+    NMB: tl.constexpr = BLOCK_M // 32
+    NKB: tl.constexpr = BLOCK_K // 32
+    m, k, m_block, k_block, m_strip = strip_coordinates(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    if LARGE_OFFSETS:
+        m = m.to(tl.int64)
+        k = k.to(tl.int64)
+    w = _weight_of_chunk(w_ptr, 0, k, (m + k).shape, K, BLOCK_K)  # once: the same columns in every row block
+    if _INTERPRETED:
+        m0 = tl.program_id(0) * BLOCK_M
+        while m0 < M:
+            _staged_row_block(m0, m, k, m_block, k_block, m_strip, w, x_ptr, stride_xm, M, K, eps, rstd_ptr,
+                              row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
+                              col_op_ptr, BLOCK_M, BLOCK_K, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                              BLOCKED_SCALES, RCEIL, HW_CAST, EVEN_M, PAIRED_COLWISE)
+            m0 += n_walkers * BLOCK_M
+    else:
+        for m0 in tl.range(tl.program_id(0) * BLOCK_M, M, n_walkers * BLOCK_M, num_stages=STAGES):
+            _staged_row_block(m0, m, k, m_block, k_block, m_strip, w, x_ptr, stride_xm, M, K, eps, rstd_ptr,
+                              row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
+                              col_op_ptr, BLOCK_M, BLOCK_K, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                              BLOCKED_SCALES, RCEIL, HW_CAST, EVEN_M, PAIRED_COLWISE)
+
+
+@triton.jit
+def _staged_row_block(
+    m0, m, k, m_block, k_block, m_strip, w, x_ptr, stride_xm, M, K: tl.constexpr, eps, rstd_ptr,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
+    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, EVEN_M: tl.constexpr,
+    PAIRED_COLWISE: tl.constexpr,
+):
+    """One row block of `_staged_row_blocks`."""
+    EVEN: tl.constexpr = EVEN_M and K == BLOCK_K
+    if BLOCKED_SCALES and K % 128 != 0:
+        _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
+    row_ok = m < M - m0
+    in_bounds = row_ok & (k < K)
+    x = _load_strips(x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm, 0, k, in_bounds, EVEN)
+    rows = m0 + m
+    rstd = _rstd(_sum_rows(x * x, ROW_BLOCKS_IN_THREAD), K, eps)
+    if EVEN_M:
+        tl.store(rstd_ptr + rows, rstd)
+    else:
+        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+    y = (x * rstd) * w  # the reference's order
+    if not EVEN_M:  # rows past M are 0 for the column maxima, whatever their rstd
+        y = tl.where(row_ok, y, 0.0)
+    _cast_strips(y, m, k, m_strip, m_block, k_block, m0, tl.cast(0, tl.int32), M, K, in_bounds,
+                 row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
+                 ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
+                 PAIRED_COLWISE)
+
+
 @triton.jit
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
@@ -768,7 +867,7 @@ def _rms_norm_mx_strips_kernel(
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
-    PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr,
+    PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr, STAGES: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take the row blocks.
     # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
@@ -785,6 +884,11 @@ def _rms_norm_mx_strips_kernel(
                    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                    colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
                    BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS)
+    elif STAGES:
+        _staged_row_blocks(x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr, row_data_ptr, row_scale_ptr, col_data_ptr,
+                           col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, n_walkers, BLOCK_M, BLOCK_K, THREAD_ROWS,
+                           ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST,
+                           LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, STAGES)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
@@ -939,10 +1043,13 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     """
     M, K = x.shape
     (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers, prefetch,
-     tile_programs) = config
+     tile_programs, stages) = config
     if tile_programs and (weight is not None or thread_rows == 0 or programs_per_sm):
         raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
                          f"{'given' if weight is not None else 'None'} and config {config!r}")
+    if stages and (weight is None or thread_rows == 0 or not programs_per_sm or block_k < K):
+        raise ValueError(f"stages needs a weight, thread_rows > 0, programs_per_sm > 0 and block_k >= K = {K}, got "
+                         f"weight {'given' if weight is not None else 'None'} and config {config!r}")
     col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
     span = max(block_m * max(x.stride(0), K), block_k * col_stride)  # largest offset inside one tile
     args = _forward_args(x, x.stride(0), weight, M, K, float(eps), rstd, row, col, col_stride, row_op, col_op,
@@ -970,7 +1077,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
         kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
                       EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and thread_rows > 1,
                       PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0,
-                      TILE_PROGRAMS=bool(tile_programs))
+                      TILE_PROGRAMS=bool(tile_programs), STAGES=stages)
     return kernel, (n_programs + m_padding,), args, kwargs
 
 
@@ -1044,7 +1151,8 @@ def _check_weight(weight: torch.Tensor, K: int, x: torch.Tensor, name: str = "we
 
 
 def _check_config(config: NormConfig) -> None:
-    block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch, tile_programs = config
+    (block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch, tile_programs,
+     stages) = config
     if thread_rows < 0 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
         raise ValueError(f"thread_rows must be 0 or a power of two in 1..{BLOCK}, got {thread_rows}")
     if thread_rows == 0 and block_m not in (32, 64):
@@ -1056,6 +1164,9 @@ def _check_config(config: NormConfig) -> None:
     if tile_programs and (thread_rows == 0 or programs_per_sm):
         raise ValueError(f"tile_programs needs thread_rows > 0 and programs_per_sm=0, got thread_rows={thread_rows}, "
                          f"programs_per_sm={programs_per_sm}")
+    if stages < 0 or (stages and (thread_rows == 0 or not programs_per_sm)):
+        raise ValueError(f"stages must be >= 0, and 0 unless thread_rows > 0 and programs_per_sm > 0, got stages={stages}, "
+                         f"thread_rows={thread_rows}, programs_per_sm={programs_per_sm}")
     for name, v in (("block_m", block_m), ("block_k", block_k)):
         if v < BLOCK or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {v}")
@@ -1128,6 +1239,7 @@ def rms_norm_mx(
     max_registers: int | None = None,
     prefetch: bool | None = None,
     tile_programs: bool | None = None,
+    stages: int | None = None,
     hw_cast: bool | None = None,
     column_sums: bool = False,
     operand_rows: int | None = None,
@@ -1147,8 +1259,9 @@ def rms_norm_mx(
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
         block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-            prefetch, tile_programs (weight None only): launch configuration (see `NormConfig`); each None takes the value of `default_config` for
-            K, M's parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
+            prefetch, tile_programs (weight None only), stages (with the norm only): launch configuration (see
+            `NormConfig`); each None takes the value of `default_config` for K, M's parity, the operands,
+            `hw_cast` and the norm. The bytes written do not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
         column_sums: also return `x.float().sum(0)` as float32 `[K]` (`weight` must be None: the bias
             gradient of a linear layer from the pass that casts its dY). Each row block's partial sums are
@@ -1158,7 +1271,7 @@ def rms_norm_mx(
             a GEMM then runs at this padded M (cuBLAS plans once per shape; see `triton_gemm.gemm_rows`).
     """
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-             prefetch, tile_programs)
+             prefetch, tile_programs, stages)
     key = None
     if given == _NO_CONFIG and hw_cast is None and isinstance(x, torch.Tensor):
         # every argument that the checks and the launch depend on (a hit has passed the checks before)
@@ -1198,6 +1311,9 @@ def rms_norm_mx(
         _check_config(config)
         if config[8] and weight is not None:
             raise ValueError("tile_programs=True needs weight=None (a row's norm needs the whole row in one program)")
+        if config[9] and (weight is None or config[1] < K):
+            raise ValueError(f"stages={config[9]} needs a weight and block_k >= K = {K} (one tile covers a row), got "
+                             f"weight {'given' if weight is not None else 'None'} and block_k={config[1]}")
 
     n_kb, n_mb = K // BLOCK, ceil_div(M, BLOCK)
     plan = _NormPlan(

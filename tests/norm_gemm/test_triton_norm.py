@@ -329,6 +329,33 @@ def test_prefetch_matches_reference(M, K, cfg):
     check_outputs(out, x, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"{M}x{K} {cfg}")
 
 
+@pytest.mark.parametrize("cfg", [dict(block_k=128, programs_per_sm=1, stages=2),
+                                 dict(block_k=256, thread_rows=4, programs_per_sm=2, stages=3),
+                                 dict(block_m=64, block_k=128, thread_rows=16, programs_per_sm=1, stages=2)],
+                         ids=["stages2", "stages3-r4", "stages2-64rows"])
+@pytest.mark.parametrize("M,K,dtype", [(1, 96, torch.bfloat16), (33, 128, torch.float32), (64, 128, torch.bfloat16),
+                                       (129, 96, torch.float16)])
+def test_staged_walk_matches_reference(M, K, dtype, cfg):
+    """The pipelined walk over row blocks (`stages`: each thread computes rstd of its own rows, partial row blocks
+    and K below the tile masked) writes the reference's bytes and rstd, with 1 or 2 programs per SM sharing the
+    row blocks (one walker takes several under the interpreter's grid of 2 per SM)."""
+    x, w = exact_sum_input(M, K, dtype, M + K), norm_weight(K, torch.float32, M)
+    out = rms_norm_mx(x, w, 1e-6, row_operand=True, **cfg)
+    ref = cpu_reference(x, w, 1e-6, "rceil")
+    assert_same_values(out.rstd, ref.rstd, f"rstd {cfg}")
+    check_outputs(out, x, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"{M}x{K} {cfg}")
+
+
+def test_staged_walk_needs_the_whole_row_in_one_tile():
+    x, w = exact_sum_input(32, 128, torch.bfloat16, 1), norm_weight(128, torch.float32, 1)
+    with pytest.raises(ValueError, match="block_k >= K"):
+        rms_norm_mx(x, w, block_k=64, programs_per_sm=1, stages=2)
+    with pytest.raises(ValueError, match="needs a weight"):
+        rms_norm_mx(x, None, block_k=128, programs_per_sm=1, stages=2)
+    with pytest.raises(ValueError, match="stages must be"):
+        rms_norm_mx(x, w, block_k=128, stages=2)
+
+
 def test_only_the_requested_outputs_and_public_wrapper():
     x, w = exact_sum_input(33, 64, torch.bfloat16, 8), norm_weight(64, torch.bfloat16, 8)
     out = rms_norm_mx(x, w, rowwise=False, colwise=False, row_operand=True)
@@ -399,11 +426,12 @@ def test_norm_config_fields():
     c = NormConfig(32, 256, 4, 8, False, 2, 168)
     assert dict(zip(CONFIG_FIELDS, c)) == dict(block_m=32, block_k=256, num_warps=4, thread_rows=8,
                                                row_blocks_in_thread=False, programs_per_sm=2, max_registers=168,
-                                               prefetch=False, tile_programs=False)
+                                               prefetch=False, tile_programs=False, stages=0)
     assert repr(c) == "32x256 w4 r8 2/SM maxreg168" and repr(NormConfig(32, 128, 4, 0)) == "32x128 w4 blocks"
     assert repr(NormConfig(32, 128, 4, 4, prefetch=True)) == "32x128 w4 r4 prefetch"
     assert repr(NormConfig(32, 64, 2, 4, tile_programs=True)) == "32x64 w2 r4 tiles"
-    assert NormConfig(32, 64, 1) == (32, 64, 1, 8, False, 0, 0, False, False)
+    assert NormConfig(32, 64, 1) == (32, 64, 1, 8, False, 0, 0, False, False, 0)
+    assert repr(NormConfig(32, 1024, 8, 8, False, 1, stages=2)) == "32x1024 w8 r8 1/SM stages2"
     for configs in OPERAND_CAST_CANDIDATE_CONFIGS.values():
         assert len(set(configs)) == len(configs) and all(c[3] > 0 and not c[5] for c in configs)
 
