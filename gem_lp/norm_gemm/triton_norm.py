@@ -68,7 +68,7 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
 class NormConfig(tuple):
     """Launch configuration `(block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm,
-    max_registers, prefetch, tile_programs, stages)` of `rms_norm_mx`.
+    max_registers, prefetch, tile_programs)` of `rms_norm_mx`.
 
     `block_m` rows x `block_k` columns per tile (powers of two >= 32); a program owns `block_m` rows and
     sweeps K in chunks of `block_k` (`block_k >= K`: x is read once and kept in registers).
@@ -84,28 +84,24 @@ class NormConfig(tuple):
     `tile_programs` (strips without the norm, `weight=None`, only): one program per `block_m x block_k` tile, a
     2-D grid flattened as in `triton_quantize`'s dual cast, instead of one per row block sweeping K: no loop,
     no loop-carried addresses, and the GPU overlaps the tiles of its resident programs.
-    `stages` (strips with the norm, `block_k >= K` and `programs_per_sm > 0` only): n >= 2 pipelines the walk
-    over row blocks, the x tiles of the next n - 1 row blocks copied into shared memory while the current one is
-    worked on (`_staged_row_blocks`).
     The configuration only steers the layout and schedule: every one writes the same bytes.
     """
 
     def __new__(cls, block_m: int, block_k: int, num_warps: int, thread_rows: int = 8,
                 row_blocks_in_thread: bool = False, programs_per_sm: int = 0, max_registers: int = 0,
-                prefetch: bool = False, tile_programs: bool = False, stages: int = 0):
+                prefetch: bool = False, tile_programs: bool = False):
         return super().__new__(cls, (block_m, block_k, num_warps, thread_rows, bool(row_blocks_in_thread),
-                                     programs_per_sm, max_registers, bool(prefetch), bool(tile_programs), stages))
+                                     programs_per_sm, max_registers, bool(prefetch), bool(tile_programs)))
 
     def __repr__(self) -> str:
-        bm, bk, nw, tr, rb, per_sm, max_regs, prefetch, tiles, stages = self
+        bm, bk, nw, tr, rb, per_sm, max_regs, prefetch, tiles = self
         return (f"{bm}x{bk} w{nw} " + (f"r{tr}" + (" rowblk" if rb else "") if tr else "blocks")
                 + (f" {per_sm}/SM" if per_sm else "") + (f" maxreg{max_regs}" if max_regs else "")
-                + (" prefetch" if prefetch else "") + (" tiles" if tiles else "")
-                + (f" stages{stages}" if stages else ""))
+                + (" prefetch" if prefetch else "") + (" tiles" if tiles else ""))
 
 
 CONFIG_FIELDS = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_in_thread", "programs_per_sm",
-                 "max_registers", "prefetch", "tile_programs", "stages")
+                 "max_registers", "prefetch", "tile_programs")
 
 
 # `strip_config` gives the thread-strip launch chosen by sm_90 instruction count
@@ -163,21 +159,20 @@ CANDIDATE_CONFIGS = {
         NormConfig(32, 128, 2, 8),  # 165, 6/SM
         NormConfig(32, 64, 1, 8, False, 0, 168),  # 164, 12/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
-        # the staged walk (x read once, the next row blocks' tiles copied to shared memory during the work)
-        NormConfig(32, 1024, 8, 8, False, 1, stages=2),  # 255, 1/SM, 64 KiB staged
-        NormConfig(32, 1024, 8, 8, False, 1, stages=3),  # 255, 1/SM, 128 KiB staged
-        NormConfig(32, 1024, 8, 16, False, 1, stages=2),  # 255, 1/SM
-        NormConfig(32, 1024, 16, 8, False, 1, stages=2),  # 128 (36 spill bytes), 1/SM, 16 warps
-        NormConfig(32, 1024, 16, 8, False, 1, stages=3),  # 128 (36 spill bytes), 1/SM, 16 warps
-        NormConfig(32, 1024, 16, 8, True, 1, stages=2),  # 128 (52 spill bytes), 1/SM, 16 warps
+        # norm tiles (x read once: the row sums shared through global memory, see `_norm_tile`)
+        NormConfig(32, 128, 4, 4, tile_programs=True),
+        NormConfig(32, 128, 4, 8, tile_programs=True),
+        NormConfig(32, 256, 4, 8, tile_programs=True),
+        NormConfig(32, 256, 8, 4, tile_programs=True),
+        NormConfig(32, 64, 2, 4, tile_programs=True),
+        NormConfig(64, 128, 8, 4, tile_programs=True),
     ),
     512: (
-        ONE_PASS_CONFIGS[512],  # 176, 2/SM (x read once, one row block a program)
-        NormConfig(32, 512, 4, 16, False, 2, stages=2),  # 255, 2/SM, 32 KiB staged
-        NormConfig(32, 512, 4, 16, False, 2, stages=3),  # 255, 2/SM, 64 KiB staged
-        NormConfig(32, 512, 8, 8, False, 1, stages=2),  # 171, 1/SM
-        NormConfig(32, 512, 8, 8, False, 1, stages=3),  # 171, 1/SM
-        NormConfig(32, 512, 4, 8, False, 2, stages=2),  # 255, 2/SM
+        ONE_PASS_CONFIGS[512],
+        NormConfig(32, 128, 4, 4, tile_programs=True),
+        NormConfig(32, 128, 4, 8, tile_programs=True),
+        NormConfig(32, 64, 2, 4, tile_programs=True),
+        NormConfig(32, 256, 8, 4, tile_programs=True),
     ),
     4096: (
         MEASURED_CONFIG,  # 162, 3/SM, 12 warps, 99 MiB re-read in flight
@@ -192,6 +187,11 @@ CANDIDATE_CONFIGS = {
         NormConfig(32, 128, 4, 4),  # 95, 5/SM, 20 warps
         NormConfig(32, 128, 2, 8),  # 165, 6/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
+        NormConfig(32, 128, 4, 4, tile_programs=True),
+        NormConfig(32, 256, 4, 8, tile_programs=True),
+        NormConfig(32, 256, 8, 4, tile_programs=True),
+        NormConfig(32, 512, 8, 8, tile_programs=True),
+        NormConfig(32, 512, 16, 4, tile_programs=True),
     ),
 }
 # The dual cast without the norm into both dequantized operands (weight None, row_operand + col_operand, no
@@ -451,6 +451,7 @@ def _blocks_row_block(
 def _rms_norm_mx_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    partial_ptr, sync_ptr,  # only the strips kernel's norm tiles use them (the arguments are shared)
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -785,98 +786,155 @@ def _cast_tile(
                  PAIRED_COLWISE)
 
 
-# The interpreter's `range` takes Python integers only, and its program ids are arrays: there the walk is a
-# `while` loop over the same body.
+# The interpreter runs the programs of a launch one after another, so none may wait for another there.
 _INTERPRETED = tl.constexpr(interpreter_enabled())
 
 
 @triton.jit
-def _staged_row_blocks(
+def _norm_tile(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, n_walkers,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
+    partial_ptr, sync_ptr, n_tiles,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
 ):
-    """RMSNorm with one tile covering K (BLOCK_K >= K): the program walks row blocks p, p + n_walkers, ...
-    and Triton's loop pipeliner copies the x tiles of the next STAGES - 1 row blocks into shared memory
-    (`cp.async`) while the current one is normalized and cast. x is read from DRAM once, and loads are in
-    flight during the work without holding registers. Each thread computes rstd of the rows it holds: the
-    store-barrier-load round trip of `_rstd_of_rows` would stop the pipeliner (it does not move loads across
-    a barrier)."""
+    """RMSNorm and casts of one BLOCK_M x BLOCK_K tile, x read once: the programs of a row block share their
+    rows' sums of squares through global memory.
+
+    Each program stores its tile's partial sums (`partial_ptr`: [row block][k tile][row], FP32), then arrives at
+    its row block's counter and waits until all N_K_TILES have, then adds the partials in k-tile order (the
+    same bits in every program of the row block, and from run to run). The counters (`sync_ptr`, int32: the
+    claim counter, then (arrived, departed) per row block) are zero before the launch and are zero again after
+    it: the last program to claim a tile resets the claim counter, the last to leave a row block its pair.
+    Tiles are claimed in the order programs start (an atomic counter, not the program id), so a program only
+    waits for tiles that are claimed by running programs or by the next ones to start: a launch finishes as
+    long as the GPU holds N_K_TILES programs at once. Memory order as in a grid barrier: the partials are stored
+    before a CTA barrier and a release add by one thread; the waiting thread's acquire load precedes a CTA
+    barrier and the other threads' loads of the partials, which bypass L1 (`.cg`).
+    """
+    N_K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     NMB: tl.constexpr = BLOCK_M // 32
     NKB: tl.constexpr = BLOCK_K // 32
+    EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0
+    if _INTERPRETED:
+        tile = tl.program_id(0)
+    else:
+        tile = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+        if tile == n_tiles - 1:  # every tile is claimed: zero the counter for the next launch
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+    rb = tile // N_K_TILES
+    kt = tile % N_K_TILES
+    m0 = rb * BLOCK_M
+    k0 = kt * BLOCK_K
+    if BLOCKED_SCALES and K % 128 != 0:
+        if kt == 0:  # once per row block
+            _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
     m, k, m_block, k_block, m_strip = strip_coordinates(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
     if LARGE_OFFSETS:
         m = m.to(tl.int64)
         k = k.to(tl.int64)
-    w = _weight_of_chunk(w_ptr, 0, k, (m + k).shape, K, BLOCK_K)  # once: the same columns in every row block
-    if _INTERPRETED:
-        m0 = tl.program_id(0) * BLOCK_M
-        while m0 < M:
-            _staged_row_block(m0, m, k, m_block, k_block, m_strip, w, x_ptr, stride_xm, M, K, eps, rstd_ptr,
-                              row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
-                              col_op_ptr, BLOCK_M, BLOCK_K, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
-                              BLOCKED_SCALES, RCEIL, HW_CAST, EVEN_M, PAIRED_COLWISE)
-            m0 += n_walkers * BLOCK_M
-    else:
-        for m0 in tl.range(tl.program_id(0) * BLOCK_M, M, n_walkers * BLOCK_M, num_stages=STAGES):
-            _staged_row_block(m0, m, k, m_block, k_block, m_strip, w, x_ptr, stride_xm, M, K, eps, rstd_ptr,
-                              row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
-                              col_op_ptr, BLOCK_M, BLOCK_K, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
-                              BLOCKED_SCALES, RCEIL, HW_CAST, EVEN_M, PAIRED_COLWISE)
-
-
-@triton.jit
-def _staged_row_block(
-    m0, m, k, m_block, k_block, m_strip, w, x_ptr, stride_xm, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
-    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
-    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, EVEN_M: tl.constexpr,
-    PAIRED_COLWISE: tl.constexpr,
-):
-    """One row block of `_staged_row_blocks`."""
-    EVEN: tl.constexpr = EVEN_M and K == BLOCK_K
-    if BLOCKED_SCALES and K % 128 != 0:
-        _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
+    x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
     row_ok = m < M - m0
-    in_bounds = row_ok & (k < K)
-    x = _load_strips(x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm, 0, k, in_bounds, EVEN)
-    rows = m0 + m
-    rstd = _rstd(_sum_rows(x * x, ROW_BLOCKS_IN_THREAD), K, eps)
-    if EVEN_M:
-        tl.store(rstd_ptr + rows, rstd)
+    in_bounds = row_ok & (k < K - k0)
+    x = _load_strips(x_rows, k0, k, in_bounds, EVEN)
+    # rstd is computed for the rows of the tile as a 1-D vector (`own`: a row or two a thread), then spread over
+    # the tile: in the tile's layout each thread would compute it for every row.
+    own = tl.arange(0, BLOCK_M)
+    if _INTERPRETED:  # the partials of the row block's other tiles, made here from x, in the same order
+        sum_sq = _sum_rows(_squares_of_chunk(x_rows, 0, k, row_ok, K), ROW_BLOCKS_IN_THREAD)
+        for j in tl.static_range(1, N_K_TILES):
+            sum_sq += _sum_rows(_squares_of_chunk(x_rows, j * BLOCK_K, k, row_ok, K), ROW_BLOCKS_IN_THREAD)
+        rstd = _rstd(sum_sq, K, eps)
+        rows = m0 + m
+        if kt == 0:
+            tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     else:
-        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-    y = (x * rstd) * w  # the reference's order
+        parts = partial_ptr + rb.to(tl.int64) * (N_K_TILES * BLOCK_M) + own
+        tl.store(parts + kt * BLOCK_M, _rows_of_tile(_sum_rows(x * x, ROW_BLOCKS_IN_THREAD), BLOCK_M, THREAD_ROWS,
+                                                     ROW_BLOCKS_IN_THREAD))
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        counters = sync_ptr + 2 + rb * 2
+        tl.atomic_add(counters, 1, sem="release")
+        while tl.atomic_add(counters, 0, sem="acquire") < N_K_TILES:
+            pass
+        tl.debug_barrier()  # the acquire above precedes every thread's loads below
+        sum_sq = tl.load(parts, cache_modifier=".cg")
+        for j in tl.static_range(1, N_K_TILES):
+            sum_sq += tl.load(parts + j * BLOCK_M, cache_modifier=".cg")
+        if tl.atomic_add(counters + 1, 1, sem="relaxed") == N_K_TILES - 1:
+            # all have seen every arrival (each departs after it): zero the pair for the next launch
+            tl.atomic_xchg(counters, 0, sem="relaxed")
+            tl.atomic_xchg(counters + 1, 0, sem="relaxed")
+        rstd_own = _rstd(sum_sq, K, eps)
+        if kt == 0:
+            tl.store(rstd_ptr + m0 + own, rstd_own, mask=own < M - m0)
+        rstd = _tile_of_rows(rstd_own, BLOCK_M, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
+    y = (x * rstd) * _weight_of_chunk(w_ptr, k0, k, x.shape, K, BLOCK_K)  # the reference's order
     if not EVEN_M:  # rows past M are 0 for the column maxima, whatever their rstd
         y = tl.where(row_ok, y, 0.0)
-    _cast_strips(y, m, k, m_strip, m_block, k_block, m0, tl.cast(0, tl.int32), M, K, in_bounds,
+    _cast_strips(y, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
                  row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                  ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
                  PAIRED_COLWISE)
 
 
 @triton.jit
+def _rows_of_tile(v, BLOCK_M: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """A strip tile's per-row values (`_sum_rows`' shape) as a [BLOCK_M] vector in row order."""
+    NC: tl.constexpr = 32 // THREAD_ROWS
+    NMB: tl.constexpr = BLOCK_M // 32
+    if ROW_BLOCKS_IN_THREAD:  # axes (c, kb, mb, g, r, e)
+        v = tl.reshape(v, (NC, NMB, THREAD_ROWS))
+    else:  # axes (g, c, kb, mb, r, e)
+        v = tl.reshape(v, (NC, NMB, THREAD_ROWS))
+    return tl.reshape(tl.permute(v, (1, 0, 2)), (BLOCK_M,))
+
+
+@triton.jit
+def _tile_of_rows(v, BLOCK_M: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr):
+    """The inverse of `_rows_of_tile`: [BLOCK_M] per-row values in the shape `_sum_rows` gives."""
+    NC: tl.constexpr = 32 // THREAD_ROWS
+    NMB: tl.constexpr = BLOCK_M // 32
+    v = tl.permute(tl.reshape(v, (NMB, NC, THREAD_ROWS)), (1, 0, 2))  # (c, mb, r)
+    if ROW_BLOCKS_IN_THREAD:  # axes (c, kb, mb, g, r, e)
+        return tl.reshape(v, (NC, 1, NMB, 1, THREAD_ROWS, 1))
+    else:  # axes (g, c, kb, mb, r, e)
+        return tl.reshape(v, (1, NC, 1, NMB, THREAD_ROWS, 1))
+
+
+@triton.jit
+def _squares_of_chunk(x_rows, k0, k, row_ok, K: tl.constexpr):
+    """x * x in FP32 at columns k0 + k of the tile's rows (0 outside)."""
+    xc = _load_strips(x_rows, k0, k, row_ok & (k < K - k0), False)
+    return xc * xc
+
+
+@triton.jit
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
+    partial_ptr, sync_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
-    PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr, STAGES: tl.constexpr,
+    PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take the row blocks.
     # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
     # that few row blocks are in flight and the second sweep finds its chunks in L2 (one row block of 32 x 4096
     # bf16 is 256 KiB).
-    # TILE_PROGRAMS (no norm): program p takes tile (p // n_k_tiles, p % n_k_tiles).
+    # TILE_PROGRAMS: without the norm program p takes tile (p // n_k_tiles, p % n_k_tiles); with it, see `_norm_tile`.
     n_walkers = tl.num_programs(0) - 1 if M_PADDING else tl.num_programs(0)
     if M_PADDING and tl.program_id(0) == n_walkers:
         _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
+    elif TILE_PROGRAMS and NORMALIZE:
+        _norm_tile(x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_stride,
+                   col_scale_ptr, row_op_ptr, col_op_ptr, partial_ptr, sync_ptr, n_walkers, BLOCK_M, BLOCK_K,
+                   THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
+                   HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE)
     elif TILE_PROGRAMS:
         N_K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
         pid = tl.program_id(0)
@@ -884,11 +942,6 @@ def _rms_norm_mx_strips_kernel(
                    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                    colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
                    BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS)
-    elif STAGES:
-        _staged_row_blocks(x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr, row_data_ptr, row_scale_ptr, col_data_ptr,
-                           col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, n_walkers, BLOCK_M, BLOCK_K, THREAD_ROWS,
-                           ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST,
-                           LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, STAGES)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
@@ -1019,19 +1072,45 @@ def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast
 
 
 def _forward_args(x, x_stride: int, weight, M: int, K: int, eps: float, rstd, row, col, col_stride: int, row_op,
-                  col_op, column_sums) -> tuple:
+                  col_op, column_sums, shared_sums: tuple | None = None) -> tuple:
     """The forward kernels' positional arguments (positions of M and the operands: _M_ARG, _ROW_OP_ARG,
-    _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer."""
+    _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer. `shared_sums`: the
+    (partials, counters) workspace of the norm tiles (`norm_tile_workspace`)."""
     row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
+    partials, counters = (None, None) if shared_sums is None else shared_sums
     return (x, x_stride, weight, M, K, eps, rstd, row_data, row_scale, col_data, col_stride, col_scale, row_op,
-            col_op, column_sums)
+            col_op, column_sums, partials, counters)
+
+
+# The norm tiles' counters (see `_norm_tile`), per device and stream: zero between launches, as each launch
+# leaves them (two launches on different streams must not share them). Made anew, and not kept, while a CUDA
+# graph is captured: the graph then zeroes its own (the fill is captured) before each replay's launch.
+_NORM_TILE_COUNTERS: dict = {}
+# Tiles a row block may have: a launch needs that many programs on the GPU at once (see `_norm_tile`).
+MAX_NORM_TILES_PER_ROW_BLOCK = 32
+
+
+def norm_tile_workspace(M: int, K: int, block_m: int, block_k: int, device: torch.device) -> tuple:
+    """(partials, counters) for the norm tiles of x [M, K]: FP32 partial sums of squares, one per row and k tile,
+    written before they are read; int32 counters that are zero (2 + 2 per row block)."""
+    n_blocks = ceil_div(M, block_m)
+    partials = torch.empty(n_blocks * ceil_div(K, block_k) * block_m, dtype=torch.float32, device=device)
+    n = 2 + 2 * n_blocks
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return partials, torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counters = _NORM_TILE_COUNTERS.get(key)
+    if counters is None or counters.numel() < n:
+        counters = _NORM_TILE_COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return partials, counters
 
 
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
                    row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
-                   hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None):
+                   hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None,
+                   shared_sums: tuple | None = None):
     """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
@@ -1039,21 +1118,24 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     The colwise payload `[K, M]` has a contiguous last dim and a row stride that is a multiple of 16 (at least
     M): `colwise_payload_buffer`'s view; the kernel may write the padding columns past M (they hold no data).
     Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
+    `shared_sums`: the workspace of the norm tiles (`tile_programs` with a weight), made here when not given.
     Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
     (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers, prefetch,
-     tile_programs, stages) = config
-    if tile_programs and (weight is not None or thread_rows == 0 or programs_per_sm):
-        raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
-                         f"{'given' if weight is not None else 'None'} and config {config!r}")
-    if stages and (weight is None or thread_rows == 0 or not programs_per_sm or block_k < K):
-        raise ValueError(f"stages needs a weight, thread_rows > 0, programs_per_sm > 0 and block_k >= K = {K}, got "
-                         f"weight {'given' if weight is not None else 'None'} and config {config!r}")
+     tile_programs) = config
+    if tile_programs and (thread_rows == 0 or programs_per_sm):
+        raise ValueError(f"tile_programs needs thread_rows > 0 and programs_per_sm=0, got config {config!r}")
+    norm_tiles = tile_programs and weight is not None
+    if norm_tiles and ceil_div(K, block_k) > MAX_NORM_TILES_PER_ROW_BLOCK:
+        raise ValueError(f"tile_programs with a weight needs K / block_k <= {MAX_NORM_TILES_PER_ROW_BLOCK} (the tiles "
+                         f"of a row block run at once), got K={K}, block_k={block_k}")
+    if norm_tiles and shared_sums is None:
+        shared_sums = norm_tile_workspace(M, K, block_m, block_k, x.device)
     col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
     span = max(block_m * max(x.stride(0), K), block_k * col_stride)  # largest offset inside one tile
     args = _forward_args(x, x.stride(0), weight, M, K, float(eps), rstd, row, col, col_stride, row_op, col_op,
-                         column_sums)
+                         column_sums, shared_sums if norm_tiles else None)
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
@@ -1077,7 +1159,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
         kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
                       EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and thread_rows > 1,
                       PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0,
-                      TILE_PROGRAMS=bool(tile_programs), STAGES=stages)
+                      TILE_PROGRAMS=bool(tile_programs))
     return kernel, (n_programs + m_padding,), args, kwargs
 
 
@@ -1151,8 +1233,7 @@ def _check_weight(weight: torch.Tensor, K: int, x: torch.Tensor, name: str = "we
 
 
 def _check_config(config: NormConfig) -> None:
-    (block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch, tile_programs,
-     stages) = config
+    block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch, tile_programs = config
     if thread_rows < 0 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
         raise ValueError(f"thread_rows must be 0 or a power of two in 1..{BLOCK}, got {thread_rows}")
     if thread_rows == 0 and block_m not in (32, 64):
@@ -1164,9 +1245,6 @@ def _check_config(config: NormConfig) -> None:
     if tile_programs and (thread_rows == 0 or programs_per_sm):
         raise ValueError(f"tile_programs needs thread_rows > 0 and programs_per_sm=0, got thread_rows={thread_rows}, "
                          f"programs_per_sm={programs_per_sm}")
-    if stages < 0 or (stages and (thread_rows == 0 or not programs_per_sm)):
-        raise ValueError(f"stages must be >= 0, and 0 unless thread_rows > 0 and programs_per_sm > 0, got stages={stages}, "
-                         f"thread_rows={thread_rows}, programs_per_sm={programs_per_sm}")
     for name, v in (("block_m", block_m), ("block_k", block_k)):
         if v < BLOCK or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {v}")
@@ -1239,7 +1317,6 @@ def rms_norm_mx(
     max_registers: int | None = None,
     prefetch: bool | None = None,
     tile_programs: bool | None = None,
-    stages: int | None = None,
     hw_cast: bool | None = None,
     column_sums: bool = False,
     operand_rows: int | None = None,
@@ -1259,9 +1336,8 @@ def rms_norm_mx(
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
         block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-            prefetch, tile_programs (weight None only), stages (with the norm only): launch configuration (see
-            `NormConfig`); each None takes the value of `default_config` for K, M's parity, the operands,
-            `hw_cast` and the norm. The bytes written do not depend on it.
+            prefetch, tile_programs: launch configuration (see `NormConfig`); each None takes the value of `default_config` for
+            K, M's parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
         column_sums: also return `x.float().sum(0)` as float32 `[K]` (`weight` must be None: the bias
             gradient of a linear layer from the pass that casts its dY). Each row block's partial sums are
@@ -1271,7 +1347,7 @@ def rms_norm_mx(
             a GEMM then runs at this padded M (cuBLAS plans once per shape; see `triton_gemm.gemm_rows`).
     """
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-             prefetch, tile_programs, stages)
+             prefetch, tile_programs)
     key = None
     if given == _NO_CONFIG and hw_cast is None and isinstance(x, torch.Tensor):
         # every argument that the checks and the launch depend on (a hit has passed the checks before)
@@ -1309,11 +1385,9 @@ def rms_norm_mx(
     if given != _NO_CONFIG:  # the defaults are valid; what the caller gives is checked
         config = NormConfig(*(d if v is None else v for v, d in zip(given, config)))
         _check_config(config)
-        if config[8] and weight is not None:
-            raise ValueError("tile_programs=True needs weight=None (a row's norm needs the whole row in one program)")
-        if config[9] and (weight is None or config[1] < K):
-            raise ValueError(f"stages={config[9]} needs a weight and block_k >= K = {K} (one tile covers a row), got "
-                             f"weight {'given' if weight is not None else 'None'} and block_k={config[1]}")
+        if config[8] and weight is not None and ceil_div(K, config[1]) > MAX_NORM_TILES_PER_ROW_BLOCK:
+            raise ValueError(f"tile_programs=True with a weight needs K / block_k <= {MAX_NORM_TILES_PER_ROW_BLOCK} (the "
+                             f"tiles of a row block run at once), got K={K}, block_k={config[1]}")
 
     n_kb, n_mb = K // BLOCK, ceil_div(M, BLOCK)
     plan = _NormPlan(
@@ -1327,9 +1401,12 @@ def rms_norm_mx(
         on_gpu=x.is_cuda and not interpreter_enabled(), launch=None)
     bufs = _allocate(plan, x.device)
     if M > 0:
+        if config[8] and weight is not None:
+            plan = plan._replace(norm_tiles=(config[0], config[1]))
         kernel, grid, args, kwargs = forward_launch(
             x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
-            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5])
+            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5],
+            shared_sums=_shared_sums(plan, x.device))
         if not interpreter_enabled():
             _compile_token_count_variants(kernel, args, kwargs, config)
         plan = plan._replace(launch=KernelLaunch(kernel, grid, len(args), kwargs))
@@ -1363,6 +1440,7 @@ class _NormPlan(NamedTuple):
     orig_dtype: torch.dtype
     on_gpu: bool
     launch: KernelLaunch | None
+    norm_tiles: tuple | None = None  # (block_m, block_k) of a launch of norm tiles: its workspace per call
 
 
 # Plans of recent `rms_norm_mx` calls with the default launch (`_NormPlan`): a call whose shapes, strides, dtypes
@@ -1401,8 +1479,12 @@ def _run_plan(plan: _NormPlan, x: torch.Tensor, weight: torch.Tensor | None) -> 
     if plan.launch is not None:
         row, col, rstd, row_op, col_op, sums = bufs
         plan.launch(_forward_args(x, plan.x_stride, weight, plan.M, plan.K, plan.eps, rstd, row, col,
-                                  plan.col_stride, row_op, col_op, sums), plan.on_gpu)
+                                  plan.col_stride, row_op, col_op, sums, _shared_sums(plan, x.device)), plan.on_gpu)
     return _outputs(plan, bufs)
+
+
+def _shared_sums(plan: _NormPlan, dev: torch.device) -> tuple | None:
+    return None if plan.norm_tiles is None else norm_tile_workspace(plan.M, plan.K, *plan.norm_tiles, dev)
 
 
 def _outputs(plan: _NormPlan, bufs: tuple) -> NormMXOutputs:
