@@ -820,7 +820,7 @@ if __name__ == "__main__":
                         + ",".join(str(k) for _, k in NORM_SHAPES) + "; also "
                         + ",".join(str(k) for _, k in NORM_EXTRA_SHAPES) + ")")
     parser.add_argument("--norm-match", default=None,
-                        help="the norm section times only the candidates whose name contains this (e.g. stages)")
+                        help="the norm section times only the candidates whose name contains this (e.g. prefetch)")
     args = parser.parse_args()
     for given, known, what in ((args.sections, SECTIONS, "--sections"), (args.linear_gemms, tg.LINEAR_GEMMS,
                                                                         "--linear-gemms")):

@@ -159,20 +159,6 @@ CANDIDATE_CONFIGS = {
         NormConfig(32, 128, 2, 8),  # 165, 6/SM
         NormConfig(32, 64, 1, 8, False, 0, 168),  # 164, 12/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
-        # norm tiles (x read once: the row sums shared through global memory, see `_norm_tile`)
-        NormConfig(32, 128, 4, 4, tile_programs=True),
-        NormConfig(32, 128, 4, 8, tile_programs=True),
-        NormConfig(32, 256, 4, 8, tile_programs=True),
-        NormConfig(32, 256, 8, 4, tile_programs=True),
-        NormConfig(32, 64, 2, 4, tile_programs=True),
-        NormConfig(64, 128, 8, 4, tile_programs=True),
-    ),
-    512: (
-        ONE_PASS_CONFIGS[512],
-        NormConfig(32, 128, 4, 4, tile_programs=True),
-        NormConfig(32, 128, 4, 8, tile_programs=True),
-        NormConfig(32, 64, 2, 4, tile_programs=True),
-        NormConfig(32, 256, 8, 4, tile_programs=True),
     ),
     4096: (
         MEASURED_CONFIG,  # 162, 3/SM, 12 warps, 99 MiB re-read in flight
@@ -187,11 +173,6 @@ CANDIDATE_CONFIGS = {
         NormConfig(32, 128, 4, 4),  # 95, 5/SM, 20 warps
         NormConfig(32, 128, 2, 8),  # 165, 6/SM
         NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
-        NormConfig(32, 128, 4, 4, tile_programs=True),
-        NormConfig(32, 256, 4, 8, tile_programs=True),
-        NormConfig(32, 256, 8, 4, tile_programs=True),
-        NormConfig(32, 512, 8, 8, tile_programs=True),
-        NormConfig(32, 512, 16, 4, tile_programs=True),
     ),
 }
 # The dual cast without the norm into both dequantized operands (weight None, row_operand + col_operand, no
@@ -451,7 +432,6 @@ def _blocks_row_block(
 def _rms_norm_mx_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    partial_ptr, sync_ptr,  # only the strips kernel's norm tiles use them (the arguments are shared)
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -612,18 +592,6 @@ def _rstd_of_rows(sum_sq, rows, rstd_ptr, m0, M, K: tl.constexpr, eps, BLOCK_M: 
 
 
 @triton.jit
-def _weight_of_chunk(w_ptr, k0, k, shape: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """FP32 weight at columns k0 + k (0 past K), loaded in the tile's `shape`: a [.., 8] load gets its own
-    layout, and Triton would then convert the whole tile to it. The loads repeated over a thread's rows are the
-    same instruction."""
-    w_ptrs = tl.broadcast_to(w_ptr + k0 + k, shape)
-    if K % BLOCK_K == 0:
-        return exact_f32(tl.load(w_ptrs))
-    else:
-        return exact_f32(tl.load(w_ptrs, mask=tl.broadcast_to(k < K - k0, shape), other=0.0))
-
-
-@triton.jit
 def _norm_cast_strips(
     x, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
@@ -634,7 +602,13 @@ def _norm_cast_strips(
 ):
     """y = (x * rstd) * w of one chunk (columns k0 + k), or y = x without the norm, and its casts."""
     if NORMALIZE:
-        w = _weight_of_chunk(w_ptr, k0, k, x.shape, K, BLOCK_K)
+        # w loaded in the tile's shape: a [.., 8] load gets its own layout, and Triton would then convert
+        # the whole tile to it. The loads repeated over a thread's rows are the same instruction.
+        w_ptrs = tl.broadcast_to(w_ptr + k0 + k, x.shape)
+        if K % BLOCK_K == 0:
+            w = exact_f32(tl.load(w_ptrs))
+        else:
+            w = exact_f32(tl.load(w_ptrs, mask=tl.broadcast_to(k < K - k0, x.shape), other=0.0))
         y = (x * rstd) * w  # the reference's order
         if not EVEN_M:  # rows past M are 0 for the column maxima, whatever their rstd
             y = tl.where(m < M - m0, y, 0.0)
@@ -786,136 +760,10 @@ def _cast_tile(
                  PAIRED_COLWISE)
 
 
-# The interpreter runs the programs of a launch one after another, so none may wait for another there.
-_INTERPRETED = tl.constexpr(interpreter_enabled())
-
-
-@triton.jit
-def _norm_tile(
-    x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-    partial_ptr, sync_ptr, n_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
-    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
-    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr,
-):
-    """RMSNorm and casts of one BLOCK_M x BLOCK_K tile, x read once: the programs of a row block share their
-    rows' sums of squares through global memory.
-
-    Each program stores its tile's partial sums (`partial_ptr`: [row block][k tile][row], FP32), then arrives at
-    its row block's counter and waits until all N_K_TILES have, then adds the partials in k-tile order (the
-    same bits in every program of the row block, and from run to run). The counters (`sync_ptr`, int32: the
-    claim counter, then (arrived, departed) per row block) are zero before the launch and are zero again after
-    it: the last program to claim a tile resets the claim counter, the last to leave a row block its pair.
-    Tiles are claimed in the order programs start (an atomic counter, not the program id), so a program only
-    waits for tiles that are claimed by running programs or by the next ones to start: a launch finishes as
-    long as the GPU holds N_K_TILES programs at once. Memory order as in a grid barrier: the partials are stored
-    before a CTA barrier and a release add by one thread; the waiting thread's acquire load precedes a CTA
-    barrier and the other threads' loads of the partials, which bypass L1 (`.cg`).
-    """
-    N_K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    NMB: tl.constexpr = BLOCK_M // 32
-    NKB: tl.constexpr = BLOCK_K // 32
-    EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0
-    if _INTERPRETED:
-        tile = tl.program_id(0)
-    else:
-        tile = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-        if tile == n_tiles - 1:  # every tile is claimed: zero the counter for the next launch
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-    rb = tile // N_K_TILES
-    kt = tile % N_K_TILES
-    m0 = rb * BLOCK_M
-    k0 = kt * BLOCK_K
-    if BLOCKED_SCALES and K % 128 != 0:
-        if kt == 0:  # once per row block
-            _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
-    m, k, m_block, k_block, m_strip = strip_coordinates(NMB, NKB, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
-    if LARGE_OFFSETS:
-        m = m.to(tl.int64)
-        k = k.to(tl.int64)
-    x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
-    row_ok = m < M - m0
-    in_bounds = row_ok & (k < K - k0)
-    x = _load_strips(x_rows, k0, k, in_bounds, EVEN)
-    # rstd is computed for the rows of the tile as a 1-D vector (`own`: a row or two a thread), then spread over
-    # the tile: in the tile's layout each thread would compute it for every row.
-    own = tl.arange(0, BLOCK_M)
-    if _INTERPRETED:  # the partials of the row block's other tiles, made here from x, in the same order
-        sum_sq = _sum_rows(_squares_of_chunk(x_rows, 0, k, row_ok, K), ROW_BLOCKS_IN_THREAD)
-        for j in tl.static_range(1, N_K_TILES):
-            sum_sq += _sum_rows(_squares_of_chunk(x_rows, j * BLOCK_K, k, row_ok, K), ROW_BLOCKS_IN_THREAD)
-        rstd = _rstd(sum_sq, K, eps)
-        rows = m0 + m
-        if kt == 0:
-            tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-    else:
-        parts = partial_ptr + rb.to(tl.int64) * (N_K_TILES * BLOCK_M) + own
-        tl.store(parts + kt * BLOCK_M, _rows_of_tile(_sum_rows(x * x, ROW_BLOCKS_IN_THREAD), BLOCK_M, THREAD_ROWS,
-                                                     ROW_BLOCKS_IN_THREAD))
-        tl.debug_barrier()  # every thread's partials stored before the release below
-        counters = sync_ptr + 2 + rb * 2
-        tl.atomic_add(counters, 1, sem="release")
-        while tl.atomic_add(counters, 0, sem="acquire") < N_K_TILES:
-            pass
-        tl.debug_barrier()  # the acquire above precedes every thread's loads below
-        sum_sq = tl.load(parts, cache_modifier=".cg")
-        for j in tl.static_range(1, N_K_TILES):
-            sum_sq += tl.load(parts + j * BLOCK_M, cache_modifier=".cg")
-        if tl.atomic_add(counters + 1, 1, sem="relaxed") == N_K_TILES - 1:
-            # all have seen every arrival (each departs after it): zero the pair for the next launch
-            tl.atomic_xchg(counters, 0, sem="relaxed")
-            tl.atomic_xchg(counters + 1, 0, sem="relaxed")
-        rstd_own = _rstd(sum_sq, K, eps)
-        if kt == 0:
-            tl.store(rstd_ptr + m0 + own, rstd_own, mask=own < M - m0)
-        rstd = _tile_of_rows(rstd_own, BLOCK_M, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
-    y = (x * rstd) * _weight_of_chunk(w_ptr, k0, k, x.shape, K, BLOCK_K)  # the reference's order
-    if not EVEN_M:  # rows past M are 0 for the column maxima, whatever their rstd
-        y = tl.where(row_ok, y, 0.0)
-    _cast_strips(y, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
-                 row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                 ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
-                 PAIRED_COLWISE)
-
-
-@triton.jit
-def _rows_of_tile(v, BLOCK_M: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """A strip tile's per-row values (`_sum_rows`' shape) as a [BLOCK_M] vector in row order."""
-    NC: tl.constexpr = 32 // THREAD_ROWS
-    NMB: tl.constexpr = BLOCK_M // 32
-    if ROW_BLOCKS_IN_THREAD:  # axes (c, kb, mb, g, r, e)
-        v = tl.reshape(v, (NC, NMB, THREAD_ROWS))
-    else:  # axes (g, c, kb, mb, r, e)
-        v = tl.reshape(v, (NC, NMB, THREAD_ROWS))
-    return tl.reshape(tl.permute(v, (1, 0, 2)), (BLOCK_M,))
-
-
-@triton.jit
-def _tile_of_rows(v, BLOCK_M: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """The inverse of `_rows_of_tile`: [BLOCK_M] per-row values in the shape `_sum_rows` gives."""
-    NC: tl.constexpr = 32 // THREAD_ROWS
-    NMB: tl.constexpr = BLOCK_M // 32
-    v = tl.permute(tl.reshape(v, (NMB, NC, THREAD_ROWS)), (1, 0, 2))  # (c, mb, r)
-    if ROW_BLOCKS_IN_THREAD:  # axes (c, kb, mb, g, r, e)
-        return tl.reshape(v, (NC, 1, NMB, 1, THREAD_ROWS, 1))
-    else:  # axes (g, c, kb, mb, r, e)
-        return tl.reshape(v, (1, NC, 1, NMB, THREAD_ROWS, 1))
-
-
-@triton.jit
-def _squares_of_chunk(x_rows, k0, k, row_ok, K: tl.constexpr):
-    """x * x in FP32 at columns k0 + k of the tile's rows (0 outside)."""
-    xc = _load_strips(x_rows, k0, k, row_ok & (k < K - k0), False)
-    return xc * xc
-
-
 @triton.jit
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    partial_ptr, sync_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
@@ -926,15 +774,10 @@ def _rms_norm_mx_strips_kernel(
     # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
     # that few row blocks are in flight and the second sweep finds its chunks in L2 (one row block of 32 x 4096
     # bf16 is 256 KiB).
-    # TILE_PROGRAMS: without the norm program p takes tile (p // n_k_tiles, p % n_k_tiles); with it, see `_norm_tile`.
+    # TILE_PROGRAMS (no norm): program p takes tile (p // n_k_tiles, p % n_k_tiles).
     n_walkers = tl.num_programs(0) - 1 if M_PADDING else tl.num_programs(0)
     if M_PADDING and tl.program_id(0) == n_walkers:
         _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
-    elif TILE_PROGRAMS and NORMALIZE:
-        _norm_tile(x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_stride,
-                   col_scale_ptr, row_op_ptr, col_op_ptr, partial_ptr, sync_ptr, n_walkers, BLOCK_M, BLOCK_K,
-                   THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
-                   HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE)
     elif TILE_PROGRAMS:
         N_K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
         pid = tl.program_id(0)
@@ -1072,45 +915,19 @@ def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast
 
 
 def _forward_args(x, x_stride: int, weight, M: int, K: int, eps: float, rstd, row, col, col_stride: int, row_op,
-                  col_op, column_sums, shared_sums: tuple | None = None) -> tuple:
+                  col_op, column_sums) -> tuple:
     """The forward kernels' positional arguments (positions of M and the operands: _M_ARG, _ROW_OP_ARG,
-    _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer. `shared_sums`: the
-    (partials, counters) workspace of the norm tiles (`norm_tile_workspace`)."""
+    _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer."""
     row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
-    partials, counters = (None, None) if shared_sums is None else shared_sums
     return (x, x_stride, weight, M, K, eps, rstd, row_data, row_scale, col_data, col_stride, col_scale, row_op,
-            col_op, column_sums, partials, counters)
-
-
-# The norm tiles' counters (see `_norm_tile`), per device and stream: zero between launches, as each launch
-# leaves them (two launches on different streams must not share them). Made anew, and not kept, while a CUDA
-# graph is captured: the graph then zeroes its own (the fill is captured) before each replay's launch.
-_NORM_TILE_COUNTERS: dict = {}
-# Tiles a row block may have: a launch needs that many programs on the GPU at once (see `_norm_tile`).
-MAX_NORM_TILES_PER_ROW_BLOCK = 32
-
-
-def norm_tile_workspace(M: int, K: int, block_m: int, block_k: int, device: torch.device) -> tuple:
-    """(partials, counters) for the norm tiles of x [M, K]: FP32 partial sums of squares, one per row and k tile,
-    written before they are read; int32 counters that are zero (2 + 2 per row block)."""
-    n_blocks = ceil_div(M, block_m)
-    partials = torch.empty(n_blocks * ceil_div(K, block_k) * block_m, dtype=torch.float32, device=device)
-    n = 2 + 2 * n_blocks
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return partials, torch.zeros(n, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    counters = _NORM_TILE_COUNTERS.get(key)
-    if counters is None or counters.numel() < n:
-        counters = _NORM_TILE_COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return partials, counters
+            col_op, column_sums)
 
 
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
                    row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
-                   hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None,
-                   shared_sums: tuple | None = None):
+                   hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None):
     """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
@@ -1118,24 +935,18 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     The colwise payload `[K, M]` has a contiguous last dim and a row stride that is a multiple of 16 (at least
     M): `colwise_payload_buffer`'s view; the kernel may write the padding columns past M (they hold no data).
     Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
-    `shared_sums`: the workspace of the norm tiles (`tile_programs` with a weight), made here when not given.
     Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
     (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers, prefetch,
      tile_programs) = config
-    if tile_programs and (thread_rows == 0 or programs_per_sm):
-        raise ValueError(f"tile_programs needs thread_rows > 0 and programs_per_sm=0, got config {config!r}")
-    norm_tiles = tile_programs and weight is not None
-    if norm_tiles and ceil_div(K, block_k) > MAX_NORM_TILES_PER_ROW_BLOCK:
-        raise ValueError(f"tile_programs with a weight needs K / block_k <= {MAX_NORM_TILES_PER_ROW_BLOCK} (the tiles "
-                         f"of a row block run at once), got K={K}, block_k={block_k}")
-    if norm_tiles and shared_sums is None:
-        shared_sums = norm_tile_workspace(M, K, block_m, block_k, x.device)
+    if tile_programs and (weight is not None or thread_rows == 0 or programs_per_sm):
+        raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
+                         f"{'given' if weight is not None else 'None'} and config {config!r}")
     col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
     span = max(block_m * max(x.stride(0), K), block_k * col_stride)  # largest offset inside one tile
     args = _forward_args(x, x.stride(0), weight, M, K, float(eps), rstd, row, col, col_stride, row_op, col_op,
-                         column_sums, shared_sums if norm_tiles else None)
+                         column_sums)
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
@@ -1336,7 +1147,7 @@ def rms_norm_mx(
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
         block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-            prefetch, tile_programs: launch configuration (see `NormConfig`); each None takes the value of `default_config` for
+            prefetch, tile_programs (weight None only): launch configuration (see `NormConfig`); each None takes the value of `default_config` for
             K, M's parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
         column_sums: also return `x.float().sum(0)` as float32 `[K]` (`weight` must be None: the bias
@@ -1385,9 +1196,8 @@ def rms_norm_mx(
     if given != _NO_CONFIG:  # the defaults are valid; what the caller gives is checked
         config = NormConfig(*(d if v is None else v for v, d in zip(given, config)))
         _check_config(config)
-        if config[8] and weight is not None and ceil_div(K, config[1]) > MAX_NORM_TILES_PER_ROW_BLOCK:
-            raise ValueError(f"tile_programs=True with a weight needs K / block_k <= {MAX_NORM_TILES_PER_ROW_BLOCK} (the "
-                             f"tiles of a row block run at once), got K={K}, block_k={config[1]}")
+        if config[8] and weight is not None:
+            raise ValueError("tile_programs=True needs weight=None (a row's norm needs the whole row in one program)")
 
     n_kb, n_mb = K // BLOCK, ceil_div(M, BLOCK)
     plan = _NormPlan(
@@ -1401,12 +1211,9 @@ def rms_norm_mx(
         on_gpu=x.is_cuda and not interpreter_enabled(), launch=None)
     bufs = _allocate(plan, x.device)
     if M > 0:
-        if config[8] and weight is not None:
-            plan = plan._replace(norm_tiles=(config[0], config[1]))
         kernel, grid, args, kwargs = forward_launch(
             x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
-            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5],
-            shared_sums=_shared_sums(plan, x.device))
+            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5])
         if not interpreter_enabled():
             _compile_token_count_variants(kernel, args, kwargs, config)
         plan = plan._replace(launch=KernelLaunch(kernel, grid, len(args), kwargs))
@@ -1440,7 +1247,6 @@ class _NormPlan(NamedTuple):
     orig_dtype: torch.dtype
     on_gpu: bool
     launch: KernelLaunch | None
-    norm_tiles: tuple | None = None  # (block_m, block_k) of a launch of norm tiles: its workspace per call
 
 
 # Plans of recent `rms_norm_mx` calls with the default launch (`_NormPlan`): a call whose shapes, strides, dtypes
@@ -1479,12 +1285,8 @@ def _run_plan(plan: _NormPlan, x: torch.Tensor, weight: torch.Tensor | None) -> 
     if plan.launch is not None:
         row, col, rstd, row_op, col_op, sums = bufs
         plan.launch(_forward_args(x, plan.x_stride, weight, plan.M, plan.K, plan.eps, rstd, row, col,
-                                  plan.col_stride, row_op, col_op, sums, _shared_sums(plan, x.device)), plan.on_gpu)
+                                  plan.col_stride, row_op, col_op, sums), plan.on_gpu)
     return _outputs(plan, bufs)
-
-
-def _shared_sums(plan: _NormPlan, dev: torch.device) -> tuple | None:
-    return None if plan.norm_tiles is None else norm_tile_workspace(plan.M, plan.K, *plan.norm_tiles, dev)
 
 
 def _outputs(plan: _NormPlan, bufs: tuple) -> NormMXOutputs:
