@@ -26,7 +26,6 @@ and the bytes its resident programs keep between the two sweeps; it fails if one
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import re
@@ -777,8 +776,9 @@ def main(sections: tuple[str, ...] = SECTIONS, gemms: tuple[str, ...] = tg.LINEA
     checks: dict[str, bool] = {}
     accuracy: dict[str, dict] = {}
     bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy)  # filled as the sections run (partial runs too)
-    norm = functools.partial(bench_norm, ks=norm_ks, match=norm_match)
-    norm.__name__ = "bench_norm"
+    def norm(bench: Bench, checks: dict) -> None:
+        bench_norm(bench, checks, norm_ks, norm_match)
+
     for section in [f for n, f in (("norm", norm), ("tokens", bench_norm_token_counts), ("cast", bench_operand_cast),
                                    ("gemm", bench_gemm))
                     if n in sections]:
@@ -827,10 +827,6 @@ if __name__ == "__main__":
         unknown = set(given.split(",")) - set(known)
         if unknown:
             parser.error(f"{what}: unknown {sorted(unknown)}; expected a subset of {','.join(known)}")
-    if args.compile_only:
-        sys.exit(compile_only())
-    if not torch.cuda.is_available():
-        sys.exit("bench_norm_gemm needs a CUDA device (or --compile-only)")
     try:
         tokens = None if args.linear_tokens is None else tuple(int(m) for m in args.linear_tokens.split(","))
     except ValueError:
@@ -844,4 +840,8 @@ if __name__ == "__main__":
         parser.error(f"--norm-ks: expected comma-separated integers, got {args.norm_ks!r}")
     if norm_ks is not None and set(norm_ks) - known_ks:
         parser.error(f"--norm-ks: unknown K {sorted(set(norm_ks) - known_ks)}; expected some of {sorted(known_ks)}")
+    if args.compile_only:
+        sys.exit(compile_only())
+    if not torch.cuda.is_available():
+        sys.exit("bench_norm_gemm needs a CUDA device (or --compile-only)")
     main(tuple(args.sections.split(",")), tuple(args.linear_gemms.split(",")), tokens, norm_ks, args.norm_match)
