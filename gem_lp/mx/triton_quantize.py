@@ -191,27 +191,50 @@ def strip_coordinates(NMB: tl.constexpr, NKB: tl.constexpr, THREAD_ROWS: tl.cons
 
 
 @triton.jit
+def nan_max(a, b):
+    """max propagating NaN (`max.NaN.f32`): the combine of the FP32 block maxima below."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_over(a, INNER: tl.constexpr, OUTER: tl.constexpr, FLOAT: tl.constexpr):
+    """Max of `a` over axis INNER, then OUTER, dims kept: integer maxima, or (FLOAT) NaN-propagating FP32 maxima
+    returned as int32 bits."""
+    if FLOAT:
+        return tl.reduce(tl.reduce(a, INNER, nan_max, keep_dims=True), OUTER, nan_max, keep_dims=True).to(
+            tl.int32, bitcast=True)
+    else:
+        return tl.max(tl.max(a, axis=INNER, keep_dims=True), axis=OUTER, keep_dims=True)
+
+
+@triton.jit
+def _rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT: tl.constexpr):
+    """Max over each 1x32 block (axes e and g; g sits at axis 3 or 0, see `tile_axes`)."""
+    if ROW_BLOCKS_IN_THREAD:
+        return _max_over(a, 5, 3, FLOAT)
+    else:
+        return _max_over(a, 5, 0, FLOAT)
+
+
+@triton.jit
+def _cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT: tl.constexpr):
+    """Max over each 32x1 block (axes r and c; c sits at axis 0 or 1, see `tile_axes`)."""
+    if ROW_BLOCKS_IN_THREAD:
+        return _max_over(a, 4, 0, FLOAT)
+    else:
+        return _max_over(a, 4, 1, FLOAT)
+
+
+@triton.jit
 def max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Max over each 1x32 block (axes e and g), dims kept."""
-    if ROW_BLOCKS_IN_THREAD:
-        return tl.max(tl.max(a, axis=5, keep_dims=True), axis=3, keep_dims=True)
-    else:
-        return tl.max(tl.max(a, axis=5, keep_dims=True), axis=0, keep_dims=True)
+    return _rows_of_blocks(a, ROW_BLOCKS_IN_THREAD, False)
 
 
 @triton.jit
 def max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Max over each 32x1 block (axes r and c), dims kept."""
-    if ROW_BLOCKS_IN_THREAD:
-        return tl.max(tl.max(a, axis=4, keep_dims=True), axis=0, keep_dims=True)
-    else:
-        return tl.max(tl.max(a, axis=4, keep_dims=True), axis=1, keep_dims=True)
-
-
-@triton.jit
-def nan_max(a, b):
-    """max propagating NaN (`max.NaN.f32`): the combine of the FP32 block maxima below."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    return _cols_of_blocks(a, ROW_BLOCKS_IN_THREAD, False)
 
 
 @triton.jit
@@ -219,23 +242,13 @@ def float_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """`max_rows_of_blocks` of FP32 `|x|` (NaN-propagating), as int32 bits: the same bits as the integer max of
     `abs_bits`, NaN and Inf blocks included (canonical NaN's bits, like Inf's, reach 0x7F800000), in fewer
     instructions where compiled (|x| is an operand modifier of the max). The interpreter lacks `max.NaN`."""
-    if ROW_BLOCKS_IN_THREAD:
-        return tl.reduce(tl.reduce(a, 5, nan_max, keep_dims=True), 3, nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
-    else:
-        return tl.reduce(tl.reduce(a, 5, nan_max, keep_dims=True), 0, nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+    return _rows_of_blocks(a, ROW_BLOCKS_IN_THREAD, True)
 
 
 @triton.jit
 def float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """`max_cols_of_blocks` of FP32 `|x|`, as int32 bits (see `float_max_rows_of_blocks`)."""
-    if ROW_BLOCKS_IN_THREAD:
-        return tl.reduce(tl.reduce(a, 4, nan_max, keep_dims=True), 0, nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
-    else:
-        return tl.reduce(tl.reduce(a, 4, nan_max, keep_dims=True), 1, nan_max, keep_dims=True).to(
-            tl.int32, bitcast=True)
+    return _cols_of_blocks(a, ROW_BLOCKS_IN_THREAD, True)
 
 
 @triton.jit
