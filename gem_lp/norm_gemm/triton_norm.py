@@ -900,8 +900,8 @@ def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast
     `aligned_m`: M is a multiple of 32 (whole row blocks); for other M the light 1-warp launch, which the H200
     timed at 0.136-0.145 ms for K = 1024 and M = 32767 / 32766 / 32784 (aligned M with the measured launch:
     0.139). With the padded colwise rows (`colwise_payload_buffer`) the unaligned builds keep their vector
-    stores, and at K = 4096 the measured launch is faster there (`MEASURED_UNALIGNED_KS`). `operands`: dequantized operands are written; `hw_cast=False`: the
-    integer E4M3 rounding.
+    stores, and at K = 4096 the measured launch is faster there (`MEASURED_UNALIGNED_KS`). `operands`:
+    dequantized operands are written; `hw_cast=False`: the integer E4M3 rounding.
     """
     if interpreter_enabled():
         return NormConfig(32, min(_pow2_at_least(K, BLOCK), INTERPRETER_MAX_BLOCK_K), 1, 8)
