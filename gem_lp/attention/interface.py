@@ -85,7 +85,8 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         broadcast_q: see q; output row `b * Lq + i` is query i against sequence b; dq sums over b.
         precision: `"fp32"` (the oracle), `"bf16"` (a 16-bit flash kernel's rounding) or `"mxfp8"`
             (LP-FA4 recipe; D a multiple of 32).
-        backend: `"auto"`, `"reference"` or `"triton"` (see `gem_lp.backend.resolve_backend`).
+        backend: `"auto"`, `"reference"`, `"triton"` or `"cute"` (see `gem_lp.backend.resolve_backend`;
+            `auto` takes `cute` on sm_90 / sm_100 when the CuTe DSL stack imports).
         softmax_scale: defaults to `1/sqrt(D)`.
         p_quant: `"const_p"` or `"dynamic"` (how `mxfp8` quantizes P).
         return_lse: also return LSE.
@@ -131,7 +132,21 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         if offs is not None and offs.device.type != "cpu" and offs.device != q.device:
             raise ValueError(f"{name} must be on the CPU or on q's device {q.device}, got {offs.device}")
 
-    resolved = resolve_backend(backend, q, k, v)
+    resolved = resolve_backend(backend, q, k, v, kernels=("triton", "cute"))
+    if resolved == "cute":
+        # bf16: FlashAttention-4 at any head dim it takes; mxfp8: the recipe's kernels at D 64 and 128;
+        # fp32 (the oracle) and other head dims run the reference.
+        from .cute.config import HEAD_DIMS
+
+        if precision == "bf16" or (precision == "mxfp8" and dim in HEAD_DIMS):
+            from .cute.interface import jagged_attention_cute, varlen_batch
+
+            vb = varlen_batch(q_offsets, kv_offsets, q_offs, kv_offs, broadcast_q=broadcast_q, q_rows=q.shape[0],
+                              device=q.device)
+            out, lse = jagged_attention_cute(q, k, v, vb, causal=causal, precision=precision, scale=scale,
+                                             p_quant=p_quant)
+            return (out, lse) if return_lse else out
+        resolved = "reference"
     if resolved == "triton":
         # bf16: torch's flash varlen kernel where it applies (the fastest BF16 jagged attention measured on
         # the H200, so a BF16-vs-MXFP8 comparison is against the best BF16), else our BF16 kernel;

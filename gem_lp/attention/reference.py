@@ -8,7 +8,12 @@ backward (so memory stays that of a flash kernel's inputs and outputs plus one c
   BF16); S, softmax, l, O/l in FP32; P rounded to the operand dtype before P.V; backward rounds P and dS
   to the operand dtype before their GEMMs.
 * `mxfp8`: the LP-FA4 recipe. Forward: Q, K `hdim` (1x32 along D), V `seq` (32 tokens x 1 feature);
-  P as E4M3, `const_p` (payload e4m3(256 p), scale 2^-8) or `dynamic` (1x32 along kv, rceil).
+  P as E4M3, `const_p` (payload e4m3(256 p), scale 2^-8) or `dynamic` (1x32 along kv, rceil), where
+  p = exp2(t - m'), t = S * fp32(scale log2 e), and the row max m' = ceil(max t) is snapped up to an integer:
+  an online kernel's p against its running max then differs from this p by an exact power of two, which the
+  E4M3 rounding commutes with, so kernels round exactly the values this reference rounds. O is normalized by
+  the row sum of the rounded P (weights summing to one; a query that sees one key gets its value exactly),
+  LSE = m' ln 2 + ln(sum p) by the unrounded one.
   Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
   and LSE, dS (and P for dV when `dynamic`) quantized in 32x32 blocks.
 
@@ -80,10 +85,23 @@ def softmax_parts(s: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
     return p, m, p.sum(-1, keepdim=True)
 
 
-def normalize(pv: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """O = pv / l (0 where no key is visible) and LSE = m + ln l (-inf there), LSE `[Bc, H, Pq]`."""
+def snapped_softmax_parts(t: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mxfp8 forward's softmax on log2-domain scores t: p = exp2(t - m') over visible keys with
+    m' = ceil(row max of t) (0 for empty rows), the row max in natural units m' ln 2, and l = rowsum p."""
+    t = t.masked_fill(~mask, -math.inf)
+    m = torch.ceil(t.amax(-1, keepdim=True))
+    m = torch.where(m == -math.inf, torch.zeros((), dtype=t.dtype, device=t.device), m)
+    p = torch.exp2(t - m)
+    return p, m * math.log(2.0), p.sum(-1, keepdim=True)
+
+
+def normalize(pv: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+              weight_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O = pv / weight_sum (default l; 0 where no key is visible) and LSE = m + ln l (-inf there), LSE
+    `[Bc, H, Pq]`."""
     empty = l == 0
-    o = pv / torch.where(empty, torch.ones((), dtype=l.dtype, device=l.device), l)
+    w = l if weight_sum is None else weight_sum
+    o = pv / torch.where(w == 0, torch.ones((), dtype=w.dtype, device=w.device), w)
     lse = torch.where(empty, -math.inf, m + torch.log(l))
     return o, lse.squeeze(-1)
 
@@ -128,8 +146,10 @@ def forward_chunk(precision: str, q, k, v, mask, scale: float, p_quant: str):
         p, m, l = softmax_parts(q @ k.transpose(-1, -2) * scale, mask)
         return normalize(p.to(od).float() @ v, m, l)
     qd, kd, vd = mx_hdim(q), mx_hdim(k), mx_seq(v)
-    p, m, l = softmax_parts(qd @ kd.transpose(-1, -2) * scale, mask)
-    return normalize(quantize_p_forward(p, p_quant) @ vd, m, l)
+    scale_log2 = torch.tensor(scale * LOG2E, dtype=torch.float32).item()  # the kernels' FP32 constant
+    p, m, l = snapped_softmax_parts(qd @ kd.transpose(-1, -2) * scale_log2, mask)
+    pq = quantize_p_forward(p, p_quant)
+    return normalize(pq @ vd, m, l, weight_sum=pq.sum(-1, keepdim=True))
 
 
 def backward_chunk(precision: str, q, k, v, o, do, lse, dlse, mask, scale: float, p_quant: str):
