@@ -31,11 +31,14 @@ from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.softmax import Softmax
 from quack import layout_utils, sm90_utils
 
-from .mx_device import abs_bits_max, ceil_f32, const_p_bf16x2, fmax_bits, mx_bf16x2, mx_scales, rint_f32
+from .mx_device import (E4M3_FLOOR_BITS, abs_bits_max, ceil_f32, e4m3_bf16x2, fmax_bits, grid_round, mx_bf16x2,
+                        mx_floor_bits, mx_scales, rint_f32)
 
 LN2 = math.log(2.0)
 
 MX_BLOCK = 32
+# const_p stores e4m3(256 p): the softmax produces 256 p directly (2^8 folded into exp2's offset)
+CONST_P_LOG2 = 8
 
 
 @dataclass
@@ -48,20 +51,23 @@ class MXSoftmax(Softmax):
     """
 
     rounded_row_sum: cute.Tensor = None
+    # P is held as 2^p_log2_offset * p (const_p: 256 p, its E4M3 payload before rounding); sums alike
+    p_log2_offset: cutlass.Constexpr[int] = 0
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], arch: cutlass.Constexpr[int] = 80,
-               softmax_scale: Float32 | None = None):
+               softmax_scale: Float32 | None = None, p_log2_offset: cutlass.Constexpr[int] = 0):
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         rounded_row_sum = cute.make_rmem_tensor(num_rows, Float32)
-        return MXSoftmax(scale_log2, num_rows, row_max, row_sum, arch, softmax_scale, rounded_row_sum)
+        return MXSoftmax(scale_log2, num_rows, row_max, row_sum, arch, softmax_scale, rounded_row_sum,
+                         p_log2_offset)
 
     @cute.jit
     def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False,
                        check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
-        """p = exp2(s * scale_log2 - m') in place, the unrounded row sums, and the O rescaling factors (exact
-        powers of two)."""
+        """p = exp2(s * scale_log2 - m') in place (times 2^p_log2_offset), the unrounded row sums, and the O
+        rescaling factors (exact powers of two)."""
         acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
         row_scale = cute.make_fragment_like(self.row_max, Float32)
         scale_log2 = self.scale_log2
@@ -77,7 +83,7 @@ class MXSoftmax(Softmax):
                 m_cur = cute.arch.fmax(m_cur, m_prev)
             self.row_max[r] = m_cur * inv_scale_log2
             m_exp = 0.0 if m_cur == -Float32.inf else m_cur
-            p = cute.math.exp2(row * scale_log2 - m_exp, fastmath=True)
+            p = cute.math.exp2(row * scale_log2 - (m_exp - self.p_log2_offset), fastmath=True)
             if const_expr(is_first):
                 row_scale[r] = 1.0
                 self.row_sum[r] = utils.fadd_reduce(p, init_val=None, arch=self.arch)
@@ -105,15 +111,16 @@ class MXSoftmax(Softmax):
             l = self.row_sum[r]
             lq = self.rounded_row_sum[r]
             row_scale[r] = cute.arch.rcp_approx(lq if lq != 0.0 else 1.0) * final_scale
-            self.row_sum[r] = ((self.row_max[r] * self.scale_log2 + cute.math.log2(l, fastmath=True)) * LN2
-                               if l != 0.0 else -Float32.inf)
+            self.row_sum[r] = ((self.row_max[r] * self.scale_log2 - self.p_log2_offset
+                                + cute.math.log2(l, fastmath=True)) * LN2 if l != 0.0 else -Float32.inf)
         return row_scale
 
 
 class MXAttentionForwardSm90(FlashAttentionForwardSm90):
     """`FlashAttentionForwardSm90` (BF16, varlen, no GQA packing) with the recipe's softmax and P operand."""
 
-    def __init__(self, head_dim: int, *, is_causal: bool, tile_m: int, tile_n: int, p_quant: str):
+    def __init__(self, head_dim: int, *, is_causal: bool, tile_m: int, tile_n: int, p_quant: str,
+                 p_rounding: str = "cvt"):
         if p_quant not in ("const_p", "dynamic"):
             raise ValueError(f"p_quant must be 'const_p' or 'dynamic', got {p_quant!r}")
         if tile_n % MX_BLOCK:
@@ -123,13 +130,17 @@ class MXAttentionForwardSm90(FlashAttentionForwardSm90):
                          Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=True)
         # the methods below cover FA4's register-P, intra-warpgroup-overlap schedule without score mods
         assert head_dim <= 128
+        assert p_rounding in ("cvt", "grid")
         self.p_quant = p_quant
+        self.p_rounding = p_rounding
 
     @cute.jit
     def p_operand(self, acc_S: cute.Tensor, tOrP: cute.Tensor) -> cute.Tensor:
-        """P (FP32 accumulator fragment, after the online softmax) -> the BF16 A fragment of the P.V wgmma;
-        returns this thread's partial row sums of the rounded P (two rows).
+        """P (FP32 accumulator fragment after the online softmax; 256 p for const_p) -> the BF16 A fragment of the
+        P.V wgmma, on the E4M3 grid; returns this thread's partial row sums of the rounded P (two rows).
 
+        `p_rounding`: "cvt" rounds through the hardware E4M3 conversion (`mx_device.e4m3_bf16x2`, `mx_bf16x2`),
+        "grid" with FP32 adds (`mx_device.grid_round`) before FA4's BF16 conversion.
         Accumulator register 2i + e (e = 0, 1: two adjacent columns) is row i % 2 of the thread, column group
         i // 2 (8 columns wide, 4 lanes across); a 1x32 block is 4 column groups of one row, spread over the 4
         lanes of a quad.
@@ -139,25 +150,40 @@ class MXAttentionForwardSm90(FlashAttentionForwardSm90):
         n_pairs = const_expr(cute.size(dst))
         sums = cute.make_rmem_tensor(8, Float32)  # four partial sums per row keep the additions independent
         sums.fill(0.0)
-        if const_expr(self.p_quant == "const_p"):
-            for i in cutlass.range_constexpr(n_pairs):
-                dst[i], pair_sum = const_p_bf16x2(src[2 * i], src[2 * i + 1], ret_sum=True)
-                sums[i % 8] += pair_sum
-        else:
-            blocks_per_row = const_expr(self.tile_n // MX_BLOCK)
+        blocks_per_row = const_expr(self.tile_n // MX_BLOCK)
+        if const_expr(self.p_quant == "dynamic"):
             n_blocks = const_expr(2 * blocks_per_row)
             amax = cute.make_rmem_tensor(n_blocks, Int32)
             amax.fill(0)
             for i in cutlass.range_constexpr(n_pairs):
                 b = (i % 2) * blocks_per_row + (i // 2) // 4
                 amax[b] = abs_bits_max(abs_bits_max(amax[b], src[2 * i]), src[2 * i + 1])
-            inv_scale = cute.make_rmem_tensor(n_blocks, Float32)
-            dequant = cute.make_rmem_tensor(n_blocks, Int32)
             for b in cutlass.range_constexpr(n_blocks):
                 m = amax[b]
                 m = fmax_bits(m, cute.arch.shuffle_sync_bfly(m, offset=1))
-                m = fmax_bits(m, cute.arch.shuffle_sync_bfly(m, offset=2))
-                inv_scale[b], dequant[b] = mx_scales(m, single_step=True)
+                amax[b] = fmax_bits(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+        if const_expr(self.p_rounding == "grid"):
+            floor = cute.make_rmem_tensor(2 * blocks_per_row, Int32)
+            if const_expr(self.p_quant == "const_p"):
+                floor.fill(E4M3_FLOOR_BITS)
+            else:
+                for b in cutlass.range_constexpr(2 * blocks_per_row):
+                    floor[b] = mx_floor_bits(amax[b])
+            for i in cutlass.range_constexpr(n_pairs):
+                b = (i % 2) * blocks_per_row + (i // 2) // 4
+                for e in cutlass.range_constexpr(2):
+                    src[2 * i + e] = grid_round(src[2 * i + e], floor[b])
+                    sums[i % 8] += src[2 * i + e]
+            utils.cvt_f16(src, tOrP)
+        elif const_expr(self.p_quant == "const_p"):
+            for i in cutlass.range_constexpr(n_pairs):
+                dst[i], pair_sum = e4m3_bf16x2(src[2 * i], src[2 * i + 1], ret_sum=True)
+                sums[i % 8] += pair_sum
+        else:
+            inv_scale = cute.make_rmem_tensor(2 * blocks_per_row, Float32)
+            dequant = cute.make_rmem_tensor(2 * blocks_per_row, Int32)
+            for b in cutlass.range_constexpr(2 * blocks_per_row):
+                inv_scale[b], dequant[b] = mx_scales(amax[b], single_step=True)
             for i in cutlass.range_constexpr(n_pairs):
                 b = (i % 2) * blocks_per_row + (i // 2) // 4
                 dst[i], pair_sum = mx_bf16x2(src[2 * i], src[2 * i + 1], inv_scale[b], dequant[b], signed=False,
@@ -229,7 +255,8 @@ class MXAttentionForwardSm90(FlashAttentionForwardSm90):
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
         softmax = MXSoftmax.create(softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1],
-                                   softmax_scale=softmax_scale)
+                                   softmax_scale=softmax_scale,
+                                   p_log2_offset=CONST_P_LOG2 if const_expr(self.p_quant == "const_p") else 0)
         while work_tile.is_valid_tile:
             m_block, head_idx, batch_idx, _ = work_tile.tile_idx
             seqlen = SeqlenInfoCls(batch_idx)

@@ -87,7 +87,7 @@ class CuteAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, vb: VarlenBatch, causal: bool, precision: str, scale: float, p_quant: str):
         from flash_attn.cute import interface as fa4
 
-        from .launch import mx_forward_sm90
+        from .launch import device_arch, mx_forward
 
         if precision == "bf16":
             dt = _kernel_dtype(q)
@@ -98,8 +98,8 @@ class CuteAttention(torch.autograd.Function):
         else:
             (qd, kd, vd), _ = _operands([(q, vb.q_offsets, ORIENT_HDIM, True), (k, vb.kv_offsets, ORIENT_HDIM, True),
                                          (v, vb.kv_offsets, ORIENT_SEQ, True)], hw_cast=True)
-            out, lse = mx_forward_sm90(_repeat_q(qd, vb), kd, vd, vb.cu_q, vb.cu_k, causal=causal, scale=scale,
-                                       p_quant=p_quant)
+            out, lse = mx_forward(_repeat_q(qd, vb), kd, vd, vb.cu_q, vb.cu_k, causal=causal, scale=scale,
+                                  p_quant=p_quant, arch=device_arch(q.device))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.vb, ctx.causal, ctx.precision, ctx.scale, ctx.p_quant = vb, causal, precision, scale, p_quant
         ctx.set_materialize_grads(False)
@@ -109,7 +109,7 @@ class CuteAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         from flash_attn.cute import interface as fa4
 
-        from .launch import mx_backward_sm90
+        from .launch import device_arch, mx_backward
 
         q, k, v, out, lse = ctx.saved_tensors
         vb = ctx.vb
@@ -128,8 +128,9 @@ class CuteAttention(torch.autograd.Function):
             (qs, ks, vh, dos), _ = _operands(
                 [(q, vb.q_offsets, ORIENT_SQUARE, True), (k, vb.kv_offsets, ORIENT_SQUARE, True),
                  (v, vb.kv_offsets, ORIENT_HDIM, True), (d_out, vb.out_offsets, ORIENT_SQUARE, True)], hw_cast=True)
-            dq, dk, dv = mx_backward_sm90(_repeat_q(qs, vb), ks, vh, dos, out, do_kernel, lse, dlse, vb.cu_q, vb.cu_k,
-                                          causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant)
+            dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, do_kernel, lse, dlse, vb.cu_q, vb.cu_k,
+                                     causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
+                                     arch=device_arch(q.device))
         dq = _sum_q(dq, vb, q.shape[0])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 

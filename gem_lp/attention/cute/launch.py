@@ -18,7 +18,7 @@ from flash_attn.cute.testing import is_fake_mode
 from flash_attn.cute.utils import AuxData
 
 from .bwd_sm90 import MXAttentionBackwardSm90
-from .config import SM90_BWD, SM90_FWD
+from .config import SM90_BWD, SM90_FWD, SM90_P_ROUNDING
 from .fwd_sm90 import MXAttentionForwardSm90
 
 _COMPILED: dict[tuple, object] = {}
@@ -39,13 +39,26 @@ def _cu_tiles(cu_seqlens: torch.Tensor, tile: int) -> torch.Tensor | None:
     return fa4._compute_tile_cumsum(cu_seqlens=cu_seqlens, tile_size=tile)[0]
 
 
+def device_arch(device: torch.device) -> str:
+    """`sm_90a` / `sm_100a` of a CUDA device."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
+
+
 def _seq_tensor(t: torch.Tensor | None):
     return None if t is None else to_cute_tensor(t, assumed_align=4, leading_dim=0)
 
 
-def mx_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                    *, causal: bool, scale: float, p_quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_arch(arch: str) -> None:
+    if arch != "sm_90a":
+        raise NotImplementedError(f"the MXFP8 attention kernels are built for sm_90a; {arch} has none yet")
+
+
+def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+               *, causal: bool, scale: float, p_quant: str, arch: str, p_rounding: str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """O `[Tq, H, D]` BF16 and LSE `[H, Tq]` of the MXFP8 recipe on MX-exact BF16 operands (`fwd_sm90`)."""
+    _check_arch(arch)
     tq, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(heads, tq, dtype=torch.float32, device=q.device)
@@ -54,12 +67,13 @@ def mx_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tor
         lse.fill_(-math.inf)
         return out, lse
     tiles = SM90_FWD[dim]
+    p_rounding = p_rounding or SM90_P_ROUNDING
     cu_tiles = _cu_tiles(cu_q, tiles.tile_m)
-    key = ("mx fwd sm90", dim, causal, p_quant, tiles, cu_tiles is not None)
+    key = ("mx fwd sm90", dim, causal, p_quant, p_rounding, tiles, cu_tiles is not None)
 
     def make():
         kernel = MXAttentionForwardSm90(dim, is_causal=causal, tile_m=tiles.tile_m, tile_n=tiles.tile_n,
-                                        p_quant=p_quant)
+                                        p_quant=p_quant, p_rounding=p_rounding)
         return cute.compile(
             kernel, *(to_cute_tensor(t) for t in (q, k, v, out)), to_cute_tensor(lse, assumed_align=4), scale,
             _seq_tensor(cu_q), _seq_tensor(cu_k), None, None, None, None, None, None, None, AuxData(),
@@ -73,15 +87,16 @@ def mx_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tor
     return out, lse
 
 
-def mx_backward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, out: torch.Tensor,
-                     do_given: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, out: torch.Tensor,
+                do_given: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
+                cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str, arch: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (BF16) of the MXFP8 recipe (`bwd_sm90`).
 
     q, k, do: the `square`-quantized operands; v: `hdim`; all MX-exact BF16. `out`, `do_given` (dO as given) and
     `dlse` make Δ = rowsum(dO ⊙ O) - dLSE; `lse` `[H, Tq]` from the forward.
     """
+    _check_arch(arch)
     tq, heads, dim = q.shape
     tk = k.shape[0]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

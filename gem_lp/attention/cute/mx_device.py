@@ -48,7 +48,12 @@ def fmax_bits(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.s32 $0, $1, $2;", "=r,r,r", loc, ip))
 
 
-# PTX computing the rceil byte of the block max bits in $2 into register `byte`, and predicate `pnan` (byte 255).
+def _rceil_byte(amax: str) -> str:
+    """PTX computing the rceil byte of the block max bits in operand `amax` into register `byte`, and predicate
+    `pnan` (byte 255)."""
+    return _RCEIL_BYTE.replace("$2", amax)
+
+
 _RCEIL_BYTE = (
     ".reg .f32 d;\n\t.reg .b32 db, e, m, t, byte;\n\t.reg .pred pm, psub, pbig, pnan;\n\t"
     "mov.b32 d, $2;\n\t"
@@ -77,7 +82,7 @@ def mx_scales(amax_bits: Int32, *, single_step: bool, loc=None, ip=None) -> tupl
     else:  # byte 0 -> 2^-127 = BF16 subnormal 0x0040
         dq = ("shl.b32 t, byte, 7;\n\tsetp.eq.u32 psub, byte, 0;\n\tselp.b32 t, 0x40, t, psub;\n\t")
     body = (
-        "{\n\t" + _RCEIL_BYTE +
+        "{\n\t" + _rceil_byte("$2") +
         # 2^(127 - byte) as FP32 bits; byte <= 253 for any finite block max (the max would exceed FP32's range)
         "sub.u32 t, 254, byte;\n\tshl.b32 t, t, 23;\n\tselp.b32 $0, 0x7FC00000, t, pnan;\n\t"
         + dq +
@@ -119,6 +124,45 @@ def const_p_bf16x2(p0: Float32, p1: Float32, *, ret_sum: bool = False, loc=None,
         "fma.rn.bf16x2 $0, h, k, z;\n\t"
     )
     return _with_sum(ret_sum, body, "=r,f,f", [Float32(p0), Float32(p1)], loc, ip)
+
+
+@dsl_user_op
+def e4m3_bf16x2(x0: Float32, x1: Float32, *, ret_sum: bool = False, loc=None, ip=None):
+    """BF16x2 of e4m3(x0) (low half), e4m3(x1) (high half), 0 <= x <= 448: a payload under a fixed scale.
+    With `ret_sum`, (that, the FP32 sum of the two rounded values)."""
+    body = (
+        "{\n\t.reg .b16 e;\n\t.reg .b32 h, k, z;\n\t.reg .f32 x, y;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 e, $2, $1;\n\t"
+        "cvt.rn.f16x2.e4m3x2 h, e;\n\t"
+        "shr.b32 h, h, 3;\n\tand.b32 h, h, 0x0FFF0FFF;\n\t"
+        f"mov.b32 k, {_BF16X2_2POW112};\n\tmov.b32 z, {_BF16X2_NEG_ZERO};\n\t"
+        "fma.rn.bf16x2 $0, h, k, z;\n\t"
+    )
+    return _with_sum(ret_sum, body, "=r,f,f", [Float32(x0), Float32(x1)], loc, ip)
+
+
+# FP32 bits of 2^14: in FP32 the sum x + 2^14 has ulp 2^-9, the E4M3 subnormal step (const_p's 256 p grid).
+E4M3_FLOOR_BITS = (14 + 127) << 23
+
+
+@dsl_user_op
+def grid_round(x: Float32, floor_bits: Int32, *, loc=None, ip=None) -> Float32:
+    """x >= 0 rounded to nearest-even on an E4M3 grid, in FP32 adds: in x's binade 2^e the step is 2^(e-3), never
+    finer than the grid's subnormal step s; with C = max(2^(e+20), s * 2^23) (`floor_bits` = the bits of s * 2^23),
+    x + C has ulp = the step, so (x + C) - C is x rounded. NaN `floor_bits` give NaN. Valid while x < 2^100."""
+    body = ("{\n\t.reg .b32 c;\n\t.reg .f32 cf, r;\n\t"
+            "and.b32 c, $1, 0x7F800000;\n\tadd.s32 c, c, 0x0A000000;\n\tmax.s32 c, c, $2;\n\t"
+            "mov.b32 cf, c;\n\tadd.rn.f32 r, $1, cf;\n\tsub.rn.f32 $0, r, cf;\n\t}")
+    return Float32(_asm(T.f32(), [Float32(x), Int32(floor_bits)], body, "=f,f,r", loc, ip))
+
+
+@dsl_user_op
+def mx_floor_bits(amax_bits: Int32, *, loc=None, ip=None) -> Int32:
+    """`grid_round`'s floor for a block of |max| bits `amax_bits` under the rceil rule: the bits of
+    2^(byte - 136) * 2^23 = 2^(byte - 113), NaN for byte 255."""
+    body = ("{\n\t" + _rceil_byte("$1") +
+            "add.u32 t, byte, 14;\n\tshl.b32 t, t, 23;\n\tselp.b32 $0, 0x7FC00000, t, pnan;\n\t}")
+    return Int32(_asm(T.i32(), [Int32(amax_bits)], body, "=r,r", loc, ip))
 
 
 @dsl_user_op
