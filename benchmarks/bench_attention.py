@@ -8,8 +8,7 @@ Workloads (DESIGN.md §6; lengths lognormal, sigma 0.8, seed 0, D128):
 each non-causal and causal, forward and backward. FLOPs: forward 4 H D sum(visible pairs), backward 2.5x.
 
 Rows per workload and pass: `ours mxfp8` (`jagged_attention(precision="mxfp8")` on the cute backend, producer
-pass included), `ours mxfp8 triton` (the Triton kernels, while they exist), `ours bf16` (the cute backend: FA4
-through our API), and the peers `FA4 bf16` (`flash_attn_varlen_func`) and `torch varlen_attn bf16`; `xpeer` is the
+pass included), `ours bf16` (the cute backend: FA4 through our API), and the peers `FA4 bf16` (`flash_attn_varlen_func`) and `torch varlen_attn bf16`; `xpeer` is the
 best peer's time over the row's. Backward rows time `autograd.grad` of the op's output.
 
 Accuracy: SQNR (dB) against the FP32 reference of O, dQ, dK, dV for ours mxfp8 (const_p, dynamic), the mxfp8
@@ -68,9 +67,9 @@ def timing(bench: Bench, name: str, causal: bool) -> None:
     cu = offs.to(DEV, torch.int32)
     mx = int(lengths.max())
 
-    def ours(precision, backend="cute"):
+    def ours(precision):
         return lambda a, b, c: jagged_attention(a, b, c, offs_dev, causal=causal, precision=precision,
-                                                backend=backend)
+                                                backend="cute")
 
     def fa4(a, b, c):
         from flash_attn.cute import flash_attn_varlen_func
@@ -86,8 +85,8 @@ def timing(bench: Bench, name: str, causal: bool) -> None:
         out = varlen_attn(a, b, c, cu, cu, mx, mx, **kw)
         return out[0] if isinstance(out, tuple) else out
 
-    rows = [("ours mxfp8", ours("mxfp8"), False), ("ours mxfp8 triton", ours("mxfp8", "triton"), False),
-            ("ours bf16", ours("bf16"), False), ("FA4 bf16", fa4, True), ("torch varlen_attn bf16", varlen, True)]
+    rows = [("ours mxfp8", ours("mxfp8"), False), ("ours bf16", ours("bf16"), False), ("FA4 bf16", fa4, True),
+            ("torch varlen_attn bf16", varlen, True)]
     for label, fn, peer in rows:
         try:
             with torch.no_grad():

@@ -25,6 +25,8 @@ ARCHES = ("sm_90a", "sm_100a")
 # SM count the builds are specialized for (H200 / B200); FA4's schedulers read it from the driver otherwise.
 NUM_SMS = {"sm_90a": 132, "sm_100a": 148}
 TARGET_MODULES = ("gem_lp.attention.cute.targets",)
+# What the API runs without a CuTe kernel on an arch, said on every run for that arch.
+MISSING = {"sm_100a": ["attention fwd/bwd mxfp8: no sm_100a kernel yet (the API runs the reference recipe there)"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +109,9 @@ def run(arch: str, dump_dir: str, out=sys.stdout) -> int:
         if target.precision == "mxfp8" and arch == "sm_100a" and not any(r.block_scaled for r in reports):
             failures += 1
             print(f"{label}: FAILED no block-scaled tcgen05.mma in its PTX", file=out, flush=True)
-    print(f"{len(targets)} builds, {failures} failed", file=out, flush=True)
+    for note in MISSING.get(arch, []):
+        print(f"not built: {note}", file=out, flush=True)
+    print(f"compile_check {arch}: {len(targets) - failures} passed, {failures} failed", file=out, flush=True)
     return 1 if failures else 0
 
 

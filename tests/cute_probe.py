@@ -9,17 +9,15 @@ import torch
 from cutlass import Int32
 from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
-from gem_lp.attention.cute.mx_device import (E4M3_FLOOR_BITS, abs_bits_max, const_p_bf16x2, e4m3_bf16x2,
-                                             grid_round, mx_bf16x2, mx_floor_bits, mx_scales)
+from gem_lp.attention.cute.mx_device import abs_bits_max, const_p_bf16x2, e4m3_bf16x2, mx_bf16x2, mx_scales
 
-MODES = ("const_p", "e4m3", "block_signed", "block_p", "grid_e4m3", "grid_block")
+MODES = ("const_p", "e4m3", "block_signed", "block_p")
 
 
 class Probe:
     """mode: `const_p` (each pair through `const_p_bf16x2`), `e4m3` (`e4m3_bf16x2`), `block_signed` (the row is
     one MX block: scales by `mx_scales(single_step=False)`, pairs by signed `mx_bf16x2`; dS's path), `block_p`
-    (single-step, unsigned; dynamic P's path), `grid_e4m3` (`grid_round` on the E4M3 grid), `grid_block`
-    (`grid_round` under the row's `mx_floor_bits`)."""
+    (single-step, unsigned; dynamic P's path)."""
 
     def __init__(self, mode: str):
         self.mode = mode
@@ -39,24 +37,6 @@ class Probe:
                 for j in cutlass.range_constexpr(16):
                     y[row, j], s = convert(x[row, 2 * j], x[row, 2 * j + 1], ret_sum=True)
                     total += s
-                sums[row] = total
-            elif cutlass.const_expr(self.mode in ("grid_e4m3", "grid_block")):
-                floor = Int32(E4M3_FLOOR_BITS)
-                if cutlass.const_expr(self.mode == "grid_block"):
-                    amax = Int32(0)
-                    for j in cutlass.range_constexpr(32):
-                        amax = abs_bits_max(amax, x[row, j])
-                    floor = mx_floor_bits(amax)
-                r = cute.make_rmem_tensor(32, cutlass.Float32)
-                total = cutlass.Float32(0.0)
-                for j in cutlass.range_constexpr(32):
-                    r[j] = grid_round(x[row, j], floor)
-                    total += r[j]
-                y_bf16 = cute.make_rmem_tensor(32, cutlass.BFloat16)
-                y_bf16.store(r.load().to(cutlass.BFloat16))
-                y_i32 = cute.recast_tensor(y_bf16, Int32)
-                for j in cutlass.range_constexpr(16):
-                    y[row, j] = y_i32[j]
                 sums[row] = total
             else:
                 amax = Int32(0)

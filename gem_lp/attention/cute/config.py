@@ -32,5 +32,5 @@ SM90_BWD = {
     128: BwdTiles(64, 128, 2, 2, 2, atom_layout_n_dkv=2, atom_layout_m_dq=1, dq_swap_ab=False),
 }
 HEAD_DIMS = (64, 128)
-# How the forward rounds P to its E4M3 grid: "cvt" (hardware E4M3 conversion) or "grid" (FP32 adds).
-SM90_P_ROUNDING = "cvt"
+# Compute-capability majors with MXFP8 attention kernels (sm_90a; Blackwell's are not written yet).
+MX_ARCH_MAJORS = (9,)

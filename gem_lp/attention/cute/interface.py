@@ -5,9 +5,9 @@ Shapes follow `jagged_attention`: q `[Tq, H, D]` (`[Lq, H, D]` with broadcast_q)
 runs as B query sequences of length Lq (the shared queries repeated; their gradients summed). LSE is `[H, T]`
 inside (FA4's layout) and handed out as a `[T, H]` view.
 
-`mxfp8` operands: the producer pass (`gem_lp.attention.triton_attention._operands`, memory-bound, one launch)
-writes the MX-exact BF16 operands: forward Q, K `hdim` and V `seq`; backward Q, K, dO `square` and V `hdim`,
-blocks aligned to each sequence's first token. The kernels' outputs are BF16 (O, dQ, dK, dV), cast to the input
+`mxfp8` operands: the producer pass (`gem_lp.attention.producer`, memory-bound, one launch) writes the MX-exact
+BF16 operands: forward Q, K `hdim` and V `seq`; backward Q, K, dO `square` and V `hdim`, blocks aligned to each
+sequence's first token. The kernels' outputs are BF16 (O, dQ, dK, dV), cast to the input
 dtype.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..plan import cached_plan
-from ..triton_attention import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, _operands
+from ..producer import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, mx_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +96,9 @@ class CuteAttention(torch.autograd.Function):
                 _repeat_q(q_, vb), k_, v_, cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q,
                 max_seqlen_k=vb.max_k, softmax_scale=scale, causal=causal, return_lse=True)[:2]
         else:
-            (qd, kd, vd), _ = _operands([(q, vb.q_offsets, ORIENT_HDIM, True), (k, vb.kv_offsets, ORIENT_HDIM, True),
-                                         (v, vb.kv_offsets, ORIENT_SEQ, True)], hw_cast=True)
+            qd, kd, vd = mx_operands([(q.contiguous(), vb.q_offsets, ORIENT_HDIM),
+                                      (k.contiguous(), vb.kv_offsets, ORIENT_HDIM),
+                                      (v.contiguous(), vb.kv_offsets, ORIENT_SEQ)])
             out, lse = mx_forward(_repeat_q(qd, vb), kd, vd, vb.cu_q, vb.cu_k, causal=causal, scale=scale,
                                   p_quant=p_quant, arch=device_arch(q.device))
         ctx.save_for_backward(q, k, v, out, lse)
@@ -125,9 +126,10 @@ class CuteAttention(torch.autograd.Function):
                 _repeat_q(q_, vb), k_, v_, out, do_kernel, lse, softmax_scale=ctx.scale, causal=ctx.causal,
                 cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q, max_seqlen_k=vb.max_k, dlse=dlse)
         else:
-            (qs, ks, vh, dos), _ = _operands(
-                [(q, vb.q_offsets, ORIENT_SQUARE, True), (k, vb.kv_offsets, ORIENT_SQUARE, True),
-                 (v, vb.kv_offsets, ORIENT_HDIM, True), (d_out, vb.out_offsets, ORIENT_SQUARE, True)], hw_cast=True)
+            qs, ks, vh, dos = mx_operands([(q.contiguous(), vb.q_offsets, ORIENT_SQUARE),
+                                           (k.contiguous(), vb.kv_offsets, ORIENT_SQUARE),
+                                           (v.contiguous(), vb.kv_offsets, ORIENT_HDIM),
+                                           (d_out, vb.out_offsets, ORIENT_SQUARE)])
             dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, do_kernel, lse, dlse, vb.cu_q, vb.cu_k,
                                      causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
                                      arch=device_arch(q.device))

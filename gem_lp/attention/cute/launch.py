@@ -18,7 +18,7 @@ from flash_attn.cute.testing import is_fake_mode
 from flash_attn.cute.utils import AuxData
 
 from .bwd_sm90 import MXAttentionBackwardSm90
-from .config import SM90_BWD, SM90_FWD, SM90_P_ROUNDING
+from .config import SM90_BWD, SM90_FWD, FwdTiles
 from .fwd_sm90 import MXAttentionForwardSm90
 
 _COMPILED: dict[tuple, object] = {}
@@ -55,9 +55,10 @@ def _check_arch(arch: str) -> None:
 
 
 def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-               *, causal: bool, scale: float, p_quant: str, arch: str, p_rounding: str | None = None
+               *, causal: bool, scale: float, p_quant: str, arch: str, tiles: FwdTiles | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O `[Tq, H, D]` BF16 and LSE `[H, Tq]` of the MXFP8 recipe on MX-exact BF16 operands (`fwd_sm90`)."""
+    """O `[Tq, H, D]` BF16 and LSE `[H, Tq]` of the MXFP8 recipe on MX-exact BF16 operands (`fwd_sm90`);
+    `tiles` overrides the launch table (for measurements)."""
     _check_arch(arch)
     tq, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -66,14 +67,13 @@ def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    tiles = SM90_FWD[dim]
-    p_rounding = p_rounding or SM90_P_ROUNDING
+    tiles = tiles or SM90_FWD[dim]
     cu_tiles = _cu_tiles(cu_q, tiles.tile_m)
-    key = ("mx fwd sm90", dim, causal, p_quant, p_rounding, tiles, cu_tiles is not None)
+    key = ("mx fwd sm90", dim, causal, p_quant, tiles, cu_tiles is not None)
 
     def make():
         kernel = MXAttentionForwardSm90(dim, is_causal=causal, tile_m=tiles.tile_m, tile_n=tiles.tile_n,
-                                        p_quant=p_quant, p_rounding=p_rounding)
+                                        p_quant=p_quant)
         return cute.compile(
             kernel, *(to_cute_tensor(t) for t in (q, k, v, out)), to_cute_tensor(lse, assumed_align=4), scale,
             _seq_tensor(cu_q), _seq_tensor(cu_k), None, None, None, None, None, None, None, AuxData(),

@@ -141,30 +141,6 @@ def e4m3_bf16x2(x0: Float32, x1: Float32, *, ret_sum: bool = False, loc=None, ip
     return _with_sum(ret_sum, body, "=r,f,f", [Float32(x0), Float32(x1)], loc, ip)
 
 
-# FP32 bits of 2^14: in FP32 the sum x + 2^14 has ulp 2^-9, the E4M3 subnormal step (const_p's 256 p grid).
-E4M3_FLOOR_BITS = (14 + 127) << 23
-
-
-@dsl_user_op
-def grid_round(x: Float32, floor_bits: Int32, *, loc=None, ip=None) -> Float32:
-    """x >= 0 rounded to nearest-even on an E4M3 grid, in FP32 adds: in x's binade 2^e the step is 2^(e-3), never
-    finer than the grid's subnormal step s; with C = max(2^(e+20), s * 2^23) (`floor_bits` = the bits of s * 2^23),
-    x + C has ulp = the step, so (x + C) - C is x rounded. NaN `floor_bits` give NaN. Valid while x < 2^100."""
-    body = ("{\n\t.reg .b32 c;\n\t.reg .f32 cf, r;\n\t"
-            "and.b32 c, $1, 0x7F800000;\n\tadd.s32 c, c, 0x0A000000;\n\tmax.s32 c, c, $2;\n\t"
-            "mov.b32 cf, c;\n\tadd.rn.f32 r, $1, cf;\n\tsub.rn.f32 $0, r, cf;\n\t}")
-    return Float32(_asm(T.f32(), [Float32(x), Int32(floor_bits)], body, "=f,f,r", loc, ip))
-
-
-@dsl_user_op
-def mx_floor_bits(amax_bits: Int32, *, loc=None, ip=None) -> Int32:
-    """`grid_round`'s floor for a block of |max| bits `amax_bits` under the rceil rule: the bits of
-    2^(byte - 136) * 2^23 = 2^(byte - 113), NaN for byte 255."""
-    body = ("{\n\t" + _rceil_byte("$1") +
-            "add.u32 t, byte, 14;\n\tshl.b32 t, t, 23;\n\tselp.b32 $0, 0x7FC00000, t, pnan;\n\t}")
-    return Int32(_asm(T.i32(), [Int32(amax_bits)], body, "=r,r", loc, ip))
-
-
 @dsl_user_op
 def mx_bf16x2(x0: Float32, x1: Float32, inv_scale: Float32, dequant: Int32, *, signed: bool,
               single_step: bool, ret_sum: bool = False, loc=None, ip=None):

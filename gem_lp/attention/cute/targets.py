@@ -44,6 +44,11 @@ def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arc
 
 
 def compile_targets(arch: str) -> list[CompileTarget]:
+    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist (sm_90a: the public API
+    runs the reference for mxfp8 on other GPUs)."""
+    from .config import MX_ARCH_MAJORS
+
+    with_mx = int(arch[3:-1]) // 10 in MX_ARCH_MAJORS
     targets = []
     for dim in HEAD_DIMS:
         for causal in (False, True):
@@ -52,7 +57,7 @@ def compile_targets(arch: str) -> list[CompileTarget]:
                 for direction in ("fwd", "bwd"):
                     targets.append(CompileTarget("attention", direction, "bf16", mode,
                                                  partial(_bf16, direction, dim, causal, batch)))
-                    for p_quant in ("const_p", "dynamic"):
+                    for p_quant in ("const_p", "dynamic") if with_mx else ():
                         targets.append(CompileTarget("attention", direction, "mxfp8", f"{mode} {p_quant}",
                                                      partial(_mxfp8, direction, dim, causal, batch, p_quant, arch)))
     return targets
