@@ -51,9 +51,10 @@ class KernelReport:
 
 def mma_counts(ptx: str) -> tuple[int, int, int]:
     """(wgmma, tcgen05.mma, block-scaled tcgen05.mma) instructions in a PTX text."""
-    lines = ptx.splitlines()
-    wgmma = sum(1 for s in lines if re.search(r"^\s*wgmma\.mma_async", s))
-    tc = [s for s in lines if re.search(r"^\s*tcgen05\.mma\b", s)]
+    # an instruction may carry a guard predicate (`@p tcgen05.mma ...`); comments do not count
+    lines = [s.split("//")[0] for s in ptx.splitlines()]
+    wgmma = sum(1 for s in lines if re.search(r"^\s*(@!?\w+\s+)?wgmma\.mma_async", s))
+    tc = [s for s in lines if re.search(r"^\s*(@!?\w+\s+)?tcgen05\.mma\b", s)]
     return wgmma, len(tc), sum(1 for s in tc if "block_scale" in s)
 
 
@@ -86,7 +87,6 @@ def run(arch: str, dump_dir: str, out=sys.stdout) -> int:
     targets = [t for name in TARGET_MODULES for t in importlib.import_module(name).compile_targets(arch)]
     for target in targets:
         label = f"{target.op} {target.direction:3s} {target.precision:5s} {arch:7s} {target.mode}"
-        before = set(os.listdir(dump_dir))
         t0 = time.time()
         try:
             with FakeTensorMode():
@@ -96,7 +96,9 @@ def run(arch: str, dump_dir: str, out=sys.stdout) -> int:
             print(f"{label}: BUILD FAILED {type(exc).__name__}: {str(exc)[:300]}", file=out, flush=True)
             traceback.print_exc(limit=3, file=sys.stderr)
             continue
-        new = sorted(f for f in set(os.listdir(dump_dir)) - before if f.endswith(".ptx"))
+        # a build writes its PTX files anew (a kernel built again overwrites its file of the same name)
+        new = sorted(f for f in os.listdir(dump_dir)
+                     if f.endswith(".ptx") and os.path.getmtime(os.path.join(dump_dir, f)) >= t0)
         reports = []
         for f in new:
             with open(os.path.join(dump_dir, f)) as fh:
