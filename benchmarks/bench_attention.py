@@ -8,8 +8,9 @@ Workloads (DESIGN.md §6; lengths lognormal, sigma 0.8, seed 0, D128):
 each non-causal and causal, forward and backward. FLOPs: forward 4 H D sum(visible pairs), backward 2.5x.
 
 Rows per workload and pass: `ours mxfp8` (`jagged_attention(precision="mxfp8")` on the cute backend, producer
-pass included), `ours bf16` (the cute backend: FA4 through our API), and the peers `FA4 bf16` (`flash_attn_varlen_func`) and `torch varlen_attn bf16`; `xpeer` is the
-best peer's time over the row's. Backward rows time `autograd.grad` of the op's output.
+pass included), `ours bf16` (the cute backend: FA4 through our API), and the peers `FA4 bf16`
+(`flash_attn_varlen_func`) and `torch varlen_attn bf16`; `xpeer` is the best peer's time over the row's. Backward
+rows time `autograd.grad` of the op's output.
 
 Accuracy: SQNR (dB) against the FP32 reference of O, dQ, dK, dV for ours mxfp8 (const_p, dynamic), the mxfp8
 reference recipe, ours bf16, and ours mxfp8 against the reference recipe, on randn inputs.

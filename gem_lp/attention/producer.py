@@ -6,6 +6,7 @@ writes that operand, quantizing each MX block of the recipe (docs/numerics.md): 
 (32 tokens x 1 feature) and `square` (32 tokens x 32 features), token blocks aligned to each sequence's first
 token. Memory-bound: it ran at 92-94% of copy bandwidth on the H200 (docs/PERF.md).
 
+Inputs may be views with a token stride larger than H x D (q, k, v of a fused projection's output).
 A program takes a ROWS-token chunk of one sequence and one head; each thread a strip of THREAD_ROWS tokens x 8
 features (`gem_lp.mx.triton_quantize.tile_axes`): one 16-byte load and store per token row, the 32-token max
 mostly inside the thread, the 32-feature max across 4 lanes. Up to four tensors, each with its own offsets,
@@ -79,7 +80,7 @@ def _mx_round(x, byte, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _produce(x_ptr, out_ptr, chunk_seq_ptr, offsets_ptr, chunk_offsets_ptr, chunk, h, H, D: tl.constexpr,
+def _produce(x_ptr, x_row_stride, out_ptr, chunk_seq_ptr, offsets_ptr, chunk_offsets_ptr, chunk, h, H, D: tl.constexpr,
              ROWS: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
              ORIENT: tl.constexpr, HW_CAST: tl.constexpr, INTERPRET: tl.constexpr):
     """One ROWS-token chunk (aligned to its sequence's start) of one head: the MX-exact operand."""
@@ -91,9 +92,11 @@ def _produce(x_ptr, out_ptr, chunk_seq_ptr, offsets_ptr, chunk_offsets_ptr, chun
         g, c, cb, mb, r, e = tile_axes(ROWS // 32, D // 32, THREAD_ROWS, ROW_BLOCKS_IN_THREAD)
         t = mb * 32 + c * THREAD_ROWS + r
         valid = t < n_valid
-        base = (tok0 * H + h) * D  # int64 start of the chunk's first row; offsets inside it fit in int32
-        off = t * (H * D) + (cb * 32 + g * 8 + e)
-        x = _to_f32(tl.load(x_ptr + base + off, mask=valid, other=0.0))
+        # int64 starts of the chunk's first row; offsets inside the chunk fit in int32
+        base = (tok0 * H + h) * D
+        x_base = tok0 * x_row_stride + h * D
+        col = cb * 32 + g * 8 + e
+        x = _to_f32(tl.load(x_ptr + x_base + (t * x_row_stride + col), mask=valid, other=0.0))
         if ORIENT == 1:  # hdim: 1x32 along D
             amax = max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD)
         elif ORIENT == 2:  # seq: 32 tokens x 1 feature (rows past the sequence are 0: never the max)
@@ -101,13 +104,13 @@ def _produce(x_ptr, out_ptr, chunk_seq_ptr, offsets_ptr, chunk_offsets_ptr, chun
         else:  # square: 32 tokens x 32 features
             amax = max_cols_of_blocks(max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD), ROW_BLOCKS_IN_THREAD)
         y = _mx_round(x, scale_byte(amax, True), HW_CAST)
-        tl.store(out_ptr + base + off, _cast_bf16(y, INTERPRET), mask=valid)
+        tl.store(out_ptr + base + (t * (H * D) + col), _cast_bf16(y, INTERPRET), mask=valid)
 
 
 @triton.jit
 def _producer_kernel(
-    x0, out0, seq0, offs0, coffs0, x1, out1, seq1, offs1, coffs1, x2, out2, seq2, offs2, coffs2,
-    x3, out3, seq3, offs3, coffs3, H,
+    x0, rs0, out0, seq0, offs0, coffs0, x1, rs1, out1, seq1, offs1, coffs1, x2, rs2, out2, seq2, offs2, coffs2,
+    x3, rs3, out3, seq3, offs3, coffs3, H,
     D: tl.constexpr, ROWS: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     ORIENT0: tl.constexpr, ORIENT1: tl.constexpr, ORIENT2: tl.constexpr, ORIENT3: tl.constexpr,
     HW_CAST: tl.constexpr, INTERPRET: tl.constexpr,
@@ -119,16 +122,16 @@ def _producer_kernel(
     h = pid % H
     t = tl.program_id(1)
     if t == 0:
-        _produce(x0, out0, seq0, offs0, coffs0, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT0,
+        _produce(x0, rs0, out0, seq0, offs0, coffs0, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT0,
                  HW_CAST, INTERPRET)
     elif t == 1:
-        _produce(x1, out1, seq1, offs1, coffs1, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT1,
+        _produce(x1, rs1, out1, seq1, offs1, coffs1, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT1,
                  HW_CAST, INTERPRET)
     elif t == 2:
-        _produce(x2, out2, seq2, offs2, coffs2, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT2,
+        _produce(x2, rs2, out2, seq2, offs2, coffs2, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT2,
                  HW_CAST, INTERPRET)
     else:
-        _produce(x3, out3, seq3, offs3, coffs3, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT3,
+        _produce(x3, rs3, out3, seq3, offs3, coffs3, chunk, h, H, D, ROWS, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ORIENT3,
                  HW_CAST, INTERPRET)
 
 
@@ -153,8 +156,10 @@ def mx_operands(specs) -> list[torch.Tensor]:
     """The MX-exact BF16 operands of up to four `[T, H, D]` tensors (one H and D), in one launch.
 
     Args:
-        specs: list of (x, offsets, orient): x float32/bfloat16/float16 contiguous `[T, H, D]`, D a multiple of
-            32; offsets `[B+1]` int64 on x's device (tokens of each sequence); orient one of `ORIENTS`.
+        specs: list of (x, offsets, orient): x float32/bfloat16/float16 `[T, H, D]` with contiguous heads and
+            features (the token stride may be larger: a view into a fused QKV output is read in place), D a
+            multiple of 32; offsets `[B+1]` int64 on x's device (tokens of each sequence); orient one of
+            `ORIENTS`.
     Returns:
         the BF16 operands, in the order of `specs`.
     """
@@ -163,8 +168,9 @@ def mx_operands(specs) -> list[torch.Tensor]:
     heads, dim = specs[0][0].shape[1], specs[0][0].shape[2]
     dev = specs[0][0].device
     for x, offsets, orient in specs:
-        if x.dim() != 3 or x.shape[1:] != (heads, dim) or not x.is_contiguous():
-            raise ValueError(f"each tensor must be contiguous [T, {heads}, {dim}], got {tuple(x.shape)}")
+        if x.dim() != 3 or x.shape[1:] != (heads, dim) or x.stride(2) != 1 or x.stride(1) != dim:
+            raise ValueError(f"each tensor must be [T, {heads}, {dim}] with contiguous heads and features, got "
+                             f"shape {tuple(x.shape)} strides {x.stride()}")
         if orient not in ORIENTS:
             raise ValueError(f"orient must be one of {ORIENTS}, got {orient!r}")
     if dim % MX_BLOCK:
@@ -187,10 +193,10 @@ def mx_operands(specs) -> list[torch.Tensor]:
             seq, chunk_offsets, n = maps[id(offsets)]
             if n < upper:  # programs past this tensor's chunks read -1 and return
                 seq = torch.cat([seq, none[: upper - n]])
-            args += [x, outs[i], seq, offsets, chunk_offsets]
+            args += [x, x.stride(0), outs[i], seq, offsets, chunk_offsets]
             orients.append(orient)
         else:  # unused slot: never launched (grid dim 1 = len(specs))
-            args += [specs[0][0], outs[0], none, specs[0][1], specs[0][1]]
+            args += [specs[0][0], specs[0][0].stride(0), outs[0], none, specs[0][1], specs[0][1]]
             orients.append(ORIENT_HDIM)
     _producer_kernel[(upper * heads, len(specs))](
         *args, heads, D=dim, ROWS=rows, THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=row_blocks_in_thread,

@@ -53,7 +53,8 @@ def test_nan_blocks_and_empty_batches():
     x = randn(40, 1, 64)
     x[3, 0, 5] = float("nan")
     (sq,) = mx_operands([(x, offs, ORIENT_SQUARE)])
-    assert torch.isnan(sq[:32, 0, :32]).all() and not torch.isnan(sq[32:]).any() and not torch.isnan(sq[:, :, 32:]).any()
+    assert torch.isnan(sq[:32, 0, :32]).all()
+    assert not torch.isnan(sq[32:]).any() and not torch.isnan(sq[:, :, 32:]).any()
     for lengths in ([], [0, 0]):
         o = offsets_of(lengths)
         (out,) = mx_operands([(torch.zeros(0, 2, 64, device=DEV), o, ORIENT_HDIM)])
@@ -68,3 +69,17 @@ def test_argument_errors():
         mx_operands([(randn(4, 1, 64), offs, 7)])
     with pytest.raises(ValueError, match="1 to 4"):
         mx_operands([(randn(4, 1, 64), offs, ORIENT_HDIM)] * 5)
+
+
+def test_strided_token_rows_are_read_in_place():
+    """q, k, v as views of a fused [T, 3, H, D] projection give the same operands as contiguous copies."""
+    offs = offsets_of([33, 0, 64])
+    qkv = randn(97, 3 * 2, 64).view(97, 3, 2, 64)
+    views = qkv.unbind(1)
+    got = mx_operands([(views[0], offs, ORIENT_HDIM), (views[1], offs, ORIENT_SQUARE), (views[2], offs, ORIENT_SEQ)])
+    want = mx_operands([(views[0].contiguous(), offs, ORIENT_HDIM), (views[1].contiguous(), offs, ORIENT_SQUARE),
+                        (views[2].contiguous(), offs, ORIENT_SEQ)])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="contiguous heads and features"):
+        mx_operands([(qkv.permute(0, 2, 1, 3)[:, 0], offs, ORIENT_HDIM)])

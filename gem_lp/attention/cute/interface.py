@@ -70,6 +70,12 @@ def _kernel_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the producer pass reads it: token rows may be strided (a view into a fused projection), heads and
+    features contiguous."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def _repeat_q(q: torch.Tensor, vb: VarlenBatch) -> torch.Tensor:
     return q.repeat(vb.batch, 1, 1) if vb.broadcast_q else q
 
@@ -96,9 +102,8 @@ class CuteAttention(torch.autograd.Function):
                 _repeat_q(q_, vb), k_, v_, cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q,
                 max_seqlen_k=vb.max_k, softmax_scale=scale, causal=causal, return_lse=True)[:2]
         else:
-            qd, kd, vd = mx_operands([(q.contiguous(), vb.q_offsets, ORIENT_HDIM),
-                                      (k.contiguous(), vb.kv_offsets, ORIENT_HDIM),
-                                      (v.contiguous(), vb.kv_offsets, ORIENT_SEQ)])
+            qd, kd, vd = mx_operands([(_rows(q), vb.q_offsets, ORIENT_HDIM), (_rows(k), vb.kv_offsets, ORIENT_HDIM),
+                                      (_rows(v), vb.kv_offsets, ORIENT_SEQ)])
             out, lse = mx_forward(_repeat_q(qd, vb), kd, vd, vb.cu_q, vb.cu_k, causal=causal, scale=scale,
                                   p_quant=p_quant, arch=device_arch(q.device))
         ctx.save_for_backward(q, k, v, out, lse)
@@ -126,9 +131,9 @@ class CuteAttention(torch.autograd.Function):
                 _repeat_q(q_, vb), k_, v_, out, do_kernel, lse, softmax_scale=ctx.scale, causal=ctx.causal,
                 cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q, max_seqlen_k=vb.max_k, dlse=dlse)
         else:
-            qs, ks, vh, dos = mx_operands([(q.contiguous(), vb.q_offsets, ORIENT_SQUARE),
-                                           (k.contiguous(), vb.kv_offsets, ORIENT_SQUARE),
-                                           (v.contiguous(), vb.kv_offsets, ORIENT_HDIM),
+            qs, ks, vh, dos = mx_operands([(_rows(q), vb.q_offsets, ORIENT_SQUARE),
+                                           (_rows(k), vb.kv_offsets, ORIENT_SQUARE),
+                                           (_rows(v), vb.kv_offsets, ORIENT_HDIM),
                                            (d_out, vb.out_offsets, ORIENT_SQUARE)])
             dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, do_kernel, lse, dlse, vb.cu_q, vb.cu_k,
                                      causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,

@@ -94,7 +94,8 @@ def mx_scales(amax_bits: Int32, *, single_step: bool, loc=None, ip=None) -> tupl
 
 
 # PTX appended to a conversion whose BF16x2 result is in $0: $1 = the FP32 sum of its two halves.
-_PAIR_SUM = "shl.b32 k, $0, 16;\n\tand.b32 z, $0, 0xFFFF0000;\n\tmov.b32 x, k;\n\tmov.b32 y, z;\n\tadd.rn.f32 $1, x, y;\n\t"
+_PAIR_SUM = ("shl.b32 k, $0, 16;\n\tand.b32 z, $0, 0xFFFF0000;\n\tmov.b32 x, k;\n\tmov.b32 y, z;\n\t"
+             "add.rn.f32 $1, x, y;\n\t")
 
 
 def _with_sum(ret_sum: bool, body: str, constraints: str, args, loc, ip):
