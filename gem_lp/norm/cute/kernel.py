@@ -87,7 +87,8 @@ class NormMXCast(ReductionBase):
                                               is_async=True)
         self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy).launch(
             grid=[row_blocks, self.cluster_n, 1], block=[self.num_threads, 1, 1],
-            cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1) else None, stream=stream)
+            cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1 and self.normalize) else None,
+            stream=stream)
 
     # ------------------------------------------------------------------ addresses
 

@@ -14,7 +14,7 @@ from quack.cute_dsl_utils import torch2cute_dtype_map
 
 from ...mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div
 from ...mx.layout import blocked_size
-from .config import NormLaunch, launch_for, max_k
+from .config import MAX_CLUSTER, MAX_TILE_K, NormLaunch, launch_for, max_k
 from .kernel import NormMXCast
 
 # Rows of the colwise payload `y^T [K, M]` start 16 bytes apart (a GEMM's TMA wants 16-byte strides; the kernel's
@@ -35,6 +35,11 @@ class NormCastOutputs:
     col_data: torch.Tensor
     col_scale: torch.Tensor
     rstd: torch.Tensor | None
+
+
+def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized output buffer (the kernel writes every byte; tests fill these with garbage to check that)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def colwise_row_stride(M: int) -> int:
@@ -85,7 +90,8 @@ def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str = "rceil",
-                 blocked_scales: bool = True, arch: str | None = None) -> NormCastOutputs:
+                 blocked_scales: bool = True, arch: str | None = None,
+                 launch: NormLaunch | None = None) -> NormCastOutputs:
     """RMSNorm of `x [M, K]` (or x itself when `weight` is None) cast to MXFP8 rowwise and colwise, one launch.
 
     Args:
@@ -95,6 +101,8 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         scaling: "rceil" or "floor".
         blocked_scales: scales in the 128x4 blocked layout (with its zero padding) instead of plain matrices.
         arch: the build's target (default: the device's); for builds without a GPU.
+        launch: another launch than the table's (`config.NormLaunch`; benchmarks compare them). The bytes written do
+            not depend on it.
     """
     M, K = x.shape
     dev = x.device
@@ -103,23 +111,28 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     if normalize:
         weight = weight.contiguous()
     k_blocks, m_blocks = K // BLOCK, ceil_div(M, BLOCK)
-    row_data = torch.empty(M, K, dtype=PAYLOAD_DTYPE, device=dev)
+    row_data = _new_buffer((M, K), PAYLOAD_DTYPE, dev)
     stride = colwise_row_stride(M)
-    col_buf = torch.empty(K * stride, dtype=PAYLOAD_DTYPE, device=dev)
+    col_buf = _new_buffer((K * stride,), PAYLOAD_DTYPE, dev)
     col_data = col_buf.as_strided((K, M), (stride, 1))
     if blocked_scales:
-        row_scale = torch.empty(blocked_size(M, k_blocks), dtype=SCALE_DTYPE, device=dev)
-        col_scale = torch.empty(blocked_size(K, m_blocks), dtype=SCALE_DTYPE, device=dev)
+        row_scale = _new_buffer((blocked_size(M, k_blocks),), SCALE_DTYPE, dev)
+        col_scale = _new_buffer((blocked_size(K, m_blocks),), SCALE_DTYPE, dev)
     else:
-        row_scale = torch.empty(M, k_blocks, dtype=SCALE_DTYPE, device=dev)
-        col_scale = torch.empty(K, m_blocks, dtype=SCALE_DTYPE, device=dev)
-    rstd = torch.empty(M, dtype=torch.float32, device=dev) if normalize else None
+        row_scale = _new_buffer((M, k_blocks), SCALE_DTYPE, dev)
+        col_scale = _new_buffer((K, m_blocks), SCALE_DTYPE, dev)
+    rstd = _new_buffer((M,), torch.float32, dev) if normalize else None
     out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd)
     if M == 0:
         return out
-    arch = arch or device_arch(dev)
+    if launch is None:
+        launch = launch_for(arch or device_arch(dev), K)
+    elif not (launch.tile_k % 128 == 0 and 0 < launch.tile_k <= MAX_TILE_K and launch.cluster_n <= MAX_CLUSTER
+              and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k):
+        raise ValueError(f"launch {launch} does not cover K={K} (tile_k a multiple of 128 up to {MAX_TILE_K}, "
+                         f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns)")
     fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[weight.dtype] if normalize else None, K,
-                launch_for(arch, K), normalize, scaling == "rceil", blocked_scales)
+                launch, normalize, scaling == "rceil", blocked_scales)
     if not is_fake_mode():
         fn(x, weight, row_data.view(torch.uint8).view(-1), row_scale.view(-1), col_buf.view(torch.uint8),
            col_scale.view(-1), rstd, stride, float(eps))
