@@ -82,26 +82,19 @@ def payload_word(y0: Float32, y1: Float32, y2: Float32, y3: Float32, inv: Float3
 
 
 @dsl_user_op
-def store_u8(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr), Int32(v)], "{\n\t.reg .b16 h;\n\tcvt.u16.u32 h, $1;\n\tst.global.u8 [$0], h;\n\t}",
-         "l,r", loc, ip, side_effects=True)
+def store_u8(addr: Int64, offset: int, v: Int32, ok: Int32, *, loc=None, ip=None) -> None:
+    """The low byte of `v` to global `addr + offset` (a constant) when `ok` != 0 (a predicated store, no branch)."""
+    _asm(None, [Int64(addr), Int32(v), Int32(ok)],
+         "{\n\t.reg .b16 h;\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tcvt.u16.u32 h, $1;\n\t"
+         f"@p st.global.u8 [$0+{int(offset)}], h;\n\t}}", "l,r,r", loc, ip, side_effects=True)
 
 
 @dsl_user_op
-def store_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr), Int32(v)], "st.global.b32 [$0], $1;", "l,r", loc, ip, side_effects=True)
-
-
-@dsl_user_op
-def store_v2_u32(addr: Int64, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr), Int32(a), Int32(b)], "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", loc, ip,
-         side_effects=True)
-
-
-@dsl_user_op
-def store_v4_u32(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-         "l,r,r,r,r", loc, ip, side_effects=True)
+def store_v2_u32(addr: Int64, offset: int, a: Int32, b: Int32, ok: Int32, *, loc=None, ip=None) -> None:
+    """Eight bytes (a low) to global `addr + offset` (8-byte aligned; `offset` a constant) when `ok` != 0."""
+    _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(ok)],
+         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\t"
+         f"@p st.global.v2.b32 [$0+{int(offset)}], {{$1, $2}};\n\t}}", "l,r,r,r", loc, ip, side_effects=True)
 
 
 @dsl_user_op

@@ -135,11 +135,11 @@ class NormMXCast(ReductionBase):
             r = idx // blocks_here
             c = k0 // BLOCK + idx % blocks_here
             if idx < BLOCK * blocks_here and c < self.row_scale_tiles * 4:
-                store_u8(row_s + self._row_scale_offset(m0 + r, c), Int32(0))
+                store_u8(row_s + self._row_scale_offset(m0 + r, c), 0, Int32(0), Int32(1))
         for it in cutlass.range_constexpr(cute.ceil_div(self.tile_k, self.num_threads)):
             k = k0 + tidx + it * self.num_threads
             if k < self.k_pad128:
-                store_u8(col_s + self._col_scale_offset(k, bidx, col_blocks), Int32(0))
+                store_u8(col_s + self._col_scale_offset(k, bidx, col_blocks), 0, Int32(0), Int32(1))
 
     @cute.jit
     def _row_block(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx,
@@ -257,13 +257,13 @@ class NormMXCast(ReductionBase):
         row_amax = cute.make_rmem_tensor(cute.make_layout(STRIP_ROWS), Float32)
         col_amax = cute.make_rmem_tensor(cute.make_layout(STRIP_COLS), Float32)
         for r in cutlass.range_constexpr(STRIP_ROWS):
-            a = Float32(0.0)
-            for v in cutlass.range_constexpr(STRIP_COLS):
+            a = abs_max_nan(y[0, r], y[1, r])
+            for v in cutlass.range_constexpr(2, STRIP_COLS):
                 a = abs_max_nan(a, y[v, r])
             row_amax[r] = a
         for v in cutlass.range_constexpr(STRIP_COLS):
-            a = Float32(0.0)
-            for r in cutlass.range_constexpr(STRIP_ROWS):
+            a = abs_max_nan(y[v, 0], y[v, 1])
+            for r in cutlass.range_constexpr(2, STRIP_ROWS):
                 a = abs_max_nan(a, y[v, r])
             col_amax[v] = a
         for r in cutlass.range_constexpr(STRIP_ROWS):
@@ -273,49 +273,66 @@ class NormMXCast(ReductionBase):
             for step in cutlass.range_constexpr(2):
                 col_amax[v] = abs_max_nan(col_amax[v], cute.arch.shuffle_sync_bfly(col_amax[v], offset=8 << step))
 
-        # 5. rowwise cast: 8 payload bytes per row, the scale byte from the block's first lane
-        row_q = mRowQ.iterator.toint()
-        row_s = mRowS.iterator.toint()
-        cb = k // BLOCK
+        # 5. rowwise cast: 8 payload bytes per row of the strip; the block's scale byte from its first lane (kq 0).
+        # Addresses: a base per thread plus constant offsets (rows are K bytes apart; in the blocked layout the
+        # strip's 8 rows are consecutive rows of one 32-row group, 16 bytes apart).
+        strip_m = m0 + mq * STRIP_ROWS
+        valid_rows = M - strip_m  # rows r < valid_rows exist
+        cb = k >> 5
+        k_ok_i = Int32(1)
+        if const_expr(not self.even_k):
+            k_ok_i = Int32(k_ok)
+        row_q = mRowQ.iterator.toint() + Int64(strip_m) * K + Int64(k)
+        if const_expr(self.blocked):
+            row_s = mRowS.iterator.toint() + Int64(((m0 >> 7) * self.row_scale_tiles + (cb >> 2)) * 512
+                                                   + mq * STRIP_ROWS * 16 + ((m0 >> 5) & 3) * 4 + (cb & 3))
+            row_s_step = 16
+        else:
+            row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)
+            row_s_step = self.k_blocks
+        lead_k = Int32(kq == 0) * k_ok_i
         for r in cutlass.range_constexpr(STRIP_ROWS):
-            m = m0 + mq * STRIP_ROWS + r
             byte = scale_byte(row_amax[r], rceil=self.rceil)
             inv = inv_scale(byte)
             lo = payload_word(y[0, r], y[1, r], y[2, r], y[3, r], inv, byte)
             hi = payload_word(y[4, r], y[5, r], y[6, r], y[7, r], inv, byte)
-            if k_ok:
-                if m < M:
-                    store_v2_u32(row_q + Int64(m) * K + Int64(k), lo, hi)
-                if kq == 0:
-                    if const_expr(self.blocked):  # rows up to the 128-row padding get a byte (0 past M)
-                        store_u8(row_s + self._row_scale_offset(m, cb), byte if m < M else Int32(0))
-                        if const_expr(self.k_blocks % 4 != 0):
-                            if cb == self.k_blocks - 1:
-                                for extra in cutlass.range_constexpr(4 - self.k_blocks % 4):
-                                    store_u8(row_s + self._row_scale_offset(m, cb + 1 + extra), Int32(0))
-                    else:
-                        if m < M:
-                            store_u8(row_s + self._row_scale_offset(m, cb), byte)
+            row_ok = Int32(r < valid_rows) * k_ok_i
+            store_v2_u32(row_q, r * K, lo, hi, row_ok)
+            if const_expr(self.blocked):  # rows up to the 128-row padding get a byte (0 past M)
+                store_u8(row_s, r * row_s_step, byte * Int32(r < valid_rows), lead_k)
+            else:
+                store_u8(row_s, r * row_s_step, byte, row_ok * Int32(kq == 0))
+        if const_expr(self.blocked and self.k_blocks % 4 != 0):
+            # the zero columns of the last 4-column group of the row scales, by the lane of the last block
+            if cb == self.k_blocks - 1:
+                for r in cutlass.range_constexpr(STRIP_ROWS):
+                    for extra in cutlass.range_constexpr(4 - self.k_blocks % 4):
+                        store_u8(row_s, r * row_s_step + 1 + extra, Int32(0), lead_k)
 
-        # 6. colwise cast: y^T rows k + v, bytes m0 + 8 mq .. + 8
-        col_q = mColQ.iterator.toint()
-        col_s = mColS.iterator.toint()
-        m_strip = m0 + mq * STRIP_ROWS
+        # 6. colwise cast: y^T rows k + v, bytes strip_m .. + 8 (inside the 16-byte aligned row when strip_m < M);
+        # the column's scale byte from the first strip (mq 0). In the blocked layout the strip's 8 columns are
+        # consecutive rows of one 32-row group of the [K, ceil(M/32)] scale matrix, 16 bytes apart.
+        col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
+        if const_expr(self.blocked):
+            col_s = mColS.iterator.toint() + Int64(((k >> 7) * ((col_blocks + 3) >> 2) + (bidx >> 2)) * 512
+                                                   + (k & 31) * 16 + ((k >> 5) & 3) * 4 + (bidx & 3))
+        else:
+            col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)
+        strip_ok = Int32(strip_m < M) * k_ok_i
+        lead_m = Int32(mq == 0)
         for v in cutlass.range_constexpr(STRIP_COLS):
             byte = scale_byte(col_amax[v], rceil=self.rceil)
             inv = inv_scale(byte)
             lo = payload_word(y[v, 0], y[v, 1], y[v, 2], y[v, 3], inv, byte)
             hi = payload_word(y[v, 4], y[v, 5], y[v, 6], y[v, 7], inv, byte)
-            if k_ok:
-                if m_strip < M:
-                    store_v2_u32(col_q + Int64(k + v) * Int64(col_stride) + Int64(m_strip), lo, hi)
-                if mq == 0:
-                    store_u8(col_s + self._col_scale_offset(k + v, bidx, col_blocks), byte)
+            store_v2_u32(col_q + Int64(v) * Int64(col_stride), 0, lo, hi, strip_ok)
+            if const_expr(self.blocked):
+                if const_expr(self.even_k):
+                    store_u8(col_s, v * 16, byte, lead_m)
+                else:  # columns past K up to 128 are padding rows of the colwise scale matrix: zeros
+                    store_u8(col_s, v * 16, byte * k_ok_i, lead_m * Int32(k + v < self.k_pad128))
             else:
-                if const_expr(self.blocked):  # padding rows of the colwise scale matrix, up to 128
-                    if mq == 0:
-                        if k + v < self.k_pad128:
-                            store_u8(col_s + self._col_scale_offset(k + v, bidx, col_blocks), Int32(0))
+                store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
 
     @cute.jit
     def _cluster_sum(self, partial: Float32, sPeer: cute.Tensor, mbar, tidx: Int32) -> Float32:
