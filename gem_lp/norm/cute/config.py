@@ -17,12 +17,13 @@ class NormLaunch:
 # Widest CTA tile (16 warps), and the largest portable cluster.
 MAX_TILE_K = 1024
 MAX_CLUSTER = 8
-# Columns per CTA the generic rule aims at: 32 x 512 BF16 is 32 KiB of shared memory and 256 threads, several CTAs
-# per SM, so that one CTA's loads are in flight while another casts.
-TARGET_TILE_K = 512
-# Chosen per K of the model and benchmark shapes (not measured yet on the H200: the generic rule's choices,
-# written out so that a measured change is one line).
-SM90 = {256: NormLaunch(256, 1), 512: NormLaunch(512, 1), 1024: NormLaunch(512, 2), 4096: NormLaunch(512, 8)}
+# Columns per CTA the generic rule aims at (see SM90).
+TARGET_TILE_K = 256
+# Chosen per K of the model and benchmark shapes, not measured yet on the H200: 32 x 256 tiles (4 warps, 16 KiB of
+# shared memory; about 100 registers a thread, so 4 CTAs an SM) split K over a cluster where they can (at most 8
+# CTAs: 32 x 512 tiles at K = 4096), so that an SM holds several independent CTAs and one's loads are in flight while
+# another casts. `benchmarks/bench_norm.py` times the alternatives (LAUNCH_CANDIDATES); the fastest goes here.
+SM90 = {256: NormLaunch(256, 1), 512: NormLaunch(256, 2), 1024: NormLaunch(256, 4), 4096: NormLaunch(512, 8)}
 TABLES = {"sm_90a": SM90, "sm_100a": dict(SM90)}
 
 
