@@ -3,6 +3,7 @@ tensors through TVM FFI. Under `FakeTensorMode` the kernel is built and not laun
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -22,6 +23,8 @@ from .kernel import NormMXCast
 COLWISE_ROW_ALIGN = 16
 
 _COMPILED: dict[tuple, object] = {}
+# (x dtype, weight dtype or None, K, rceil, blocked, arch or device) -> the build of the launch table's launch
+_DEFAULT_BUILDS: dict[tuple, object] = {}
 
 
 @dataclasses.dataclass
@@ -47,7 +50,12 @@ def colwise_row_stride(M: int) -> int:
 
 
 def device_arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+    return _arch_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}a"
 
 
@@ -125,14 +133,22 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd)
     if M == 0:
         return out
-    if launch is None:
-        launch = launch_for(arch or device_arch(dev), K)
+    scaling_key = scaling == "rceil"
+    w_dtype = weight.dtype if normalize else None
+    if launch is None:  # the common call: one dict lookup for the built kernel (host time counts at small M)
+        key = (x.dtype, w_dtype, K, scaling_key, blocked_scales, arch or dev)
+        fn = _DEFAULT_BUILDS.get(key)
+        if fn is None:
+            fn = _DEFAULT_BUILDS[key] = _build(
+                torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K,
+                launch_for(arch or device_arch(dev), K), normalize, scaling_key, blocked_scales)
     elif not (launch.tile_k % 128 == 0 and 0 < launch.tile_k <= MAX_TILE_K and launch.cluster_n <= MAX_CLUSTER
               and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k):
         raise ValueError(f"launch {launch} does not cover K={K} (tile_k a multiple of 128 up to {MAX_TILE_K}, "
                          f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns)")
-    fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[weight.dtype] if normalize else None, K,
-                launch, normalize, scaling == "rceil", blocked_scales)
+    else:
+        fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
+                    normalize, scaling_key, blocked_scales)
     if not is_fake_mode():
         fn(x, weight, row_data.view(torch.uint8).view(-1), row_scale.view(-1), col_buf.view(torch.uint8),
            col_scale.view(-1), rstd, stride, float(eps))
