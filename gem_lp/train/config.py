@@ -108,10 +108,11 @@ class TrainerConfig:
 class RunConfig:
     """Everything a run is made of (`gem_lp/configs/config.yaml` and its groups).
 
-    `data` is one of the data group's schemas: `SyntheticDataConfig` (`data=synthetic`, the default) or
-    `ParquetDataConfig` (`data=parquet`). `resume`: false, true (continue the run's checkpoint, refusing
-    changed settings other than `RESUME_MAY_CHANGE`) or force (continue it with every changed trainer
-    setting; the changes are recorded).
+    `data` is one of the data group's schemas: `SyntheticDataConfig` (`data=synthetic`, the default),
+    `ParquetDataConfig` (`data=parquet`), or one's own next to a `DataSource` given to the `Trainer`.
+    `resume`: false, true (continue the run's checkpoint, refusing changed settings other than
+    `RESUME_MAY_CHANGE`) or force (continue it with every changed trainer setting; the changes are
+    recorded).
     """
 
     model: GemModelConfig = dataclasses.field(default_factory=GemModelConfig)
@@ -121,9 +122,9 @@ class RunConfig:
     resume: Any = False
 
     def __post_init__(self):
-        if not isinstance(self.data, (SyntheticDataConfig, ParquetDataConfig)):
-            raise ValueError(f"data must be a data config (data=synthetic or data=parquet), got "
-                             f"{type(self.data).__name__}")
+        if not dataclasses.is_dataclass(self.data):  # a structured config: typed, checked like the others
+            raise ValueError(f"data must be a structured data config (data=synthetic, data=parquet, or a dataclass "
+                             f"of one's own in Hydra's ConfigStore), got {type(self.data).__name__}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed}")
         if not (self.resume is False or self.resume is True or self.resume == "force"):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from gem_lp.data import DataError, RecBatch, make_source
+from gem_lp.data import DataError, DataSource, RecBatch, make_source
 from gem_lp.models import GemRanker
 
 from .checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_files, restore_rng_states, rng_states,
@@ -89,9 +89,11 @@ class Trainer:
     Args:
         cfg: the composed Hydra config (`model`, `data`, `trainer`, `seed`, `resume`) or a `RunConfig`.
         run_dir: where `metrics.json`, `checkpoint.pt` and TensorBoard events go.
+        source: a data pipeline of one's own (`gem_lp.data.DataSource`); default: the one `cfg.data` selects.
+            `cfg.data` is still what a resume compares, so it should describe the source.
     """
 
-    def __init__(self, cfg: DictConfig | RunConfig, run_dir: str | Path):
+    def __init__(self, cfg: DictConfig | RunConfig, run_dir: str | Path, source: DataSource | None = None):
         self.config = load_run_config(cfg)
         self.tcfg, self.mcfg, self.dcfg = self.config.trainer, self.config.model, self.config.data
         self.seed = self.config.seed
@@ -107,7 +109,7 @@ class Trainer:
             torch.set_num_threads(t.num_threads)
         seed_everything(self.seed)
 
-        self.source = make_source(self.dcfg, self.seed)
+        self.source = source if source is not None else make_source(self.dcfg, self.seed)
         self.model = GemRanker(self.mcfg, self.source.features).to(self.device)
         self.dense_optimizer = torch.optim.AdamW(self.model.dense_parameters(), lr=t.lr, betas=t.betas,
                                                  weight_decay=t.weight_decay)
@@ -406,7 +408,7 @@ class Trainer:
             "backend": self.mcfg.backend,
             "steps": self.step,
             "max_steps": self.tcfg.max_steps,
-            "batch_size": self.dcfg.batch_size,
+            "batch_size": getattr(self.dcfg, "batch_size", None),
             "train_loss": self._recent_train_loss(),
             "train_loss_window": TRAIN_LOSS_WINDOW,
             "eval_loss": last["eval_loss"],
