@@ -81,7 +81,8 @@ def ne_gaps(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict
     bf16_partnered: set[str] = set()
     for r in runs:
         if r["precision"] not in ("bf16", "mxfp8"):
-            unpaired.append({"run": r["name"], "reason": f"precision {r['precision']}: only MXFP8 and BF16 are compared"})
+            unpaired.append({"run": r["name"],
+                             "reason": f"precision {r['precision']}: only MXFP8 and BF16 are compared"})
             continue
         if r["pair_key"] is None:
             unpaired.append({"run": r["name"], "reason": "no .hydra/config.yaml to pair it by"})
@@ -157,7 +158,8 @@ def render_markdown(runs: list[dict[str, Any]], gaps: list[dict[str, Any]], curv
         lines += [f"- {name}" for name in without_metrics]
         lines.append("")
     if runs:
-        lines.append(f"![loss and AUC curves]({curves})" if curves else "(curves.png not written: matplotlib unavailable)")
+        lines.append(f"![loss and AUC curves]({curves})" if curves
+                     else "(curves.png not written: matplotlib unavailable)")
     lines.append("")
     return "\n".join(lines)
 
@@ -206,7 +208,8 @@ def plot_curves(runs: list[dict[str, Any]], path: Path) -> bool:
     teacher = [r["teacher_auc"] for r in runs if isinstance(r.get("teacher_auc"), (int, float))]
     if teacher:
         ax_auc.axhline(teacher[0], color="gray", linestyle=":", label="teacher (best achievable)")
-    ax_loss.set(xlabel="step", ylabel="BCE loss", title=f"loss (train: {window}-step mean, as metrics.json's train_loss)")
+    ax_loss.set(xlabel="step", ylabel="BCE loss",
+                title=f"loss (train: {window}-step mean, as metrics.json's train_loss)")
     ax_auc.set(xlabel="step", ylabel="AUC", title="eval AUC")
     for ax in (ax_loss, ax_auc):
         ax.grid(alpha=0.3)

@@ -2,9 +2,9 @@
 trainer runs as `python -m gem_lp.train` from any directory."""
 import ast
 import fnmatch
+import re
 import sys
 import tomllib
-from pathlib import Path
 
 from train_helpers import ROOT, run_cli
 
@@ -17,8 +17,6 @@ DISTRIBUTIONS = {"torch": "torch", "triton": "triton", "hydra": "hydra-core", "o
 
 
 def _names(requirements):
-    import re
-
     return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
@@ -28,7 +26,8 @@ def test_configs_are_package_data():
     files = [p.relative_to(configs).as_posix() for p in configs.rglob("*.yaml")]
     assert len(files) >= 10 and (configs / "__init__.py").is_file()
     for name in files:
-        assert any(fnmatch.fnmatch(name, pattern) and name.count("/") == pattern.count("/") for pattern in patterns), name
+        assert any(fnmatch.fnmatch(name, pattern) and name.count("/") == pattern.count("/")
+                   for pattern in patterns), name
     assert not (ROOT / "configs").exists()  # one copy: the packaged one
 
 

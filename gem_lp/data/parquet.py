@@ -85,6 +85,13 @@ class ParquetDataConfig:
         if repeated:
             raise ValueError(f"data: each column may have one role only; used twice: {repeated}")
 
+    def check_paths(self) -> None:
+        """Raise FileNotFoundError naming the key when `path` or `eval_path` does not exist."""
+        for key in ("path", "eval_path"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).exists():
+                raise FileNotFoundError(f"data.{key}: no Parquet file or directory at {value}")
+
     @property
     def columns(self) -> list[str]:
         """Every column read, in the order of the module docstring."""
@@ -211,9 +218,9 @@ def read_parquet(cfg: ParquetDataConfig, path: str | Path) -> ParquetRows:
         differs = event.offsets != history.offsets
         if bool(differs.any()):
             row = int(differs.nonzero()[0]) - 1
-            raise DataError(f"{where} {f.key!r}: row {row} holds {int(event.offsets[row + 1] - event.offsets[row])} "
-                             f"ids, its {cfg.history_item!r} list {int(history.offsets[row + 1] - history.offsets[row])}"
-                             f"; an event feature needs one id per history event")
+            held, expected = (int(o[row + 1] - o[row]) for o in (event.offsets, history.offsets))
+            raise DataError(f"{where} {f.key!r}: row {row} holds {held} ids, its {cfg.history_item!r} list {expected}; "
+                            f"an event feature needs one id per history event")
         events.append(event.values)
     candidates = _ids(column[cfg.candidate_item], f"{where} {cfg.candidate_item!r}", spec.num_items)
     pooled = [_id_lists(column[f.key], f"{where} {f.key!r}", f.num_embeddings) for f in spec.pooled_features]

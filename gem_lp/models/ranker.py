@@ -20,8 +20,8 @@ that yields `RecBatch`es feeds the model without changing it.
 
 Every projection is an `MXLinear` / `RMSNormMXLinear` and every attention is `jagged_attention`,
 with the recipe and backend of the config. The dense input layer (`num_dense` raw features, not
-necessarily a multiple of 32) and the final 1-wide logit layer stay ordinary float32 `nn.Linear`s, as low-precision
-training recipes keep the first and last layers in high precision.
+necessarily a multiple of 32) and the final 1-wide logit layer stay ordinary float32 `nn.Linear`s,
+as low-precision training recipes keep the first and last layers in high precision.
 """
 from __future__ import annotations
 

@@ -15,12 +15,12 @@ from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from gem_lp.data import DataError
+from gem_lp.data import DataError, ParquetDataConfig
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_run_config
 from .signals import TrainingInterrupted
-from .trainer import NonFiniteError, RunDirectoryInUse, check_run_directory, train
+from .trainer import NonFiniteError, RunDirectoryInUse, check_run_directory, resolve_device, train
 
 log = logging.getLogger("gem_lp.train")
 
@@ -33,13 +33,17 @@ class RunRefused(CompactHydraException):
 
 
 def check_config(cfg: DictConfig, run_dir: str | None) -> None:
-    """Build the run's dataclasses (types, ranges) and, given the run directory, check that the run would not
-    overwrite a checkpoint; raises `RunRefused` with a one-line message."""
+    """Build the run's dataclasses (types, ranges), check that the device and the data files are there and, given
+    the run directory, that the run would not overwrite a checkpoint; raises `RunRefused` with a one-line
+    message."""
     try:
         config = load_run_config(cfg)
+        resolve_device(config.trainer.device)
+        if isinstance(config.data, ParquetDataConfig):
+            config.data.check_paths()
         if run_dir is not None:
             check_run_directory(config, run_dir)
-    except (ConfigError, RunDirectoryInUse) as err:
+    except (ConfigError, RunDirectoryInUse, FileNotFoundError) as err:
         raise RunRefused(str(err)) from None
 
 

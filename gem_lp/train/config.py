@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from gem_lp.data import ParquetDataConfig, SyntheticDataConfig
 from gem_lp.models import GemModelConfig
@@ -167,8 +167,10 @@ def load_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 def one_line(err: OmegaConfBaseException) -> str:
     """`<key>: <OmegaConf's message>` on one line."""
-    message = str(err).splitlines()[0] if str(err) else type(err).__name__
     key = getattr(err, "full_key", None)
+    if isinstance(err, MissingMandatoryValue) and key:
+        return f"{key}: a value is required (the config leaves it ???); set it, e.g. {key}=..."
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
     return f"{key}: {message}" if key and not message.startswith(f"{key}:") else message
 
 

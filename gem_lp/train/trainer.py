@@ -53,7 +53,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer=cpu")
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer=cpu (or trainer.device=cpu)")
     return torch.device(name)
 
 

@@ -39,8 +39,9 @@ def test_changed_bytes_are_detected(checkpoint, where):
 def test_truncated_and_foreign_files(checkpoint, tmp_path):
     data = checkpoint.read_bytes()
     checkpoint.write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match=f"checkpoint {checkpoint} is truncated: it holds {len(data) - HEADER_BYTES - 100} "
-                                              f"bytes of state, its header announces {len(data) - HEADER_BYTES}"):
+    size = len(data) - HEADER_BYTES
+    with pytest.raises(CheckpointError, match=f"checkpoint {checkpoint} is truncated: it holds {size - 100} bytes of "
+                                              f"state, its header announces {size}"):
         load_checkpoint(checkpoint)
     for content in (b"", data[:20], b"x" * 5000):
         checkpoint.write_bytes(content)

@@ -77,7 +77,7 @@ def test_types_are_checked_when_the_config_is_composed(composed, override):
     (["model.head_dim=48"], "model.head_dim must be a positive multiple of 32, got 48"),
     (["resume=maybe"], "resume must be false, true or force, got 'maybe'"),
     (["seed=-1"], "seed must be an integer in [0, 2**63)"),
-    (["data=parquet"], "data.path"),
+    (["data=parquet"], "data.path: a value is required"),
     (["data=parquet", "data.path=x", "data.num_items=5", "data.dense_features=[]",
       "data.pooled_features=[{column:u,num_embeddings:3}]"], "data.dense_features must list at least one"),
 ])
@@ -90,8 +90,17 @@ def test_ranges_are_checked_with_one_line_errors(composed, overrides, message):
 
 def test_checkpoint_path_must_not_be_a_directory(composed, tmp_path):
     run = load_run_config(composed(f"trainer.checkpoint_path={tmp_path}"))
-    with pytest.raises(ConfigError, match=f"trainer.checkpoint_path: expected a file path, got the directory {tmp_path}"):
+    with pytest.raises(ConfigError, match=f"trainer.checkpoint_path: expected a file path, got the directory "
+                                          f"{tmp_path}"):
         check_run_directory(run, tmp_path / "run")
+
+
+def test_cuda_without_a_device_is_a_config_error(monkeypatch):
+    from gem_lp.train.trainer import resolve_device
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA device is visible"):
+        resolve_device("cuda")
 
 
 def test_dataclasses_and_schema_agree():
