@@ -71,11 +71,15 @@ def test_command_line(logs, tmp_path):
                   cwd=tmp_path, check=False)
     assert bad.returncode == 1
     assert f"{logs}: column 'history': row" in bad.stdout + bad.stderr and "outside [0, 50)" in bad.stdout + bad.stderr
-    missing = run_cli(TRAIN_PY, *overrides(tmp_path / "nothing.parquet"), cwd=tmp_path, check=False)
-    assert missing.returncode == 1
-    last = missing.stderr.strip().splitlines()[-1]
-    assert last == f"data.path: no Parquet file or directory at {tmp_path / 'nothing.parquet'}"
-    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_missing_file_is_refused_before_the_run_directory(composed, tmp_path):
+    """What the command line's config check (the Hydra callback, see test_configs) says about a missing file."""
+    from gem_lp.train.cli import RunRefused, check_config
+
+    with pytest.raises(RunRefused, match=f"data.path: no Parquet file or directory at {tmp_path / 'nothing.parquet'}"):
+        check_config(composed(*overrides(tmp_path / "nothing.parquet")), str(tmp_path / "run"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_data_source_of_ones_own(tmp_path):

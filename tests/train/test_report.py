@@ -7,13 +7,14 @@ import pytest
 import yaml
 
 from gem_lp.report import curve_window, load_runs, ne_gaps, render_markdown, write_report
+from gem_lp.report import main as report_main
 
 from train_helpers import TINY, TRAIN_PY, run_cli
 
 SWEEP_TINY = [*TINY, "trainer.max_steps=4", "trainer.eval_every=2", "trainer.eval_batches=1"]
 
 
-def test_sweep_then_report_pairs_by_everything_but_the_precision(tmp_path):
+def test_sweep_then_report_pairs_by_everything_but_the_precision(tmp_path, capsys):
     """The 2x2 sweep of precision and depth: each MXFP8 run against the BF16 run of its own depth."""
     sweep = tmp_path / "multirun"
     run_cli(TRAIN_PY, "-m", "model=gem_bf16,gem_mxfp8", "model.num_blocks=1,2", f"hydra.sweep.dir={sweep}",
@@ -25,14 +26,15 @@ def test_sweep_then_report_pairs_by_everything_but_the_precision(tmp_path):
     assert blocks == {"0_gem_bf16": 1, "1_gem_bf16": 2, "2_gem_mxfp8": 1, "3_gem_mxfp8": 2}
     assert all((sweep / name / "train.log").read_text().count("eval loss") == 2 for name in metrics)
 
-    out = run_cli("-m", "gem_lp.report", sweep, cwd=tmp_path)
+    assert report_main([str(sweep)]) == 0  # python -m gem_lp.report <sweep>
+    out = capsys.readouterr()
     report = (sweep / "report.md").read_text()
     assert (sweep / "curves.png").stat().st_size > 10_000
     for mx, bf in (("2_gem_mxfp8", "0_gem_bf16"), ("3_gem_mxfp8", "1_gem_bf16")):
         gap = 100 * (metrics[mx]["eval_ne"] - metrics[bf]["eval_ne"]) / metrics[bf]["eval_ne"]
         assert f"| {mx} | {bf} | {gap:+.3f} |" in report
-    assert "not paired" not in out.stderr and "Runs not paired" not in report
-    assert "wrote" in out.stdout
+    assert "not paired" not in out.err and "Runs not paired" not in report
+    assert "wrote" in out.out
 
 
 def fake_run(root: Path, name: str, precision: str, ne: float, overrides: list[str], metrics: bool = True,
