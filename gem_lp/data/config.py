@@ -49,7 +49,7 @@ class TeacherWeights:
 
 @dataclasses.dataclass
 class SyntheticDataConfig:
-    """Everything that defines the synthetic task; see `configs/data/synthetic.yaml` for the defaults.
+    """Everything that defines the synthetic task; see `gem_lp/configs/data/synthetic.yaml` for the defaults.
 
     History lengths are lognormal with mean `history_mean` (before clipping to
     `[history_min, history_max]`) and log-std `history_sigma`.
