@@ -1,16 +1,29 @@
-"""Synthetic TorchRec ranking data with labels from a planted teacher (best achievable AUC known)."""
+"""Ranking data as TorchRec KJT batches (`RecBatch`, described by a `FeatureSpec`): the synthetic task with
+labels from a planted teacher (best achievable AUC known), Parquet logs, and the `DataSource` interface."""
 from .batch import RecBatch
 from .config import (CAND_ITEM, HIST_ACTION, HIST_GAP, HIST_ITEM, SEQUENCE_KEYS, SparseFeatureSpec,
                      SyntheticDataConfig, TeacherWeights)
+from .parquet import ColumnFeature, ParquetDataConfig, ParquetRecDataset, ParquetSource, read_parquet
 from .sampling import RawSamples, offsets_from_lengths, sample_raw, zipf_ids
-from .synthetic import SyntheticRecDataset, batch_seed, make_batch, pack_batch
+from .source import DataSource, make_source
+from .spec import ITEM_TABLE, DataError, EmbeddingFeature, FeatureSpec
+from .synthetic import SyntheticRecDataset, SyntheticSource, batch_seed, make_batch, pack_batch
 from .teacher import PlantedTeacher
 
 __all__ = [
     "CAND_ITEM",
+    "ColumnFeature",
+    "DataError",
+    "DataSource",
+    "EmbeddingFeature",
+    "FeatureSpec",
     "HIST_ACTION",
     "HIST_GAP",
     "HIST_ITEM",
+    "ITEM_TABLE",
+    "ParquetDataConfig",
+    "ParquetRecDataset",
+    "ParquetSource",
     "PlantedTeacher",
     "RawSamples",
     "RecBatch",
@@ -18,11 +31,14 @@ __all__ = [
     "SparseFeatureSpec",
     "SyntheticDataConfig",
     "SyntheticRecDataset",
+    "SyntheticSource",
     "TeacherWeights",
     "batch_seed",
     "make_batch",
+    "make_source",
     "offsets_from_lengths",
     "pack_batch",
+    "read_parquet",
     "sample_raw",
     "zipf_ids",
 ]

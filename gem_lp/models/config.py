@@ -1,4 +1,5 @@
-"""Configuration of the GEM-like ranking model (`configs/model/*.yaml` map onto this dataclass)."""
+"""Configuration of the GEM-like ranking model (`gem_lp/configs/model/*.yaml` fill this dataclass, Hydra's schema
+for them: types are checked at composition, ranges in `__post_init__`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ P_QUANTS = ("const_p", "dynamic")
 MX_BLOCK = 32
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class GemModelConfig:
     """Sizes and numerics of `GemRanker`.
 
