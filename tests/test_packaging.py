@@ -13,7 +13,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 DISTRIBUTIONS = {"torch": "torch", "triton": "triton", "hydra": "hydra-core", "omegaconf": "omegaconf",
                  "numpy": "numpy", "tqdm": "tqdm", "pyarrow": "pyarrow", "torchrec": "torchrec",
                  "fbgemm_gpu": "fbgemm-gpu", "matplotlib": "matplotlib", "tensorboard": "tensorboard",
-                 "yaml": "omegaconf"}  # PyYAML comes with omegaconf
+                 "yaml": "omegaconf",  # PyYAML comes with omegaconf
+                 "cutlass": "nvidia-cutlass-dsl", "flash_attn": "flash-attn-4", "quack": "quack-kernels",
+                 "cuda": "cuda-bindings"}
 
 
 def _names(requirements):
