@@ -62,7 +62,7 @@ def run(bench: Bench, name: str, causal: bool) -> None:
                flop=2.5 * flop, peer=True)
     for p_quant in ("const_p", "dynamic"):
         bench.time(f"{tag} bwd kernel", f"mxfp8 {p_quant}",
-                   lambda: mx_backward(qs, ks, vh, dos, out, do, lse, None, cu, cu, causal=causal, scale=scale,
+                   lambda: mx_backward(qs, ks, vh, dos, out, lse, None, cu, cu, causal=causal, scale=scale,
                                        p_quant=p_quant, arch="sm_90a"), flop=2.5 * flop)
     del qd, kd, vd, qs, ks, vh, dos, out, lse
     torch.cuda.empty_cache()

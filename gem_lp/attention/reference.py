@@ -15,7 +15,8 @@ backward (so memory stays that of a flash kernel's inputs and outputs plus one c
   the row sum of the rounded P (weights summing to one; a query that sees one key gets its value exactly),
   LSE = m' ln 2 + ln(sum p) by the unrounded one.
   Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
-  and LSE, dS (and P for dV when `dynamic`) quantized in 32x32 blocks.
+  and LSE, Δ = rowsum(dO * O) from the quantized dO that dP uses, dS (and P for dV when `dynamic`)
+  quantized in 32x32 blocks.
 
 Every GEMM takes exactly dequantized (or 16-bit) operands and accumulates in FP32 (autocast is switched
 off inside; on CUDA keep `torch.backends.cuda.matmul.allow_tf32` off for the `fp32` oracle, the other two
@@ -169,7 +170,7 @@ def backward_chunk(precision: str, q, k, v, o, do, lse, dlse, mask, scale: float
         return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
     qs, ks, dos, vh = mx_square(q), mx_square(k), mx_square(do), mx_hdim(v)
     p = probabilities(qs @ ks.transpose(-1, -2) * scale, lse, mask)
-    ds = mx_square(grad_scores(p, dos @ vh.transpose(-1, -2), do, o, dlse))
+    ds = mx_square(grad_scores(p, dos @ vh.transpose(-1, -2), dos, o, dlse))  # Δ from the dO that dP uses
     dv = quantize_p_backward(p, p_quant).transpose(-1, -2) @ dos
     return ds @ ks * scale, ds.transpose(-1, -2) @ qs * scale, dv
 

@@ -188,7 +188,7 @@ def mx_explicit_one_sequence(q, k, v, d_out, causal, scale, p_quant):
     s2 = qs @ ks.transpose(1, 2) * scale
     pn = torch.where(visible, torch.exp2((s2 - lse[..., None]) * 1.4426950408889634), 0.0)
     dp = dos @ deq(quantize_reference(v, axis=-1)).transpose(1, 2)
-    delta = (d_out * o).sum(-1, keepdim=True)
+    delta = (dos * o).sum(-1, keepdim=True)  # Δ from the quantized dO that dP uses
     ds = sq(pn * (dp - delta))
     dv = quant_p(pn, square=True).transpose(1, 2) @ dos
     dk = ds.transpose(1, 2) @ qs * scale

@@ -122,20 +122,19 @@ class CuteAttention(torch.autograd.Function):
         if d_out is None:
             d_out = torch.zeros(out.shape, dtype=q.dtype, device=out.device)
         d_out = d_out.contiguous()
-        do_kernel = d_out.to(out.dtype)  # dO in the kernels' dtype (and for Δ = rowsum(dO ⊙ O))
         dlse = None if d_lse is None else d_lse.t().contiguous()
         if ctx.precision == "bf16":
             dt = _kernel_dtype(q)
             q_, k_, v_ = (t.to(dt).contiguous() for t in (q, k, v))
             dq, dk, dv = fa4._flash_attn_bwd(
-                _repeat_q(q_, vb), k_, v_, out, do_kernel, lse, softmax_scale=ctx.scale, causal=ctx.causal,
+                _repeat_q(q_, vb), k_, v_, out, d_out.to(out.dtype), lse, softmax_scale=ctx.scale, causal=ctx.causal,
                 cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q, max_seqlen_k=vb.max_k, dlse=dlse)
         else:
             qs, ks, vh, dos = mx_operands([(_rows(q), vb.q_offsets, ORIENT_SQUARE),
                                            (_rows(k), vb.kv_offsets, ORIENT_SQUARE),
                                            (_rows(v), vb.kv_offsets, ORIENT_HDIM),
                                            (d_out, vb.out_offsets, ORIENT_SQUARE)])
-            dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, do_kernel, lse, dlse, vb.cu_q, vb.cu_k,
+            dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, lse, dlse, vb.cu_q, vb.cu_k,
                                      causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
                                      arch=device_arch(q.device))
         dq = _sum_q(dq, vb, q.shape[0])

@@ -88,13 +88,13 @@ def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
 
 
 def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, out: torch.Tensor,
-                do_given: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
+                lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
                 cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str, arch: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (BF16) of the MXFP8 recipe (`bwd_sm90`).
 
-    q, k, do: the `square`-quantized operands; v: `hdim`; all MX-exact BF16. `out`, `do_given` (dO as given) and
-    `dlse` make Δ = rowsum(dO ⊙ O) - dLSE; `lse` `[H, Tq]` from the forward.
+    q, k, do: the `square`-quantized operands; v: `hdim`; all MX-exact BF16. `out`, `do` and `dlse` make
+    Δ = rowsum(dO ⊙ O) - dLSE (the recipe takes the quantized dO that dP uses); `lse` `[H, Tq]` from the forward.
     """
     _check_arch(arch)
     tq, heads, dim = q.shape
@@ -112,7 +112,7 @@ def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     cu_tiles_q = _cu_tiles(cu_q, tiles.tile_m)
     cu_tiles_k = _cu_tiles(cu_k, tiles.tile_n)
     bf16 = cutlass.BFloat16
-    fa4._bwd_preprocess(out, do_given, dpsum, lse, lse_log2, dq_accum, cu_q, None, dlse, bf16, dim, dim,
+    fa4._bwd_preprocess(out, do, dpsum, lse, lse_log2, dq_accum, cu_q, None, dlse, bf16, dim, dim,
                         tiles.tile_m, cu_total_m_blocks=cu_tiles_q, fake_mode=fake, hdim_multiple_of=32)
     key = ("mx bwd sm90", dim, causal, p_quant, tiles, cu_tiles_k is not None)
 

@@ -40,7 +40,7 @@ def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arc
         mx_forward(q, k, v, cu, cu, **kw)
     else:
         lse = torch.empty(_HEADS, _TOKENS, dtype=torch.float32, device="cuda")
-        mx_backward(q, k, v, q, q, q, lse, None, cu, cu, **kw)
+        mx_backward(q, k, v, q, q, lse, None, cu, cu, **kw)
 
 
 def compile_targets(arch: str) -> list[CompileTarget]:
