@@ -168,7 +168,8 @@ def mx_operands(specs) -> list[torch.Tensor]:
     heads, dim = specs[0][0].shape[1], specs[0][0].shape[2]
     dev = specs[0][0].device
     for x, offsets, orient in specs:
-        if x.dim() != 3 or x.shape[1:] != (heads, dim) or x.stride(2) != 1 or x.stride(1) != dim:
+        strided_ok = x.numel() == 0 or (x.stride(2) == 1 and x.stride(1) == dim)
+        if x.dim() != 3 or x.shape[1:] != (heads, dim) or not strided_ok:
             raise ValueError(f"each tensor must be [T, {heads}, {dim}] with contiguous heads and features, got "
                              f"shape {tuple(x.shape)} strides {x.stride()}")
         if orient not in ORIENTS:

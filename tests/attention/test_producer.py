@@ -83,3 +83,11 @@ def test_strided_token_rows_are_read_in_place():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="contiguous heads and features"):
         mx_operands([(qkv.permute(0, 2, 1, 3)[:, 0], offs, ORIENT_HDIM)])
+
+
+def test_empty_inputs_with_any_strides():
+    """An empty gradient may come with strides (0, 0, 0) (an expanded zero); nothing is read or written."""
+    offs = offsets_of([0, 0])
+    empty = torch.zeros(1, 2, 64, device=DEV).expand(0, 2, 64)
+    (out,) = mx_operands([(empty, offs, ORIENT_SQUARE)])
+    assert out.shape == (0, 2, 64)

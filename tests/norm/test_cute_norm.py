@@ -138,8 +138,11 @@ def test_generic_inputs_match_reference_given_rstd(M, K, dtype):
     x, w = generic_input(M, K, dtype, M * 7 + K), norm_weight(K, dtype, M)
     out = norm_mx_cast(x, w, 1e-6, blocked_scales=True)
     want = cpu_rstd(x, 1e-6)
+    # the kernel sums the K squares in another order than torch: the two sums of non-negative terms are each within
+    # about log2(K) roundings of the exact one, and rstd = rsqrt(mean + eps) halves that and adds its own rounding
     ulp = torch.finfo(torch.float32).eps * want.abs()
-    assert bool(((out.rstd.cpu() - want).abs() <= 2 * ulp).all()), "rstd more than 2 ulp from the reference"
+    bound = (math.log2(K) + 1) * ulp
+    assert bool(((out.rstd.cpu() - want).abs() <= bound).all()), "rstd further from the reference than the bound"
     check_casts(out, reference_casts(x, w, out.rstd, "rceil"), True, f"{M}x{K}")
 
 

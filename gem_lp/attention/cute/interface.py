@@ -73,7 +73,7 @@ def _kernel_dtype(x: torch.Tensor) -> torch.dtype:
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as the producer pass reads it: token rows may be strided (a view into a fused projection), heads and
     features contiguous."""
-    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+    return x if x.numel() == 0 or (x.stride(2) == 1 and x.stride(1) == x.shape[2]) else x.contiguous()
 
 
 def _repeat_q(q: torch.Tensor, vb: VarlenBatch) -> torch.Tensor:
