@@ -13,7 +13,6 @@ import logging
 import sys
 
 import hydra
-import torch.distributed as dist
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
@@ -151,11 +150,15 @@ def _run(cfg: DictConfig) -> float:
     except USER_ERRORS as err:
         log.error("%s", err)
         raise RunRefused(f"the run in {run_dir} failed (the error above is also in its train.log)") from None
-    except dist.DistError as err:
-        rank = dist.get_rank() if dist.is_initialized() else "?"
-        log.error("rank %s: a collective operation failed (%s: %s); another rank has most likely died or stopped "
-                  "answering: its own output says why", rank, type(err).__name__, str(err).splitlines()[0])
-        raise RunRefused(f"the run in {run_dir} failed on rank {rank}: another rank stopped") from None
+    except Exception as err:
+        launch = launch_env()
+        if launch is not None and launch.world_size > 1:
+            # A rank whose peer died or stopped answering fails inside a collective (gloo: "Connection reset by
+            # peer"; NCCL or a silent peer: the trainer.dist_timeout_s timeout) with a message that does not say so.
+            log.error("rank %d of %d failed: %s: %s\nIf another rank failed first, this is its consequence: "
+                      "torchrun's summary names the rank that failed first, and that rank's output says why",
+                      launch.rank, launch.world_size, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        raise
     teacher = metrics["teacher_auc"]
     log.info("done: %d steps, eval AUC %.4f%s, eval NE %.4f, %s samples/s", metrics["steps"], metrics["eval_auc"],
              f" (teacher {teacher:.4f})" if teacher is not None else "", metrics["eval_ne"],

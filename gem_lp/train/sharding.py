@@ -55,7 +55,10 @@ def fbgemm_has_kernels_for(device_type: str) -> bool:
     if device_type == "cpu":
         return True
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-    return torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::permute_2D_sparse_data", device_type.upper())
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::permute_2D_sparse_data", device_type.upper())
+    except RuntimeError:  # the op is not registered at all
+        return False
 
 
 def _sharders(embedding_lr: float) -> dict[str, Any]:

@@ -236,10 +236,14 @@ class Trainer:
         """Load the checkpoint; returns the name of the shard directory it uses (None on one process)."""
         path = self.checkpoint_path
         state = load_checkpoint(path)
-        saved_world = state.get("world_size", 1)
-        if saved_world != self.world_size:
-            raise ConfigError(f"resume: checkpoint {path} was written by {saved_world} process(es), this run has "
-                              f"{self.world_size}; a run resumes on the number of processes it was written with")
+        if ("shards" in state) != (self.group is not None):
+            raise ConfigError(
+                f"resume: checkpoint {path} was written by "
+                + (f"torchrun ({state.get('world_size')} process(es)); resume it with torchrun on as many processes"
+                   if "shards" in state else "a single process (no torchrun); resume it without torchrun"))
+        if self.group is not None and state["world_size"] != self.world_size:
+            raise ConfigError(f"resume: checkpoint {path} was written by {state['world_size']} process(es), this run "
+                              f"has {self.world_size}; a run resumes on the number of processes it was written with")
         missing = [k for k in (_STATE_KEYS if self.group is None else _SHARDED_STATE_KEYS) if k not in state]
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {missing}: not a training state of this gem-lp version")
