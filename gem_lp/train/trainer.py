@@ -356,6 +356,7 @@ class Trainer:
 
         On several processes each rank scores its slice of every eval batch; one all-gather brings every logit to
         every rank, in the order of one process, and the metrics are computed as on one process, over all samples.
+        Every rank must call it then (it runs collectives).
         """
         was_training = self.network.training
         self.network.eval()

@@ -231,6 +231,22 @@ def test_a_sharded_checkpoint_resumes_only_with_its_plan_and_under_torchrun(stop
         Trainer(compose_config(*FP32, "resume=true"), stopped_one_rank)
 
 
+def test_resumed_fused_tables_follow_the_stretched_schedule(stopped_one_rank):
+    """resume=true with a new max_steps recomputes the LR of TorchRec's fused optimizer as of the dense one."""
+    from gem_lp.train.optim import warmup_decay_lambda
+
+    trainer = Trainer(compose_config(*FP32, "trainer.sharding=table_wise", "resume=true", "trainer.max_steps=12"),
+                      stopped_one_rank)
+    try:
+        assert trainer.fused_tables
+        expected = 0.05 * warmup_decay_lambda(2, 12, "cosine", 0.1)(4)
+        assert [g["lr"] for g in trainer.embedding_optimizer.param_groups] == pytest.approx(
+            [expected] * len(trainer.embedding_optimizer.param_groups))
+        assert trainer.fit()["steps"] == 12
+    finally:
+        trainer.close()
+
+
 def test_a_single_process_checkpoint_is_not_resumed_under_torchrun(tmp_path, monkeypatch):
     Trainer(compose_config(*FP32, "trainer.stop_after=4"), tmp_path).fit()
     for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
