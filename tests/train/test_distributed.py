@@ -109,15 +109,16 @@ def test_data_parallel_tables_match_one_process_and_share_one_run_directory(fp32
         ("data_parallel", (0, 1))}
 
 
-def test_mxfp8_on_two_processes(tmp_path):
-    """The MXFP8 recipe trains on two ranks. Its rounding depends on the batch split (MX blocks along the batch
-    dimension hold other samples, the GEMMs other shapes), so it agrees with one process to about 1e-3, not to
+@pytest.mark.parametrize("model", ["gem_bf16", "gem_mxfp8"])
+def test_low_precision_recipes_on_two_processes(tmp_path, model):
+    """BF16 and MXFP8 train on two ranks. Their rounding depends on the batch split (MX blocks along the batch
+    dimension hold other samples, the GEMMs other shapes), so they agree with one process to about 1e-3, not to
     float32 rounding."""
-    config = [*TINY, *STEPS, "model=gem_mxfp8"]
+    config = [*TINY, *STEPS, f"model={model}"]
     one = Trainer(compose_config(*config), tmp_path / "one").fit()
     torchrun(*config, f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
     two = metrics_of(tmp_path / "two")
-    assert two["precision"] == "mxfp8" and two["world_size"] == 2
+    assert two["precision"] == model[4:] and two["world_size"] == 2
     assert torch.isfinite(torch.tensor(two["train_loss_history"])).all()
     assert_close_runs({**one, "eval_history": []}, {**two, "eval_history": []}, tolerance=2e-2)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=2e-2)
