@@ -61,15 +61,18 @@ def fbgemm_has_kernels_for(device_type: str) -> bool:
         return False
 
 
-def _sharders(embedding_lr: float) -> dict[str, Any]:
+def _sharders(embedding_lr: float | None) -> dict[str, Any]:
     """TorchRec's sharders of the model's two embedding modules, with the fused optimizer's settings: exact
-    row-wise Adagrad with the trainer's embedding LR and `RowWiseAdagrad`'s epsilon (no weight decay)."""
+    row-wise Adagrad with the trainer's embedding LR and `RowWiseAdagrad`'s epsilon (no weight decay). Without
+    `embedding_lr`, sharders only to ask which sharding types they offer."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": embedding_lr,
-             "eps": ROWWISE_ADAGRAD_EPS}
+    fused = None
+    if embedding_lr is not None:
+        fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": embedding_lr,
+                 "eps": ROWWISE_ADAGRAD_EPS}
     return {"sequence_embeddings": EmbeddingCollectionSharder(fused_params=fused),
             "pooled_embeddings": EmbeddingBagCollectionSharder(fused_params=fused)}
 
@@ -101,7 +104,7 @@ def sharding_choices(tcfg: TrainerConfig, tables: dict[str, list[str]], device_t
                           f"tables run fbgemm's kernels, which this fbgemm-gpu build lacks for {device_type} (the CPU "
                           f"build of fbgemm-gpu); use trainer.sharding=data_parallel (or auto) and no "
                           f"trainer.table_sharding")
-    sharders = _sharders(embedding_lr=1.0)
+    sharders = _sharders(embedding_lr=None)
     choices = {}
     for table, module in known.items():
         offered = [t for t in SHARDED_TYPES if t in sharders[module].sharding_types(device_type)]
