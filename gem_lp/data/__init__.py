@@ -1,11 +1,11 @@
 """Ranking data as TorchRec KJT batches (`RecBatch`, described by a `FeatureSpec`): the synthetic task with
 labels from a planted teacher (best achievable AUC known), Parquet logs, and the `DataSource` interface."""
-from .batch import RecBatch
+from .batch import RecBatch, kjt_samples, rank_bounds, rank_slice
 from .config import (CAND_ITEM, HIST_ACTION, HIST_GAP, HIST_ITEM, SEQUENCE_KEYS, SparseFeatureSpec,
                      SyntheticDataConfig, TeacherWeights)
 from .parquet import ColumnFeature, ParquetDataConfig, ParquetRecDataset, ParquetSource, read_parquet
 from .sampling import RawSamples, offsets_from_lengths, sample_raw, zipf_ids
-from .source import DataSource, make_source
+from .source import DataSource, RankSlices, make_source
 from .spec import ITEM_TABLE, DataError, EmbeddingFeature, FeatureSpec
 from .synthetic import SyntheticRecDataset, SyntheticSource, batch_seed, make_batch, pack_batch
 from .teacher import PlantedTeacher
@@ -25,6 +25,7 @@ __all__ = [
     "ParquetRecDataset",
     "ParquetSource",
     "PlantedTeacher",
+    "RankSlices",
     "RawSamples",
     "RecBatch",
     "SEQUENCE_KEYS",
@@ -34,10 +35,13 @@ __all__ = [
     "SyntheticSource",
     "TeacherWeights",
     "batch_seed",
+    "kjt_samples",
     "make_batch",
     "make_source",
     "offsets_from_lengths",
     "pack_batch",
+    "rank_bounds",
+    "rank_slice",
     "read_parquet",
     "sample_raw",
     "zipf_ids",

@@ -11,6 +11,8 @@ import logging
 import torch
 from torchrec import KeyedJaggedTensor
 
+from .spec import DataError
+
 
 class _DropIsFxTracingDeprecation(logging.Filter):
     """torch's ProxyableClassMeta, the metaclass of TorchRec's KeyedJaggedTensor and JaggedTensor, calls the
@@ -64,6 +66,19 @@ class RecBatch:
                             else self.teacher_logits.to(device, non_blocking=non_blocking)),
         )
 
+    def samples(self, start: int, stop: int) -> "RecBatch":
+        """The batch of samples `start..stop-1` (every tensor and KJT cut along the batch; CPU, plain torch ops)."""
+        if not 0 <= start <= stop <= self.batch_size:
+            raise ValueError(f"samples: expected 0 <= start <= stop <= batch size {self.batch_size}, got start={start}, "
+                             f"stop={stop}")
+        return RecBatch(
+            sparse_features=kjt_samples(self.sparse_features, start, stop),
+            sequence_features=kjt_samples(self.sequence_features, start, stop),
+            dense_features=self.dense_features[start:stop],
+            labels=self.labels[start:stop],
+            teacher_logits=None if self.teacher_logits is None else self.teacher_logits[start:stop],
+        )
+
     def pin_memory(self) -> "RecBatch":
         return RecBatch(
             sparse_features=self.sparse_features.pin_memory(),
@@ -96,3 +111,50 @@ def kjt_to(kjt: KeyedJaggedTensor, device: torch.device | str, non_blocking: boo
         length_per_key=kjt.length_per_key(),
         offset_per_key=kjt.offset_per_key(),
     )
+
+
+def kjt_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
+    """The samples `start..stop-1` of every key of `kjt` (one stride for all keys), as a KJT of stride `stop - start`.
+
+    Cut with plain torch ops on the host's tensors (fbgemm's KJT ops need not run where the tensors are).
+    """
+    if kjt.variable_stride_per_key():
+        raise ValueError("kjt_samples: kjt has a variable stride per key; expected one stride (batch size) for "
+                         "every key")
+    stride = kjt.stride()
+    if not 0 <= start <= stop <= stride:
+        raise ValueError(f"kjt_samples: expected 0 <= start <= stop <= stride {stride}, got start={start}, stop={stop}")
+    num_keys = len(kjt.keys())
+    lengths = kjt.lengths().view(num_keys, stride)[:, start:stop]
+    offsets = kjt.offsets()
+    key_starts = torch.arange(num_keys, device=offsets.device) * stride
+    begins, ends = offsets[key_starts + start].tolist(), offsets[key_starts + stop].tolist()
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=torch.cat([kjt.values()[b:e] for b, e in zip(begins, ends)]),
+        weights=None if weights is None else torch.cat([weights[b:e] for b, e in zip(begins, ends)]),
+        lengths=lengths.reshape(-1).clone(),
+        stride=stop - start,
+        length_per_key=[e - b for b, e in zip(begins, ends)],
+    )
+
+
+def rank_bounds(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The samples `[start, stop)` of a batch that rank `rank` of `world_size` trains on: contiguous slices in rank
+    order, their sizes differing by at most one (equal when `world_size` divides `batch_size`)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank_bounds: expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return rank * batch_size // world_size, (rank + 1) * batch_size // world_size
+
+
+def rank_slice(batch: RecBatch, rank: int, world_size: int) -> RecBatch:
+    """Rank `rank`'s slice of `batch` (see `rank_bounds`): the ranks' slices, in rank order, are the batch.
+
+    Raises `DataError` when the batch holds fewer samples than there are ranks (a rank would get none).
+    """
+    if batch.batch_size < world_size:
+        raise DataError(f"data: a batch of {batch.batch_size} samples cannot give each of {world_size} ranks at least "
+                        f"one; use a batch size of at least the number of processes (data.batch_size is the global "
+                        f"batch, split over the ranks)")
+    return batch.samples(*rank_bounds(batch.batch_size, rank, world_size))

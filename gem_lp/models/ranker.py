@@ -48,20 +48,22 @@ class GemRanker(nn.Module):
         self.features = features
         ops = OpSettings(cfg.precision, cfg.backend, cfg.p_quant, cfg.norm_eps)
         e, d = cfg.embedding_dim, cfg.d_model
+        names = self.embedding_tables(features)
         self.sequence_embeddings = EmbeddingCollection(
             tables=[
-                EmbeddingConfig(name=ITEM_TABLE, embedding_dim=e, num_embeddings=features.num_items,
+                EmbeddingConfig(name=names["sequence_embeddings"][0], embedding_dim=e,
+                                num_embeddings=features.num_items,
                                 feature_names=[features.history_key, features.candidate_key]),
-                *(EmbeddingConfig(name=f.table, embedding_dim=e, num_embeddings=f.num_embeddings,
-                                  feature_names=[f.key]) for f in features.event_features),
+                *(EmbeddingConfig(name=name, embedding_dim=e, num_embeddings=f.num_embeddings, feature_names=[f.key])
+                  for name, f in zip(names["sequence_embeddings"][1:], features.event_features)),
             ],
             device=torch.device("cpu"),
         )
         self.pooled_embeddings = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name=f"pooled_{f.table}", embedding_dim=e, num_embeddings=f.num_embeddings,
+                EmbeddingBagConfig(name=name, embedding_dim=e, num_embeddings=f.num_embeddings,
                                    feature_names=[f.key], pooling=PoolingType.MEAN)
-                for f in features.pooled_features
+                for name, f in zip(names["pooled_embeddings"], features.pooled_features)
             ],
             device=torch.device("cpu"),
         )
@@ -89,6 +91,14 @@ class GemRanker(nn.Module):
         self.head_act = _ACTIVATIONS[cfg.activation]
         self.head_mid = ops.linear(cfg.head_hidden, cfg.head_hidden)
         self.logit = nn.Linear(cfg.head_hidden, 1)  # float32 output layer
+
+    @staticmethod
+    def embedding_tables(features: FeatureSpec) -> dict[str, list[str]]:
+        """The table names of each TorchRec module of the model built from `features` (what a sharding plan
+        names): the item table and the event tables in `sequence_embeddings`, the pooled tables in
+        `pooled_embeddings`."""
+        return {"sequence_embeddings": [ITEM_TABLE, *(f.table for f in features.event_features)],
+                "pooled_embeddings": [f"pooled_{f.table}" for f in features.pooled_features]}
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """The TorchRec table weights (optimized with row-wise Adagrad)."""
@@ -122,7 +132,12 @@ class GemRanker(nn.Module):
         if candidate.shape[0] != b:
             raise ValueError(f"sequence_features[{spec.candidate_key!r}] must hold exactly one id per sample, "
                              f"got {candidate.shape[0]} ids for {b} samples")
-        pooled = self.pooled_embeddings(batch.sparse_features).values().to(dtype)  # [B, F_sparse * e]
+        pooled = self.pooled_embeddings(batch.sparse_features)
+        keys = [f.key for f in spec.pooled_features]
+        # A sharded EmbeddingBagCollection (several processes) returns its features grouped by shard: put them back
+        # in the spec's order.
+        pooled = pooled.values() if pooled.keys() == keys else torch.cat([pooled[k] for k in keys], dim=1)
+        pooled = pooled.to(dtype)  # [B, F_sparse * e]
         dense = self.dense_act(self.dense_input(batch.dense_features.float())).to(dtype)
         dense = self.dense_act(self.dense_mlp(dense))
         non_sequence = torch.cat([pooled, dense], dim=1)

@@ -8,6 +8,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
 
 from .checkpoint import CheckpointError, load_checkpoint, save_atomic, seed_everything  # noqa: E402
 from .config import RESUME_MAY_CHANGE, ConfigError, RunConfig, TrainerConfig, load_run_config  # noqa: E402
+from .distributed import LaunchEnv, LaunchError, launch_env  # noqa: E402
 from .metrics import binary_entropy, mean_bce, normalized_entropy, roc_auc  # noqa: E402
 from .optim import RowWiseAdagrad, warmup_decay_lambda  # noqa: E402
 from .signals import TrainingInterrupted  # noqa: E402
@@ -17,6 +18,8 @@ from .trainer import (NonFiniteError, RunDirectoryInUse, Trainer, peak_memory_by
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "LaunchEnv",
+    "LaunchError",
     "NonFiniteError",
     "RESUME_MAY_CHANGE",
     "RowWiseAdagrad",
@@ -27,6 +30,7 @@ __all__ = [
     "TrainingInterrupted",
     "binary_entropy",
     "load_checkpoint",
+    "launch_env",
     "load_run_config",
     "mean_bce",
     "normalized_entropy",

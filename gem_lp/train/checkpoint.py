@@ -8,6 +8,13 @@ garbage or failing inside the unpickler.
 Files are written to a temp file beside the target (`.<name>.<random>.tmp`, created with the user's umask),
 synced, then renamed over the target, so a reader never sees a partial file; a failed write removes its temp
 file, and `remove_stale_temp_files` removes those of a process that was killed mid-write.
+
+A run on several processes (torchrun) writes its sharded state, the model and the fused optimizer's state of the
+sharded tables, with `torch.distributed.checkpoint` (each rank writes the shards it owns) into a directory beside
+the checkpoint file, `<checkpoint>.shards/step_<step>.<token>/`: written under a temp name, renamed once every
+rank has finished, and listed with the SHA-256 of each of its files in the checkpoint file that rank 0 then
+writes as above. Loading verifies those checksums before reading the shards; a new save leaves the previous
+directory in place until the checkpoint file names the new one.
 """
 from __future__ import annotations
 
@@ -17,11 +24,13 @@ import json
 import os
 import random
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 
 MAGIC = b"GEMLPCK1"
 HEADER_BYTES = len(MAGIC) + 32 + 8
@@ -146,3 +155,92 @@ def write_json_atomic(obj: Any, path: str | os.PathLike) -> None:
     """`obj` as indented JSON, atomically; NaN and infinities are refused (they are not JSON)."""
     text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def shards_dir(checkpoint_path: str | os.PathLike) -> Path:
+    """Where a multi-process run keeps its sharded state: `<checkpoint>.shards/` beside the checkpoint file."""
+    path = Path(checkpoint_path)
+    return path.parent / f"{path.name}.shards"
+
+
+def _sha256_of_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded(state: dict[str, Any], checkpoint_path: str | os.PathLike, step: int, group) -> dict[str, Any]:
+    """Write `state` (ShardedTensors, each rank's own shards, and replicated tensors) with
+    `torch.distributed.checkpoint` into a new directory in `shards_dir(checkpoint_path)`; every rank calls it.
+
+    Returns, on every rank, the record the checkpoint file keeps: `{"dir": <name>, "sha256": {file: hex digest}}`.
+    The directory is written under a temp name and renamed by rank 0 once every rank has written its files.
+    """
+    root = shards_dir(checkpoint_path)
+    name = group.broadcast_object(f"step_{step:08d}.{secrets.token_hex(4)}" if group.is_main else None)
+    tmp = root / f".{name}.tmp"
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # returns on every rank once rank 0 has written the metadata
+    except BaseException:
+        if group.is_main:
+            _remove_tree(tmp)
+        raise
+    record = None
+    if group.is_main:
+        record = {"dir": name, "sha256": {f.name: _sha256_of_file(f) for f in sorted(tmp.iterdir())}}
+        _fsync_directory(tmp)
+        os.replace(tmp, root / name)
+        _fsync_directory(root)
+    return group.broadcast_object(record)
+
+
+def verify_shards(checkpoint_path: str | os.PathLike, record: dict[str, Any]) -> str | None:
+    """None when the shard directory that `record` names holds exactly its files with their SHA-256; otherwise
+    what is wrong, naming the directory and the file."""
+    directory = shards_dir(checkpoint_path) / record["dir"]
+    if not directory.is_dir():
+        return f"checkpoint {checkpoint_path}: its sharded state {directory} is missing"
+    present = sorted(f.name for f in directory.iterdir())
+    if present != sorted(record["sha256"]):
+        return (f"checkpoint {checkpoint_path}: {directory} holds {present}, the checkpoint lists "
+                f"{sorted(record['sha256'])}")
+    for name, digest in record["sha256"].items():
+        if _sha256_of_file(directory / name) != digest:
+            return (f"checkpoint {checkpoint_path}: {directory / name} is corrupt: its SHA-256 does not match the "
+                    f"one written with it")
+    return None
+
+
+def load_sharded(state: dict[str, Any], checkpoint_path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Read the sharded state that `record` names into `state` in place (each rank its own shards); every rank
+    calls it, after `verify_shards`."""
+    dcp.load(state, checkpoint_id=shards_dir(checkpoint_path) / record["dir"])
+
+
+def remove_stale_shards(checkpoint_path: str | os.PathLike, keep: str | None) -> list[Path]:
+    """Remove the shard directories beside `checkpoint_path` other than `keep` (the one its checkpoint file names):
+    temp directories of an interrupted save, and directories that a later checkpoint superseded or that no
+    checkpoint file came to name. Returns the paths removed."""
+    root = shards_dir(checkpoint_path)
+    if not root.is_dir():
+        return []
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if entry.name != keep and entry.is_dir() and (entry.name.startswith("step_") or entry.name.endswith(".tmp")):
+            _remove_tree(entry)
+            removed.append(entry)
+    return removed
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -25,8 +25,11 @@ DECAYS = ("cosine", "linear", "none")
 # how long the run goes and what it logs, evaluates and writes, not the optimization of the steps already
 # taken. `max_steps` also sets the length of the LR schedule, which is recomputed for the new length.
 # Any other trainer setting (lr, weight_decay, warm-up, ...) changed on resume needs `resume=force`.
+# The sharding settings may change too: a sharded checkpoint is refused unless the plan they give is the checkpoint's.
 RESUME_MAY_CHANGE = ("max_steps", "stop_after", "eval_every", "eval_batches", "log_every", "checkpoint_every",
-                     "checkpoint_path", "device", "num_threads", "num_workers", "progress", "tensorboard")
+                     "checkpoint_path", "device", "num_threads", "num_workers", "progress", "tensorboard",
+                     "sharding", "table_sharding", "dist_timeout_s")
+SHARDINGS = ("auto", "table_wise", "row_wise", "column_wise", "data_parallel")
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,12 @@ class TrainerConfig:
     grad_clip: float | None = 1.0  # max global norm of the dense gradients (None: no clipping)
     progress: bool = True  # a progress bar when stderr is a terminal; otherwise a log line every log_every steps
     tensorboard: bool = True
+    # Under torchrun (several processes; see gem_lp.train.sharding): how the embedding tables are spread over the
+    # ranks, per-table overrides ({table: table_wise | row_wise | column_wise}), and how long a collective waits
+    # for every rank before the job fails.
+    sharding: str = "auto"
+    table_sharding: dict[str, str] = dataclasses.field(default_factory=dict)
+    dist_timeout_s: float = 300.0
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -92,6 +101,14 @@ class TrainerConfig:
             raise ValueError(f"trainer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip is not None and not 0 < self.grad_clip < float("inf"):
             raise ValueError(f"trainer.grad_clip must be null or a finite number > 0, got {self.grad_clip}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"trainer.sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+        self.table_sharding = dict(self.table_sharding)
+        for table, sharding in self.table_sharding.items():
+            if sharding not in SHARDINGS[1:4]:
+                raise ValueError(f"trainer.table_sharding.{table} must be one of {SHARDINGS[1:4]}, got {sharding!r}")
+        if not 0 < self.dist_timeout_s < float("inf"):
+            raise ValueError(f"trainer.dist_timeout_s must be a finite number of seconds > 0, got {self.dist_timeout_s}")
         if self.checkpoint_path is not None and not self.checkpoint_path.strip():
             raise ValueError("trainer.checkpoint_path must be null or a file path, got an empty string")
 

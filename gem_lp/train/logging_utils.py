@@ -19,12 +19,13 @@ class Progress:
     and tqdm is installed; otherwise an INFO log line every `log_every` steps. While the bar is shown, log
     records to the console are printed above it (`tqdm.contrib.logging`)."""
 
-    def __init__(self, total: int, initial: int, bar: bool, log_every: int):
+    def __init__(self, total: int, initial: int, bar: bool, log_every: int, enabled: bool = True):
         self.total = total
         self.log_every = max(1, log_every)
+        self.enabled = enabled  # False: shows and logs nothing (the ranks other than 0 of a multi-process run)
         self.bar = None
         self._redirect = contextlib.ExitStack()
-        if bar and sys.stderr.isatty():
+        if enabled and bar and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
                 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -35,6 +36,8 @@ class Progress:
             self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger()], tqdm_class=tqdm))
 
     def update(self, step: int, loss: float, samples_per_s: float, lr: float) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.update(1)
             if step % self.log_every == 0:

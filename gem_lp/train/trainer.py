@@ -1,4 +1,5 @@
-"""The training loop: AdamW + row-wise Adagrad, warm-up + decay, clipping, eval, checkpoints, exact resume."""
+"""The training loop: AdamW + row-wise Adagrad, warm-up + decay, clipping, eval, checkpoints, exact resume; on one
+process, or on several under torchrun (TorchRec model parallelism, see `gem_lp.train.sharding`)."""
 from __future__ import annotations
 
 import logging
@@ -13,15 +14,18 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from gem_lp.data import DataError, DataSource, RecBatch, make_source
+from gem_lp.data import DataError, DataSource, RankSlices, RecBatch, make_source, rank_bounds, rank_slice
 from gem_lp.models import GemRanker
 
-from .checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_files, restore_rng_states, rng_states,
-                         save_atomic, seed_everything, write_json_atomic)
+from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, remove_stale_shards, remove_stale_temp_files,
+                         restore_rng_states, rng_states, save_atomic, save_sharded, seed_everything, verify_shards,
+                         write_json_atomic)
 from .config import RESUME_MAY_CHANGE, ConfigError, RunConfig, load_run_config, plain
+from .distributed import LaunchEnv, ProcessGroup, launch_env, rank_device
 from .logging_utils import KernelBuilds, Progress, Scalars, Stopwatch
 from .metrics import mean_bce, normalized_entropy, roc_auc
 from .optim import RowWiseAdagrad, warmup_decay_lambda
+from .sharding import shard_model
 from .signals import StopRequests, TrainingInterrupted, ignore_sigint_in_worker
 
 log = logging.getLogger("gem_lp.train")
@@ -30,6 +34,10 @@ TRAIN_LOSS_WINDOW = 50  # `train_loss` in metrics.json: mean over the last this 
 METRICS_FILE = "metrics.json"
 _STATE_KEYS = ("step", "model", "dense_optimizer", "embedding_optimizer", "dense_scheduler", "embedding_scheduler",
                "rng", "losses", "evals", "stopwatch", "model_config", "data_config", "trainer_config", "seed")
+# The checkpoint file of a multi-process run: the model (and the fused optimizer's state) are in its shards; RNG
+# and embedding scheduler states are per rank.
+_SHARDED_STATE_KEYS = ("step", "dense_optimizer", "dense_scheduler", "losses", "evals", "stopwatch", "model_config",
+                       "data_config", "trainer_config", "seed", "world_size", "sharding_plan", "shards", "rank_states")
 
 
 class NonFiniteError(RuntimeError):
@@ -93,27 +101,58 @@ class Trainer:
             `cfg.data` is still what a resume compares, so it should describe the source.
     """
 
-    def __init__(self, cfg: DictConfig | RunConfig, run_dir: str | Path, source: DataSource | None = None):
+    def __init__(self, cfg: DictConfig | RunConfig, run_dir: str | Path, source: DataSource | None = None,
+                 launch: LaunchEnv | None = None):
+        """`launch`: this process's rank in a multi-process launch; default: torchrun's environment variables (none
+        set: one process). Several processes share `data.batch_size` (the global batch) and the run directory."""
         self.config = load_run_config(cfg)
         self.tcfg, self.mcfg, self.dcfg = self.config.trainer, self.config.model, self.config.data
         self.seed = self.config.seed
         self.run_dir = Path(run_dir)
         self.checkpoint_path = check_run_directory(self.config, self.run_dir)
+        self.launch = launch if launch is not None else launch_env()
+        self.rank, self.world_size = (self.launch.rank, self.launch.world_size) if self.launch else (0, 1)
+        self.is_main = self.rank == 0  # writes the run's files and logs; every rank writes its own shards
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (remove_stale_temp_files(self.checkpoint_path)
-                      + remove_stale_temp_files(self.run_dir / METRICS_FILE)):
-            log.warning("removed %s, the temp file of a write that was interrupted", stale)
+        if self.is_main:
+            for stale in (remove_stale_temp_files(self.checkpoint_path)
+                          + remove_stale_temp_files(self.run_dir / METRICS_FILE)):
+                log.warning("removed %s, the temp file of a write that was interrupted", stale)
         t = self.tcfg
         self.device = resolve_device(t.device)
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
+        self.group: ProcessGroup | None = None
+        if self.launch is not None:
+            self.device = rank_device(self.device, self.launch)
+            self.group = ProcessGroup(self.launch, self.device, t.dist_timeout_s)
+        try:
+            self._build(source)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, source: DataSource | None) -> None:
+        """The data source, the model (sharded on several processes), optimizers, schedulers, and the resumed state."""
+        t = self.tcfg
         seed_everything(self.seed)
 
         self.source = source if source is not None else make_source(self.dcfg, self.seed)
         self.model = GemRanker(self.mcfg, self.source.features).to(self.device)
+        self.network: torch.nn.Module = self.model  # what the forward pass calls
+        self.sharding_plan: dict[str, dict[str, Any]] | None = None
+        self.fused_tables = False  # the tables are sharded, updated inside the backward by TorchRec's optimizer
+        if self.group is not None:
+            sharded = shard_model(self.model, GemRanker.embedding_tables(self.source.features), t, self.launch,
+                                  self.group)
+            self.network, self.sharding_plan, self.fused_tables = sharded.module, sharded.plan, sharded.fused
+            self.model = sharded.module.module  # the GemRanker inside, its embedding modules sharded
         self.dense_optimizer = torch.optim.AdamW(self.model.dense_parameters(), lr=t.lr, betas=t.betas,
                                                  weight_decay=t.weight_decay)
-        self.embedding_optimizer = RowWiseAdagrad(self.model.embedding_parameters(), lr=t.embedding_lr)
+        if self.fused_tables:
+            self.embedding_optimizer = self.network.fused_optimizer
+        else:
+            self.embedding_optimizer = RowWiseAdagrad(self.model.embedding_parameters(), lr=t.embedding_lr)
         schedule = warmup_decay_lambda(t.warmup_steps, t.max_steps, t.decay, t.min_lr_ratio)
         self.dense_scheduler = torch.optim.lr_scheduler.LambdaLR(self.dense_optimizer, schedule)
         self.embedding_scheduler = torch.optim.lr_scheduler.LambdaLR(self.embedding_optimizer, schedule)
@@ -124,24 +163,38 @@ class Trainer:
         self.resumes: list[dict[str, Any]] = []  # what each resume of this run found changed, and did
         self.stopwatch = Stopwatch()
         self.kernel_builds_after_warmup = 0  # in this process
+        self._stop_requests: StopRequests | None = None  # while fit() runs
+        self._agreed_stop: int | None = None  # a stop signal that some rank received, known to every rank
+        shards_in_use = None
         if self.config.resume is not False:
-            self._resume(force=self.config.resume == "force")
+            shards_in_use = self._resume(force=self.config.resume == "force")
+        if self.group is not None and self.is_main:
+            for stale in remove_stale_shards(self.checkpoint_path, keep=shards_in_use):
+                log.warning("removed %s, sharded state that no checkpoint file names (an interrupted or superseded "
+                            "save)", stale)
+        if self.fused_tables:
+            self.embedding_optimizer.zero_grad()  # hands the scheduled LR to the fused kernels (see train_step)
 
         self.eval_batches: list[RecBatch] = self.source.eval_batches(t.eval_batches)
         self.teacher_metrics = self._teacher_metrics()
+        self.eval_slices = ([rank_slice(b, self.rank, self.world_size) for b in self.eval_batches] if self.group
+                            else self.eval_batches)
+
+    def close(self) -> None:
+        """End this rank's part in the process group (no-op on one process); call it once the run is over."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     # ---- bookkeeping -------------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        return {
+        """The checkpoint file's contents on one process (on several, `_sharded_state` adds to them)."""
+        state = {
             "step": self.step,
             "next_batch_index": self.step,
-            "model": self.model.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "embedding_optimizer": self.embedding_optimizer.state_dict(),
             "dense_scheduler": self.dense_scheduler.state_dict(),
-            "embedding_scheduler": self.embedding_scheduler.state_dict(),
-            "rng": rng_states(),
             "losses": list(self.losses),
             "evals": list(self.evals),
             "resumes": list(self.resumes),
@@ -151,14 +204,47 @@ class Trainer:
             "trainer_config": plain(self.tcfg),
             "seed": self.seed,
         }
+        if self.group is None:
+            state.update(model=self.model.state_dict(), embedding_optimizer=self.embedding_optimizer.state_dict(),
+                         embedding_scheduler=self.embedding_scheduler.state_dict(), rng=rng_states())
+        elif not self.fused_tables:  # data parallel: the tables' optimizer state is the same on every rank
+            state["embedding_optimizer"] = self.embedding_optimizer.state_dict()
+        return state
+
+    def _sharded_tensors(self) -> dict[str, Any]:
+        """What a multi-process checkpoint keeps through torch.distributed.checkpoint: the model (sharded tables
+        as ShardedTensors, written by their owners) and the fused optimizer's state of the sharded tables."""
+        tensors = {"model": self.network.state_dict()}
+        if self.fused_tables:
+            tensors["embedding_optimizer"] = self.embedding_optimizer.state_dict()
+        return tensors
 
     def save_checkpoint(self) -> None:
-        save_atomic(self._state(), self.checkpoint_path)
+        if self.group is None:
+            save_atomic(self._state(), self.checkpoint_path)
+            return
+        shards = save_sharded(self._sharded_tensors(), self.checkpoint_path, self.step, self.group)
+        rank_states = self.group.gather_objects({"rng": rng_states(),
+                                                 "embedding_scheduler": self.embedding_scheduler.state_dict()})
+        if self.is_main:
+            save_atomic({**self._state(), "world_size": self.world_size, "sharding_plan": self.sharding_plan,
+                         "shards": shards, "rank_states": rank_states}, self.checkpoint_path)
+            remove_stale_shards(self.checkpoint_path, keep=shards["dir"])
+        self.group.barrier()  # every rank sees the new checkpoint file from here on
 
-    def _resume(self, force: bool) -> None:
+    def _resume(self, force: bool) -> str | None:
+        """Load the checkpoint; returns the name of the shard directory it uses (None on one process)."""
         path = self.checkpoint_path
         state = load_checkpoint(path)
-        missing = [k for k in _STATE_KEYS if k not in state]
+        if ("shards" in state) != (self.group is not None):
+            raise ConfigError(
+                f"resume: checkpoint {path} was written by "
+                + (f"torchrun ({state.get('world_size')} process(es)); resume it with torchrun on as many processes"
+                   if "shards" in state else "a single process (no torchrun); resume it without torchrun"))
+        if self.group is not None and state["world_size"] != self.world_size:
+            raise ConfigError(f"resume: checkpoint {path} was written by {state['world_size']} process(es), this run "
+                              f"has {self.world_size}; a run resumes on the number of processes it was written with")
+        missing = [k for k in (_STATE_KEYS if self.group is None else _SHARDED_STATE_KEYS) if k not in state]
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {missing}: not a training state of this gem-lp version")
         for section, now in (("model", self.mcfg), ("data", self.dcfg)):
@@ -180,12 +266,20 @@ class Trainer:
                 + f"); drop those overrides to continue as the run started, or pass resume=force to continue with "
                   f"the new values (recorded in {METRICS_FILE}). May change with resume=true: "
                 + ", ".join(RESUME_MAY_CHANGE))
-        self.model.load_state_dict(state["model"])
+        if self.group is None:
+            self.model.load_state_dict(state["model"])
+            rank_state = {"rng": state["rng"], "embedding_scheduler": state["embedding_scheduler"]}
+        else:
+            rank_state = self._load_sharded(state)
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
-        self.embedding_optimizer.load_state_dict(state["embedding_optimizer"])
+        if not self.fused_tables:
+            self.embedding_optimizer.load_state_dict(state["embedding_optimizer"])
         self.dense_scheduler.load_state_dict(state["dense_scheduler"])
-        self.embedding_scheduler.load_state_dict(state["embedding_scheduler"])
-        restore_rng_states(state["rng"])
+        self.embedding_scheduler.load_state_dict(rank_state["embedding_scheduler"])
+        if self.fused_tables:  # the scheduled LR, exactly as it was after the last step
+            for group, lr in zip(self.embedding_optimizer.param_groups, self.embedding_scheduler.get_last_lr()):
+                group["lr"] = lr
+        restore_rng_states(rank_state["rng"])
         self.step = state["step"]
         self.losses = list(state["losses"])
         self.evals = list(state["evals"])
@@ -198,10 +292,32 @@ class Trainer:
             self._apply_trainer_settings()
         self.resumes.append({"step": self.step, "checkpoint": str(path), "forced": bool(refused),
                              "changed": {f"trainer.{k}": {"checkpoint": a, "now": b} for k, (a, b) in changed.items()}})
-        log.info("resumed from %s at step %d", path, self.step)
-        for k, (a, b) in changed.items():
-            (log.warning if k in refused else log.info)("resume: trainer.%s changed from %r to %r%s", k, a, b,
-                                                         " (resume=force)" if k in refused else "")
+        if self.is_main:
+            log.info("resumed from %s at step %d", path, self.step)
+            for k, (a, b) in changed.items():
+                (log.warning if k in refused else log.info)("resume: trainer.%s changed from %r to %r%s", k, a, b,
+                                                             " (resume=force)" if k in refused else "")
+        return state["shards"]["dir"] if self.group is not None else None
+
+    def _load_sharded(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A multi-process checkpoint's model and fused optimizer state, after checking its plan and the checksums
+        of its shards (rank 0 reads them all; every rank then stops on the same error); returns this rank's RNG and
+        embedding scheduler states."""
+        path = self.checkpoint_path
+        if state["sharding_plan"] != self.sharding_plan:
+            differences = _differences(state["sharding_plan"], self.sharding_plan, "plan")
+            raise ConfigError(f"resume: the sharding plan differs from the checkpoint's ({'; '.join(differences)}); "
+                              f"a sharded checkpoint resumes with the plan it was written with (trainer.sharding, "
+                              f"trainer.table_sharding)")
+        error = self.group.broadcast_object(verify_shards(path, state["shards"]) if self.is_main else None)
+        if error is not None:
+            raise CheckpointError(error)
+        tensors = self._sharded_tensors()
+        load_sharded(tensors, path, state["shards"])
+        self.network.load_state_dict(tensors["model"])
+        if self.fused_tables:
+            self.embedding_optimizer.load_state_dict(tensors["embedding_optimizer"])
+        return state["rank_states"][self.rank]
 
     def _apply_trainer_settings(self) -> None:
         """After loading a checkpoint: this run's optimizer settings and LR schedule instead of the saved ones
@@ -236,26 +352,45 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (mean BCE), AUC and NE of the model on the fixed eval batches."""
-        was_training = self.model.training
-        self.model.eval()
-        logits, labels = [], []
-        for batch in self.eval_batches:
-            logits.append(self.model(batch.to(self.device)).float().cpu())
-            labels.append(batch.labels)
-        self.model.train(was_training)
-        logits, labels = torch.cat(logits), torch.cat(labels)
+        """Loss (mean BCE), AUC and NE of the model on the fixed eval batches.
+
+        On several processes each rank scores its slice of every eval batch; one all-gather brings every logit to
+        every rank, in the order of one process, and the metrics are computed as on one process, over all samples.
+        Every rank must call it then (it runs collectives).
+        """
+        was_training = self.network.training
+        self.network.eval()
+        logits = [self.network(batch.to(self.device)).float() for batch in self.eval_slices]
+        self.network.train(was_training)
+        logits = torch.cat(logits) if self.group is None else self._gathered_eval_logits(logits)
+        logits, labels = logits.cpu(), torch.cat([batch.labels for batch in self.eval_batches])
         if not torch.isfinite(logits).all():
             raise NonFiniteError(f"step {self.step}: the model produced non-finite eval logits", self.step,
                                  ["eval logits"])
         return {"eval_loss": mean_bce(logits, labels), "eval_auc": roc_auc(logits, labels),
                 "eval_ne": normalized_entropy(logits, labels)}
 
+    def _gathered_eval_logits(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's eval logits (`logits[i]`: this rank's slice of eval batch `i`) in the order of the eval
+        batches, through one all-gather (each rank's logits padded to the longest rank's count for it, the padding
+        dropped again)."""
+        sizes = [[stop - start for start, stop in (rank_bounds(b.batch_size, r, self.world_size)
+                                                    for b in self.eval_batches)] for r in range(self.world_size)]
+        longest = max(sum(per_batch) for per_batch in sizes)
+        mine = torch.cat(logits)
+        padded = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
+        gathered = self.group.gather(padded)
+        per_rank = [gathered[r, :sum(sizes[r])].split(sizes[r]) for r in range(self.world_size)]
+        return torch.cat([per_rank[r][i] for i in range(len(self.eval_batches)) for r in range(self.world_size)])
+
     # ---- training ----------------------------------------------------------------------------------
 
     def _train_loader(self) -> DataLoader:
         workers = self.tcfg.num_workers
-        return DataLoader(self.source.train_dataset(self.step), batch_size=None, num_workers=workers,
+        dataset = self.source.train_dataset(self.step)
+        if self.group is not None:
+            dataset = RankSlices(dataset, self.rank, self.world_size)
+        return DataLoader(dataset, batch_size=None, num_workers=workers,
                           pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers > 0 else None,
                           persistent_workers=False, worker_init_fn=ignore_sigint_in_worker if workers else None)
 
@@ -272,6 +407,38 @@ class Trainer:
         if bool(torch.isfinite(values[1:]).all()):
             return value
         raise self._gradient_error(step, names, grads, values[1:-1].tolist(), float(values[-1]))
+
+    def _agreed_loss(self, loss_sum: torch.Tensor, global_batch_size: int, names: list[str],
+                     grads: list[torch.Tensor], norms: torch.Tensor, dense_norm: torch.Tensor, step: int) -> float:
+        """On several processes: the whole batch's mean loss, after every rank has learnt whether any rank found a
+        non-finite loss or gradient (then every rank raises `NonFiniteError`, before the optimizer step) and
+        whether any rank was asked to stop (`_agreed_stop`, for the next step boundary). One all-reduce per step:
+        `[loss sum, non-finite flag of each rank, stop signal of each rank]`."""
+        world, rank = self.world_size, self.rank
+        local = torch.cat([loss_sum.detach().float().reshape(1), norms.float(), dense_norm.float().reshape(1)])
+        slots = torch.zeros(1 + 2 * world, dtype=torch.float64, device=self.device)
+        slots[0] = loss_sum.detach().double()
+        slots[1 + rank] = (~torch.isfinite(local)).any().double()
+        requested = self._stop_requests.requested if self._stop_requests is not None else None
+        slots[1 + world + rank] = float(requested or 0)
+        values = torch.cat([self.group.sum(slots), local.double()]).cpu()
+        total, local = values[:1 + 2 * world], values[1 + 2 * world:]
+        signals = [int(v) for v in total[1 + world:].tolist() if v > 0]
+        self._agreed_stop = signals[0] if signals else None
+        bad_ranks = [r for r in range(world) if total[1 + r] > 0]
+        if not bad_ranks:
+            return float(total[0]) / global_batch_size
+        note = " (every rank stops)"
+        if rank not in bad_ranks:
+            raise NonFiniteError(
+                f"step {step}: rank(s) {bad_ranks} found a non-finite training loss or gradient; every rank stops "
+                f"before the optimizer step{self._last_checkpoint_note()}", step, [f"rank {r}" for r in bad_ranks])
+        if not math.isfinite(float(local[0])):
+            raise NonFiniteError(f"step {step}: training loss of rank {rank}'s samples is {float(local[0])} "
+                                 f"(non-finite); stopping before the optimizer step{self._last_checkpoint_note()}"
+                                 f"{note}", step, ["training loss"])
+        error = self._gradient_error(step, names, grads, local[1:-1].tolist(), float(local[-1]))
+        raise NonFiniteError(str(error) + note, error.step, error.tensors)
 
     def _gradient_error(self, step: int, names: list[str], grads: list[torch.Tensor], norms: list[float],
                         dense_norm: float) -> NonFiniteError:
@@ -300,11 +467,25 @@ class Trainer:
             return f" (last checkpoint: {self.checkpoint_path})"
         return " (no checkpoint written yet)"
 
-    def train_step(self, batch: RecBatch, step: int) -> float:
-        """One optimizer step on `batch`; `step` is its 1-based number (for messages). Returns the loss."""
+    def train_step(self, batch: RecBatch, step: int, global_batch_size: int | None = None) -> float:
+        """One optimizer step on `batch`; `step` is its 1-based number (for messages). Returns the loss.
+
+        On several processes `batch` is this rank's slice of a batch of `global_batch_size` samples and the step
+        is that of one process on the whole batch: DDP and TorchRec's sharded tables average the ranks' gradients,
+        so each rank's loss is its sum over `global_batch_size / world_size`, and the loss returned is the whole
+        batch's mean (the same on every rank). Sharded tables are updated by TorchRec's fused optimizer inside the
+        backward, with the LR that the previous step's `zero_grad` handed it (this step's scheduled LR).
+        """
         batch = batch.to(self.device, non_blocking=True)
-        logits = self.model(batch)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
+        logits = self.network(batch)
+        if self.group is None:
+            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
+        else:
+            if global_batch_size is None:
+                raise ValueError("train_step: global_batch_size is required on several processes (the size of the "
+                                 "batch that `batch` is this rank's slice of)")
+            loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float(), reduction="sum")
+            loss = loss_sum / (global_batch_size / self.world_size)
         loss.backward()
         tables = {id(p) for p in self.model.embedding_parameters()}
         named = sorted(((n, p) for n, p in self.model.named_parameters() if p.grad is not None),
@@ -313,7 +494,10 @@ class Trainer:
         num_tables = sum(id(p) in tables for _, p in named)
         norms = torch.stack(torch._foreach_norm(grads))  # per tensor, in the gradients' dtype as clipping does
         dense_norm = torch.linalg.vector_norm(norms[num_tables:])  # what gradient clipping scales by
-        value = self._checked_loss(loss, names, grads, norms, dense_norm, step)
+        if self.group is None:
+            value = self._checked_loss(loss, names, grads, norms, dense_norm, step)
+        else:
+            value = self._agreed_loss(loss_sum, global_batch_size, names, grads, norms, dense_norm, step)
         if self.tcfg.grad_clip is not None:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in named[num_tables:]], self.tcfg.grad_clip, dense_norm)
         self.dense_optimizer.step()
@@ -337,33 +521,42 @@ class Trainer:
                               f"would stop at {stop}")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        scalars = Scalars(str(self.run_dir / "tensorboard"), t.tensorboard)
-        progress = Progress(total=stop, initial=self.step, bar=t.progress, log_every=t.log_every)
+        # The run's files, progress and log lines come from rank 0 only.
+        scalars = Scalars(str(self.run_dir / "tensorboard"), t.tensorboard and self.is_main)
+        progress = Progress(total=stop, initial=self.step, bar=t.progress, log_every=t.log_every,
+                            enabled=self.is_main)
         teacher = self.teacher_metrics["teacher_auc"]
-        log.info("%s on %s: %s parameters%s", self.mcfg.precision, self.device,
-                 f"{sum(p.numel() for p in self.model.parameters()):,}",
-                 f"; teacher eval AUC {teacher:.4f}" if teacher is not None else "")
-        self.model.train()
+        if self.is_main:
+            log.info("%s on %s: %s parameters%s%s", self.mcfg.precision, self.device,
+                     f"{sum(p.numel() for p in self.model.parameters()):,}",
+                     f"; teacher eval AUC {teacher:.4f}" if teacher is not None else "",
+                     "" if self.group is None else f"; {self.world_size} processes, tables: " + ", ".join(
+                         f"{table} {p['sharding_type']} on ranks {p['ranks']}" for table, p in self.sharding_plan.items()))
+        self.network.train()
         started = time.perf_counter()
         builds = KernelBuilds().start()
         try:
             with StopRequests() as stop_requests:
+                self._stop_requests = stop_requests
                 loader = iter(self._train_loader())
                 while self.step < stop:
-                    if stop_requests.requested is not None:
+                    requested = stop_requests.requested if self.group is None else self._agreed_stop
+                    if requested is not None:
                         self.save_checkpoint()
-                        raise TrainingInterrupted(stop_requests.requested, self.step, str(self.checkpoint_path))
+                        raise TrainingInterrupted(requested, self.step, str(self.checkpoint_path))
                     self._one_step(loader, stop, progress, scalars, builds)
         finally:
+            self._stop_requests = None
             builds.stop()
             progress.close()
             scalars.close()
-        if self.kernel_builds_after_warmup:
+        if self.kernel_builds_after_warmup and self.is_main:
             log.info("note: %d Triton kernel builds happened during timed steps (samples_per_s counts them; "
                      "samples_per_s_median_step is a typical step: %s)", self.kernel_builds_after_warmup,
                      f"{self.stopwatch.median_rate:,.0f}")
         metrics = self.metrics(wall_s=time.perf_counter() - started)
-        write_json_atomic(metrics, self.run_dir / METRICS_FILE)
+        if self.is_main:
+            write_json_atomic(metrics, self.run_dir / METRICS_FILE)
         return metrics
 
     def _one_step(self, loader, stop: int, progress: Progress, scalars: Scalars, builds: KernelBuilds) -> None:
@@ -372,10 +565,11 @@ class Trainer:
         steady, builds_before = self.stopwatch.steady, builds.count
         self.stopwatch.start()
         batch = next(loader)
-        loss = self.train_step(batch, self.step + 1)
+        batch, samples = batch if self.group is not None else (batch, batch.batch_size)  # (rank's slice, batch size)
+        loss = self.train_step(batch, self.step + 1, samples)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stopwatch.stop(batch.batch_size)
+        self.stopwatch.stop(samples)
         if steady:
             self.kernel_builds_after_warmup += builds.count - builds_before
         self.step += 1
@@ -392,8 +586,10 @@ class Trainer:
             for key in ("eval_loss", "eval_auc", "eval_ne"):
                 scalars.add(f"eval/{key[5:]}", point[key], self.step)
             teacher = self.teacher_metrics["teacher_auc"]
-            log.info("step %d: eval loss %.4f  AUC %.4f%s  NE %.4f", self.step, point["eval_loss"], point["eval_auc"],
-                     f" (teacher {teacher:.4f})" if teacher is not None else "", point["eval_ne"])
+            if self.is_main:
+                log.info("step %d: eval loss %.4f  AUC %.4f%s  NE %.4f", self.step, point["eval_loss"],
+                         point["eval_auc"], f" (teacher {teacher:.4f})" if teacher is not None else "",
+                         point["eval_ne"])
         if self.step % t.checkpoint_every == 0 or self.step == stop:
             self.save_checkpoint()
 
@@ -402,7 +598,12 @@ class Trainer:
         return sum(window) / len(window)
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
+        """The run's figures (what `metrics.json` holds); on several processes every rank calls it (the peak memory
+        is the largest rank's)."""
         last = self.evals[-1]
+        peak_mem = peak_memory_bytes(self.device)
+        if self.group is not None:
+            peak_mem = int(self.group.max(peak_mem))
         return {
             "precision": self.mcfg.precision,
             "backend": self.mcfg.backend,
@@ -418,9 +619,11 @@ class Trainer:
             "samples_per_s": self.stopwatch.rate,
             "samples_per_s_median_step": self.stopwatch.median_rate,
             "kernel_builds_after_warmup": self.kernel_builds_after_warmup,
-            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "peak_mem_bytes": peak_mem,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
+            "world_size": self.world_size,
+            "sharding_plan": self.sharding_plan,  # table -> sharding type, compute kernel, ranks (null: one process)
             "wall_s": wall_s,
             "seed": self.seed,
             "parameters": sum(p.numel() for p in self.model.parameters()),
@@ -444,4 +647,8 @@ def _listed(names: list[str]) -> str:
 
 def train(cfg: DictConfig | RunConfig, run_dir: str | Path) -> dict[str, Any]:
     """Build a `Trainer` from `cfg` and run it; returns the metrics written to `<run_dir>/metrics.json`."""
-    return Trainer(cfg, run_dir).fit()
+    trainer = Trainer(cfg, run_dir)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

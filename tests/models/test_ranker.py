@@ -171,3 +171,24 @@ def test_users_without_history(precision):
     F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
     assert torch.isfinite(logits).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_pooled_features_are_read_by_key_not_by_position(batch):
+    """A sharded EmbeddingBagCollection returns its features grouped by shard, in another order than the spec's;
+    the model reads each feature by its key, so the logits do not depend on that order."""
+    from torchrec import KeyedTensor
+
+    torch.manual_seed(0)
+    model = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA.feature_spec())
+    expected = model(batch)
+    pooled = model.pooled_embeddings
+
+    class ReversedKeys(torch.nn.Module):
+        def forward(self, features):
+            out = pooled(features)
+            keys = out.keys()[::-1]
+            return KeyedTensor.from_tensor_list(keys, [out[k] for k in keys])
+
+    model.pooled_embeddings = ReversedKeys()
+    assert model.pooled_embeddings(batch.sparse_features).keys() == ["b", "a"]
+    assert torch.equal(model(batch), expected)
