@@ -98,3 +98,33 @@ def sm_count(device: torch.device, off_gpu: int) -> int:
     if device.type != "cuda":
         return off_gpu
     return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+# Modules whose in-memory caches hold the CuTe kernels a process has built (or loaded from a persistent cache).
+_CUTE_CACHE_MODULES = ("gem_lp.attention.cute.launch", "gem_lp.norm.cute.launch")
+
+
+def _cute_caches():
+    """(name, dict of compile key -> kernel) of every CuTe kernel cache of the modules imported so far."""
+    import sys
+
+    for name in _CUTE_CACHE_MODULES:
+        if name in sys.modules:
+            yield name, sys.modules[name]._COMPILED
+    fa4 = sys.modules.get("flash_attn.cute.interface")
+    if fa4 is not None:
+        for attr, fn in vars(fa4).items():
+            cache = getattr(getattr(fn, "compile_cache", None), "cache", None)
+            if isinstance(cache, dict):
+                yield f"flash_attn.cute.interface.{attr}", cache
+
+
+def cute_kernel_builds() -> int:
+    """CuTe kernels built in this process so far: ours (each kernel package's `_COMPILED`) and flash-attn-4's
+    (its interface functions' `compile_cache`). Imports nothing: a stack not yet imported has built nothing."""
+    return sum(len(cache) for _, cache in _cute_caches())
+
+
+def cute_kernel_keys() -> set[str]:
+    """`cache name: compile key` of every CuTe kernel `cute_kernel_builds` counts (to say which were built)."""
+    return {f"{name}: {key}" for name, cache in _cute_caches() for key in cache}

@@ -1,4 +1,4 @@
-"""Progress (a bar on a terminal, log lines otherwise), TensorBoard scalars, step timing and Triton build counts.
+"""Progress (a bar on a terminal, log lines otherwise), TensorBoard scalars, step timing and kernel build counts.
 
 Messages go through Python `logging` (logger `gem_lp.train`): the command line sends them to the console and
 to `train.log` in the run directory.
@@ -10,6 +10,8 @@ import logging
 import statistics
 import sys
 import time
+
+from ..backend import cute_kernel_builds, cute_kernel_keys
 
 log = logging.getLogger("gem_lp.train")
 
@@ -128,21 +130,57 @@ class Stopwatch:
 
 
 class KernelBuilds:
-    """Counts Triton kernel builds (JIT compiles, or loads from Triton's on-disk cache) while active, through
-    `triton.knobs.runtime.jit_post_compile_hook` (a hook already set keeps being called). A build during a timed
-    training step stalls it; the trainer reports how many happened after its warm-up steps. Counts nothing
-    where Triton is not installed."""
+    """Counts kernel builds while active: Triton's (JIT compiles, or loads from Triton's on-disk cache) through
+    `triton.knobs.runtime.jit_post_compile_hook` (a hook already set keeps being called), and CuTe DSL kernels
+    newly held by the in-memory caches (`gem_lp.backend.cute_kernel_builds`). A build during a timed training step
+    stalls it; the trainer reports how many happened after its warm-up steps. Counts no Triton builds where Triton
+    is not installed."""
 
     def __init__(self):
-        self.count = 0
+        self._triton = 0
+        self._triton_builds: list[str] = []
+        self._cute_keys: set[str] = set()
+        self._cute_end_keys: set[str] | None = None
+        self._triton_reported = 0
+        self._cute_reported: set[str] = set()
+        self._cute_start = None
+        self._cute_end = None
         self._runtime = None
         self._previous = None
 
+    @property
+    def count(self) -> int:
+        if self._cute_start is None:
+            return self._triton
+        cute_now = self._cute_end if self._cute_end is not None else cute_kernel_builds()
+        return self._triton + cute_now - self._cute_start
+
+    def builds(self) -> list[str]:
+        """What was built: Triton's description of each build (kernel, launch options, argument
+        specializations) and the cache and compile key of each new CuTe kernel."""
+        now = self._cute_end_keys if self._cute_end_keys is not None else cute_kernel_keys()
+        return self._triton_builds + sorted(now - self._cute_keys)
+
+    def new_builds(self) -> list[str]:
+        """What `builds` lists that no earlier call of this method returned."""
+        triton = self._triton_builds[self._triton_reported:]
+        self._triton_reported = len(self._triton_builds)
+        cute = sorted(set(self.builds()[len(self._triton_builds):]) - self._cute_reported)
+        self._cute_reported.update(cute)
+        return triton + cute
+
     def _hook(self, *args, **kwargs):
-        self.count += 1
+        self._triton += 1
+        compiled = kwargs.get("compile") or {}
+        # the name, options and argument types, then what a new token count can change: constexprs, specializations
+        self._triton_builds.append(f"{kwargs.get('repr', 'a Triton kernel')} constants={compiled.get('constants')} "
+                                   f"attrs={compiled.get('configs')}" + (" (warmup)" if kwargs.get("is_manual_warmup")
+                                                                        else ""))
         return self._previous(*args, **kwargs) if self._previous is not None else None
 
     def start(self) -> "KernelBuilds":
+        self._cute_start, self._cute_end = cute_kernel_builds(), None
+        self._cute_keys, self._cute_end_keys = cute_kernel_keys(), None
         try:
             import triton
             self._runtime = triton.knobs.runtime
@@ -153,7 +191,9 @@ class KernelBuilds:
         return self
 
     def stop(self) -> None:
-        """Put the previous hook back (safe to call twice, or without `start`)."""
+        """Put the previous hook back and freeze the count (safe to call twice, or without `start`)."""
+        if self._cute_start is not None and self._cute_end is None:
+            self._cute_end, self._cute_end_keys = cute_kernel_builds(), cute_kernel_keys()
         if self._runtime is not None:
             self._runtime.jit_post_compile_hook = self._previous
             self._runtime = None

@@ -551,7 +551,7 @@ class Trainer:
             progress.close()
             scalars.close()
         if self.kernel_builds_after_warmup and self.is_main:
-            log.info("note: %d Triton kernel builds happened during timed steps (samples_per_s counts them; "
+            log.info("note: %d kernel builds (Triton and CuTe DSL) happened during timed steps (samples_per_s counts them; "
                      "samples_per_s_median_step is a typical step: %s)", self.kernel_builds_after_warmup,
                      f"{self.stopwatch.median_rate:,.0f}")
         metrics = self.metrics(wall_s=time.perf_counter() - started)
@@ -570,8 +570,12 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stopwatch.stop(samples)
-        if steady:
+        if steady and builds.count > builds_before:
             self.kernel_builds_after_warmup += builds.count - builds_before
+            if self.is_main:
+                log.info("step %d built: %s", self.step + 1, "; ".join(builds.new_builds()))
+        elif not steady:
+            builds.new_builds()  # warm-up builds are expected: not reported
         self.step += 1
         self.losses.append(loss)
         lr = self.dense_scheduler.get_last_lr()[0]

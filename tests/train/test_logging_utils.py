@@ -2,6 +2,8 @@
 (Triton build counter), and the quiet torch.fx deprecation."""
 import logging
 
+import sys
+
 import pytest
 
 from gem_lp.train.logging_utils import KernelBuilds, Progress, Stopwatch
@@ -85,3 +87,24 @@ def test_kernel_builds_counts_and_chains_the_previous_hook():
         builds.stop()  # a second stop changes nothing
     finally:
         runtime.jit_post_compile_hook = previous
+
+
+def test_kernel_builds_counts_cute_kernels_added_to_the_caches(monkeypatch):
+    """A CuTe kernel newly held by a kernel package's cache counts as a build; after stop the count is frozen."""
+    import types
+
+    from gem_lp import backend
+
+    fake = types.ModuleType("fake_cute_launch")
+    fake._COMPILED = {"warm": object()}
+    monkeypatch.setitem(sys.modules, "fake_cute_launch", fake)
+    monkeypatch.setattr(backend, "_CUTE_CACHE_MODULES", ("fake_cute_launch",))
+    with KernelBuilds() as builds:
+        assert builds.count == 0  # what was built before start does not count
+        fake._COMPILED["a"] = object()
+        fake._COMPILED["b"] = object()
+        assert builds.count == 2
+    fake._COMPILED["c"] = object()
+    assert builds.count == 2
+    assert len(builds.builds()) == 2 and all(b.startswith("fake_cute_launch: ") for b in builds.builds())
+    assert builds.new_builds() == builds.builds() and builds.new_builds() == []

@@ -21,6 +21,13 @@ from ..plan import cached_plan
 from ..producer import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, mx_operands
 
 
+# FA4's backward compiles another kernel when the longest sequence fits in one tile (a compile-key flag that guards
+# TVM's stride specialization of the non-varlen buffers, whose shapes follow max_seqlen; varlen buffers follow the
+# token counts), so a batch of short sequences would build mid-run. A bound above two tiles of 128 keeps the one
+# build; the varlen kernels read sequence lengths from cu_seqlens, and max_seqlen only bounds them.
+_BWD_MAX_SEQLEN_FLOOR = 257
+
+
 @dataclasses.dataclass(frozen=True)
 class VarlenBatch:
     """Device-side sequence layout of one call: FA4's int32 `cu_seqlens`, int64 offsets for the producer pass,
@@ -128,7 +135,8 @@ class CuteAttention(torch.autograd.Function):
             q_, k_, v_ = (t.to(dt).contiguous() for t in (q, k, v))
             dq, dk, dv = fa4._flash_attn_bwd(
                 _repeat_q(q_, vb), k_, v_, out, d_out.to(out.dtype), lse, softmax_scale=ctx.scale, causal=ctx.causal,
-                cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q, max_seqlen_k=vb.max_k, dlse=dlse)
+                cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=max(vb.max_q, _BWD_MAX_SEQLEN_FLOOR),
+                max_seqlen_k=max(vb.max_k, _BWD_MAX_SEQLEN_FLOOR), dlse=dlse)
         else:
             qs, ks, vh, dos = mx_operands([(_rows(q), vb.q_offsets, ORIENT_SQUARE),
                                            (_rows(k), vb.kv_offsets, ORIENT_SQUARE),
