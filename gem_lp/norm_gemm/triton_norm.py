@@ -981,10 +981,12 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
 _VARIANT_TOKEN_COUNTS = ((4112, 4098, 4080, 4082, 4097, 4065), (4096, 4128, 4160))
 _M_ARG, _ROW_OP_ARG, _COL_OP_ARG = 3, 12, 13  # in `forward_launch`'s args
 _VARIANTS_COMPILED: set = set()
+_CLASS_REPRESENTATIVE = {True: 4096, False: 4097}  # a token count of each class (M % 32 == 0 or not)
 
 
-def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> None:
-    """Compile, at a launch configuration's first use, the builds that other M of the same class select.
+def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> bool:
+    """Compile, at a launch configuration's first use, the builds that other M of the same class select; True when
+    this call did (the first use).
 
     The build depends on M through Triton's integer specialization (M % 16) and through EVEN_M and M_PADDING
     (the colwise payload's row stride is a multiple of 16 for every M, so its specialization never changes). In
@@ -993,7 +995,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
     Costs a few more compiles at the first step instead.
     """
     if kernel is not _rms_norm_mx_strips_kernel:
-        return
+        return False
     aligned = args[_M_ARG] % 32 == 0
     # what else picks the build: the flags and the tensors' dtypes (a tuple cheap to build: this runs per call)
     x, stride, weight, row_op, col_op = args[0], args[1], args[2], args[_ROW_OP_ARG], args[_COL_OP_ARG]
@@ -1002,7 +1004,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
            kwargs["COL_MX"], kwargs["ROW_OP"], kwargs["COL_OP"], kwargs["COL_SUMS"], kwargs["BLOCKED_SCALES"],
            kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"])
     if key in _VARIANTS_COMPILED:
-        return
+        return False
     _VARIANTS_COMPILED.add(key)
     block_m, thread_rows = config[0], config[3]
     blocked, row_mx, col_mx = kwargs["BLOCKED_SCALES"], kwargs["ROW_MX"], kwargs["COL_MX"]
@@ -1015,6 +1017,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> N
         seen.add(flags)
         kernel.warmup(*args[:_M_ARG], m, *args[_M_ARG + 1:], grid=(1,),
                       **dict(kwargs, EVEN_M=flags[1], M_PADDING=flags[2]))
+    return True
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:
@@ -1214,8 +1217,16 @@ def rms_norm_mx(
         kernel, grid, args, kwargs = forward_launch(
             x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
             rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5])
-        if not interpreter_enabled():
-            _compile_token_count_variants(kernel, args, kwargs, config)
+        if not interpreter_enabled() and _compile_token_count_variants(kernel, args, kwargs, config) \
+                and given == _NO_CONFIG:
+            # the other class of M (a multiple of 32 or not) launches with its own default config: build it now
+            # too, or the first batch of that class builds in the middle of training
+            other = default_config(K, M % 32 != 0, row_operand or col_operand, hw_cast, weight is not None)
+            o_kernel, _, o_args, o_kwargs = forward_launch(
+                x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
+                rceil=scaling == "rceil", hw_cast=hw_cast, config=other, column_sums=bufs[5])
+            o_args = (*o_args[:_M_ARG], _CLASS_REPRESENTATIVE[M % 32 != 0], *o_args[_M_ARG + 1:])
+            _compile_token_count_variants(o_kernel, o_args, o_kwargs, other)
         plan = plan._replace(launch=KernelLaunch(kernel, grid, len(args), kwargs))
         plan.launch(args, plan.on_gpu)
     if key is not None:

@@ -849,3 +849,34 @@ def test_up_front_builds_cover_every_token_count_of_a_class(config, rowwise, col
         n = len(warmed)
         _compile_token_count_variants(kernel_, args, kw, config)  # the next call: nothing more
         assert len(warmed) == n
+
+
+def test_first_use_builds_both_classes_of_token_count(monkeypatch):
+    """The first call of a launch (here MXLinear's forward cast: no norm, the colwise MX and the BF16 operand, as on
+    the GPU with the hardware conversion) also builds the launch that the other class of M (a multiple of 32 or not) takes
+    with its own default config: a run whose first batches fall in one class builds nothing when the other comes."""
+    K = 128
+    kernel = triton_norm._rms_norm_mx_strips_kernel
+    warmed = []
+    monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kw: warmed.append(
+        (args[triton_norm._M_ARG] % 32 == 0, kw["BLOCK_M"], kw["num_warps"])), raising=False)
+    monkeypatch.setattr(triton_norm, "_VARIANTS_COMPILED", set())
+    monkeypatch.setattr(triton_norm, "_NORM_PLANS", {})
+    monkeypatch.setattr(triton_norm.KernelLaunch, "__call__", lambda self, args, on_gpu: None)
+    # the host logic of a GPU call, on meta tensors: the GPU's launch choices, no device check, nothing launched
+    monkeypatch.setattr(triton_norm, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(triton_norm, "_check_2d", lambda x, name: None)
+    for aligned in (True, False):
+        configs = {(c[0], c[2]) for c in [triton_norm.default_config(K, a, True, True, False) for a in (True, False)]}
+        warmed.clear()
+        triton_norm._VARIANTS_COMPILED.clear()
+        x = torch.empty(4096 if aligned else 4097, K, device="meta", dtype=torch.bfloat16)
+        triton_norm.rms_norm_mx(x, None, rowwise=False, colwise=True, row_operand=True, hw_cast=True)
+        assert {a for a, _, _ in warmed} == {True, False}  # both classes built at the first call
+        assert {(bm, nw) for _, bm, nw in warmed} == configs
+        n = len(warmed)
+        triton_norm.rms_norm_mx(torch.empty(4000 if aligned else 4001, K, device="meta", dtype=torch.bfloat16), None,
+                                rowwise=False, colwise=True, row_operand=True, hw_cast=True)
+        triton_norm.rms_norm_mx(torch.empty(4001 if aligned else 4000, K, device="meta", dtype=torch.bfloat16), None,
+                                rowwise=False, colwise=True, row_operand=True, hw_cast=True)
+        assert len(warmed) == n  # later token counts of either class: nothing more
