@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+PRECISION_KEYS = ("model", "model.precision")
 REQUIRED = ("precision", "steps", "train_loss", "eval_loss", "eval_auc", "eval_ne", "samples_per_s",
             "peak_mem_bytes", "device")
 
@@ -31,8 +32,9 @@ def load_runs(root: Path) -> list[dict[str, Any]]:
         overrides: list[str] = []
         if overrides_file.is_file():
             overrides = [line[2:].strip() for line in overrides_file.read_text().splitlines() if line.startswith("- ")]
-        # Runs pair up when they differ only in the model choice.
-        key = tuple(sorted(o for o in overrides if not o.split("=")[0].lstrip("+~").startswith("model")))
+        # Runs pair up when they differ only in the precision: the model choice (gem_bf16 / gem_mxfp8) or
+        # model.precision. Other model keys (model.qk_rotation=..., sizes) must match.
+        key = tuple(sorted(o for o in overrides if o.split("=")[0].lstrip("+~") not in PRECISION_KEYS))
         runs.append({**metrics, "name": str(run_dir.relative_to(root)) or ".", "pair_key": key,
                      "overrides": overrides})
     if not runs:

@@ -62,6 +62,20 @@ def test_gaps_pair_runs_that_differ_only_in_the_model(tmp_path):
     assert "+1.000" in text and "-2.500" in text
 
 
+def test_gaps_pair_runs_with_equal_model_keys(tmp_path):
+    """`-m model=gem_bf16,gem_mxfp8 model.qk_rotation=null,hadamard`: each mxfp8 run against the bf16 run with
+    its qk_rotation; model.precision counts as the precision choice too."""
+    fake_run(tmp_path, "0", "bf16", 0.90, ["model=gem_bf16", "model.qk_rotation=null"])
+    fake_run(tmp_path, "1", "bf16", 0.80, ["model=gem_bf16", "model.qk_rotation=hadamard"])
+    fake_run(tmp_path, "2", "mxfp8", 0.909, ["model=gem_mxfp8", "model.qk_rotation=null"])
+    fake_run(tmp_path, "3", "mxfp8", 0.82, ["model=gem_mxfp8", "model.qk_rotation=hadamard"])
+    fake_run(tmp_path, "4", "bf16", 0.70, ["model.precision=bf16", "model.num_blocks=2"])
+    fake_run(tmp_path, "5", "mxfp8", 0.714, ["model.precision=mxfp8", "model.num_blocks=2"])
+    gaps = {g["mxfp8"]: g for g in ne_gaps(load_runs(tmp_path))}
+    assert {name: g["bf16"] for name, g in gaps.items()} == {"2": "0", "3": "1", "5": "4"}
+    assert gaps["3"]["ne_gap_pct"] == pytest.approx(2.5)
+
+
 def test_report_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics.json"):
         load_runs(tmp_path)
