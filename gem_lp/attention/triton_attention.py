@@ -1,4 +1,4 @@
-"""Jagged attention in Triton, forward and backward, BF16 and exact MXFP8 (LP-FA4 recipe, DESIGN.md §3).
+"""Jagged attention in Triton, forward and backward, BF16 and exact MXFP8 (LP-FA4 recipe, docs/numerics.md).
 
 Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16. So the default path
 ("producer") is:
@@ -6,7 +6,8 @@ Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16
 1. a memory-bound producer pass (`_operand_kernel`, one launch for K, V forward, or Q, K, V, dO backward):
    read each `[T, H, D]` once, quantize each MX block (hdim 1x32 along D, seq 32 tokens x 1 feature,
    square 32x32; token blocks aligned to each sequence's first token), and write the dequantized, MX-exact
-   BF16 operand; the dO slot also writes Δ = rowsum(dO ⊙ O) (minus dLSE when the LSE has a gradient).
+   BF16 operand; the dO slot also writes Δ = rowsum(dO ⊙ O) of the rounded dO (minus dLSE when the LSE has a
+   gradient).
    The forward's Q goes through the same pass (default); `q_in_kernel=True` rounds it in the kernel's
    prologue instead (`_operand_tile`, the same bits), which measured slower on the H200 (the prologue's
    register cost outweighs a third of the pass). Two kernels write the same bits:
@@ -351,7 +352,8 @@ def _produce(x_ptr, out_ptr, o_ptr, delta_ptr, dlse_ptr, blk_seq_ptr, offsets_pt
             else:  # plain rounding to the operand dtype
                 y = x
             tl.store(out_ptr + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid[:, :, None])
-        if DELTA:  # x is dO as given
+            x = y
+        if DELTA:  # x is dO as dP = dO V^T sees it (MX-rounded where the operand is), so dS's rows sum to ~0
             o = _to_f32(tl.load(o_ptr + off, mask=valid[:, :, None], other=0.0))
             delta = tl.sum(x * o, axis=2)
             rows = tok[:, None] * H + hh[None, :]
@@ -422,7 +424,8 @@ def _produce_strips(x_ptr, out_ptr, o_ptr, delta_ptr, dlse_ptr, chunk_seq_ptr, o
             else:  # plain rounding to the operand dtype
                 y = x
             tl.store(out_ptr + base + off, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=valid)
-        if DELTA:  # x is dO as given; sum over the feature axes (g, cb, e)
+            x = y
+        if DELTA:  # x is dO as dP sees it (as in `_produce`); sum over the feature axes (g, cb, e)
             xo = x * _to_f32(tl.load(o_ptr + base + off, mask=valid, other=0.0))
             if ROW_BLOCKS_IN_THREAD:  # axes (c, cb, mb, g, r, e)
                 delta = tl.sum(tl.sum(tl.sum(xo, axis=5, keep_dims=True), axis=3, keep_dims=True), axis=1,
@@ -1278,7 +1281,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        dq_static_scale: float = 1.0, grad_format: str = "dense",
                        grad_dtype: torch.dtype | None = None, config=None, dq_config=None,
                        producer: str = DEFAULT_PRODUCER, hw_cast: bool | None = None):
-    """Backward of jagged attention by the recipe (DESIGN.md §3); inputs as for `attention_forward`.
+    """Backward of jagged attention by the recipe (docs/numerics.md); inputs as for `attention_forward`.
 
     Args:
         do: `[T_out, H, D]` gradient of O (contiguous); o, lse: the forward's outputs.

@@ -375,7 +375,7 @@ def _per_sequence(x: torch.Tensor, offs: torch.Tensor, fn) -> torch.Tensor:
 
 def test_producer_pass_matches_reference_quantization():
     """One launch over four tensors with their own offsets: hdim, seq, square and plain BF16 rounding, and
-    Δ = rowsum(dO ⊙ O) - dLSE on the last; heads in groups with a partial last group (H = 6)."""
+    Δ = rowsum(dO ⊙ O) - dLSE of the rounded dO on the last; heads in groups with a partial last group (H = 6)."""
     from gem_lp.attention.reference import mx_square
     from gem_lp.attention.triton_attention import ORIENT_HDIM, ORIENT_NONE, ORIENT_SEQ, ORIENT_SQUARE, _operands
 
@@ -391,7 +391,7 @@ def test_producer_pass_matches_reference_quantization():
     assert torch.equal(k_s.float().cpu(), _per_sequence(k, kv_offs, mx_seq))
     assert torch.equal(v_q.cpu(), v.cpu())  # already BF16: rounding is the identity
     assert torch.equal(do_sq.float().cpu(), _per_sequence(do, q_offs, mx_square))
-    want = (do.float() * o.float()).sum(-1) - dlse
+    want = (do_sq.float() * o.float()).sum(-1) - dlse  # the dO that dP = dO V^T uses
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
     (k_bf16,), _ = _operands([(k, kv_offs, ORIENT_NONE, True)], hw_cast=False)
     assert torch.equal(k_bf16, k.bfloat16())  # round to nearest even
