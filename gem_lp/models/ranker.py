@@ -43,7 +43,7 @@ class GemRanker(nn.Module):
     def __init__(self, cfg: GemModelConfig, data: SyntheticDataConfig):
         super().__init__()
         self.cfg = cfg
-        ops = OpSettings(cfg.precision, cfg.backend, cfg.p_quant, cfg.norm_eps)
+        ops = OpSettings(cfg.precision, cfg.backend, cfg.p_quant, cfg.norm_eps, cfg.qk_rotation)
         e, d = cfg.embedding_dim, cfg.d_model
         self.sequence_embeddings = EmbeddingCollection(
             tables=[
