@@ -1,11 +1,12 @@
 """Error budget of the `mxfp8` attention recipe on the reference backend.
 
 `python -m gem_lp.attention.error_budget [--dim 128] [--json PATH]` prints, for a suite of inputs (randn;
-Q and K with outlier channels 10x, 20x, 50x; token outliers; a K channel offset; each causal and not), the
-SQNR of O, dQ, dK and dV against the `fp32` recipe (computed in FP64) for BF16, for the mxfp8 recipe, for
-the recipe with each quantization point switched off in turn, and for its variants (`MXRecipe`) with and
-without `qk_rotation="hadamard"`. docs/numerics.md holds the table and what it decided; a test pins the
-figures (`tests/attention/test_error_budget.py`). Small shapes: the whole suite takes seconds on a CPU.
+Q and K with shared outlier channels 10x, 20x, 50x; disjoint ones; token outliers; a K channel offset; each
+causal and not), the SQNR of O, dQ, dK and dV against the `fp32` recipe (computed in FP64) for BF16, for the
+mxfp8 recipe, for the recipe with each quantization point switched off in turn, and for its variants
+(`MXRecipe`) with and without `qk_rotation="hadamard"`. docs/numerics.md holds the table and what it
+decided; a test pins the figures (`tests/attention/test_error_budget.py`). Small shapes on one thread: the
+whole suite takes about 20 s of CPU.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 
 import torch
@@ -186,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the rows to this file (refuses to overwrite)")
     args = parser.parse_args(argv)
+    if args.json and os.path.exists(args.json):  # checked before the run, and again by the exclusive open
+        raise FileExistsError(f"--json {args.json} exists; pass a new path")
     rows = run_budget(dim=args.dim, seed=args.seed)
     print(f"D={args.dim}, {HEADS} heads, lengths {list(LENGTHS)}, seed {args.seed}; SQNR against FP64\n")
     for causal in (False, True):
