@@ -42,8 +42,9 @@ def test_defaults_and_precision_choice(composed):
     model, _, trainer = build_sections(composed())
     assert model.precision == "bf16" and trainer.device == "cpu"
     mx, _, _ = build_sections(composed("model=gem_mxfp8"))
-    assert mx.precision == "mxfp8"
-    assert {**vars(mx), "precision": "bf16"} == vars(model)  # the recipes differ in precision only
+    assert mx.precision == "mxfp8" and mx.qk_rotation == "hadamard" and model.qk_rotation is None
+    # the recipes differ in precision and in MXFP8's Hadamard rotation of q and k only
+    assert {**vars(mx), "precision": "bf16", "qk_rotation": None} == vars(model)
 
 
 @pytest.mark.parametrize("value, want", [("null", None), ("hadamard", "hadamard")])
