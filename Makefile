@@ -8,10 +8,12 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt requirements/cute.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements/cpu.txt -r requirements/test.txt
+	# the CuTe DSL stack, pinned, without its metadata's CUDA 12 libs (see requirements/cute.txt)
+	$(BIN)/python -m pip install -q --no-deps -r requirements/cute.txt
 	# torchrec's metadata pulls the CUDA build of fbgemm-gpu; fbgemm-gpu-cpu is installed above instead
 	$(BIN)/python -m pip install -q --no-deps torchrec==1.8.0
 	$(BIN)/python -m pip install -q --no-deps -e .
@@ -21,8 +23,11 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt
 run: setup
 	$(BIN)/python train.py
 
-# The test suite (Triton kernels run under TRITON_INTERPRET=1 on CPU machines).
+# Every CuTe kernel built for Hopper and Blackwell (no GPU needed), then the test suite (Triton kernels run under
+# TRITON_INTERPRET=1 on CPU machines).
 test: setup
+	$(BIN)/python -m gem_lp.compile_check --arch sm_90a
+	$(BIN)/python -m gem_lp.compile_check --arch sm_100a
 	$(BIN)/python -m pytest -q -n 2
 
 sweep: setup

@@ -3,8 +3,8 @@
 Run from the project root on any machine: `python -m benchmarks.host_cpu [--profile]`. The kernels run nowhere
 (TRITON_INTERPRET=1, launches mocked), so what is timed is the Python and the torch ops around them: a relative
 measure of host-side changes without a GPU (a GPU host's Python is slower, and its launches cost more). Rows:
-`jagged_attention` fwd and fwd+bwd (mxfp8, bf16) on a small jagged batch, `mx_linear_triton` and
-`rms_norm_mx_linear_triton` fwd+bwd (cuBLAS route, torch's CPU matmuls included) beside `F.linear`.
+`mx_linear_triton` and `rms_norm_mx_linear_triton` fwd+bwd (cuBLAS route, torch's CPU matmuls included) beside
+`F.linear`.
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import gem_lp.attention.triton_attention as ta  # noqa: E402
-from gem_lp.attention import jagged_attention  # noqa: E402
 from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
 from gem_lp.norm_gemm import triton_norm as tn  # noqa: E402
 
@@ -38,7 +36,7 @@ class _NoLaunch:
 
 
 def _mock_launches() -> None:
-    for module in (ta, tn, tg):
+    for module in (tn, tg):
         for name in dir(module):
             obj = getattr(module, name)
             if name.endswith("_kernel") and hasattr(obj, "arg_names") and hasattr(obj, "fn"):
@@ -56,26 +54,12 @@ def _us_per_call(fn, calls: int = 300) -> float:
 
 
 def cases() -> dict:
-    offs = torch.tensor([0, 300, 317, 1317, 1381, 1510, 2210, 2243, 2244])
-    t = int(offs[-1])
-    q, k, v = (torch.randn(t, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn(t, 2, 128, dtype=torch.bfloat16)
     M, K, N = 64, 64, 96
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
     w, b = torch.randn(N, K, requires_grad=True), torch.randn(N, requires_grad=True)
     gw = torch.ones(K, requires_grad=True)
     dy = torch.randn(M, N, dtype=torch.bfloat16)
     out = {}
-    for prec in ("mxfp8", "bf16"):
-        def attn_fwd(prec=prec):
-            with torch.no_grad():
-                return jagged_attention(q, k, v, offs, precision=prec, backend="triton")
-
-        def attn_step(prec=prec):
-            o = jagged_attention(q, k, v, offs, precision=prec, backend="triton")
-            return torch.autograd.grad(o, (q, k, v), do)
-        out[f"jagged_attention {prec} fwd"] = attn_fwd
-        out[f"jagged_attention {prec} fwd+bwd"] = attn_step
     out["mx_linear_triton fwd+bwd"] = lambda: torch.autograd.grad(
         tg.mx_linear_triton(x, w, b, "rceil", "cublas"), (x, w, b), dy)
     out["rms_norm_mx_linear_triton fwd+bwd"] = lambda: torch.autograd.grad(
@@ -91,7 +75,7 @@ def main(profile: bool) -> None:
     for name, fn in rows.items():
         print(f"{name:40s} {_us_per_call(fn):8.1f} us per call", flush=True)
     if profile:
-        for name in ("jagged_attention mxfp8 fwd+bwd", "mx_linear_triton fwd+bwd"):
+        for name in ("mx_linear_triton fwd+bwd", "rms_norm_mx_linear_triton fwd+bwd"):
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(200):

@@ -1,4 +1,5 @@
-"""Backend selection shared by every op: `reference` (plain PyTorch, the oracle) or `triton`."""
+"""Backend selection shared by every op: `reference` (plain PyTorch, the oracle), `triton`, or `cute`
+(CuTe DSL kernels built on flash-attn-4 and quack, for sm_90 / sm_100)."""
 from __future__ import annotations
 
 import functools
@@ -6,7 +7,9 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "cute")
+# Compute-capability majors the CuTe kernels are built for (Hopper sm_90a, Blackwell sm_100a).
+CUTE_ARCH_MAJORS = (9, 10)
 
 
 def interpreter_enabled() -> bool:
@@ -22,19 +25,65 @@ def skips_dispatch(*tensors: torch.Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
-def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
-    """`auto` -> `triton` when every tensor is on CUDA, else `reference`; checks an explicit choice."""
+@functools.lru_cache(maxsize=None)
+def cute_stack_missing() -> str | None:
+    """Why the CuTe DSL stack cannot be imported here (None when it can)."""
+    try:
+        import cutlass  # noqa: F401
+        import flash_attn.cute  # noqa: F401
+        import quack  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything else at import
+        return f"the CuTe DSL stack does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cute_unavailable(device: torch.device) -> str | None:
+    """One-line reason why the CuTe kernels cannot run on `device`, or None when they can."""
+    if device.type != "cuda":
+        return f"the CuTe kernels need a CUDA device, got {device}"
+    major, minor = _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
+    if major not in CUTE_ARCH_MAJORS:
+        return f"the CuTe kernels are built for sm_90 and sm_100, this GPU is sm_{major}{minor}"
+    return cute_stack_missing()
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor, kernels: tuple[str, ...] = ("triton",)) -> str:
+    """The backend an op runs on; `kernels` lists the kernel toolchains the op has.
+
+    `auto`: `cute` when the op has CuTe kernels and they can run on the tensors' GPU, else `triton` on CUDA,
+    `reference` elsewhere. An explicit `triton` or `cute` that cannot run raises with the reason.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     on_cuda = all(t.is_cuda for t in tensors)
     if backend == "auto":
-        return "triton" if on_cuda else "reference"
+        if not on_cuda:
+            return "reference"
+        if "cute" in kernels and cute_unavailable(tensors[0].device) is None:
+            return "cute"
+        return "triton"
+    if backend == "reference":
+        return backend
+    if backend not in kernels:
+        raise ValueError(f"backend={backend!r} is not available for this op (it has: reference, "
+                         f"{', '.join(kernels)})")
     if backend == "triton" and not on_cuda and not interpreter_enabled():
         devices = sorted({str(t.device) for t in tensors})
         raise ValueError(
             f"backend='triton' needs CUDA tensors (got {devices}); on a CPU machine set "
             f"TRITON_INTERPRET=1 before importing gem_lp to run the kernels in Triton's interpreter"
         )
+    if backend == "cute":
+        devices = {t.device for t in tensors}
+        reason = (f"the tensors are on several devices {sorted(map(str, devices))}" if len(devices) > 1
+                  else cute_unavailable(next(iter(devices))))
+        if reason is not None:
+            raise ValueError(f"backend='cute' cannot run: {reason}")
     return backend
 
 

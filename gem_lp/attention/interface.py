@@ -1,7 +1,6 @@
 """`jagged_attention`: argument checks and backend dispatch of jagged (variable-length) attention."""
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -19,43 +18,6 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str
     if precision == "mxfp8" and dim % BLOCK != 0:
         raise ValueError(f"precision='mxfp8' needs a head dim that is a multiple of {BLOCK} (64 or 128 for the "
                          f"kernels), got D={dim}")
-
-
-def _varlen_attention(q, k, v, q_offs, kv_offs, *, causal: bool, scale: float) -> torch.Tensor | None:
-    """torch's flash `varlen_attn` for the 16-bit recipe on CUDA, or None where it does not apply.
-
-    Used only where its semantics are surely ours: every sequence with queries has keys, and causal
-    only when query and key lengths are equal (so the mask's alignment cannot differ).
-    """
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    q_lens, kv_lens = q_offs[1:] - q_offs[:-1], kv_offs[1:] - kv_offs[:-1]
-    if q.shape[0] == 0 or bool(((q_lens > 0) & (kv_lens == 0)).any()):
-        return None
-    if causal and not torch.equal(q_lens, kv_lens):
-        return None
-    dim = q.shape[2]
-    if dim % 8 != 0 or dim > 256:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {}
-    if causal:
-        if "window_size" in params:
-            kwargs["window_size"] = (-1, 0)
-        elif "is_causal" in params:
-            kwargs["is_causal"] = True
-        else:
-            return None
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif scale != 1.0 / math.sqrt(dim):
-        return None
-    cu_q = q_offs.to(device=q.device, dtype=torch.int32)
-    cu_k = kv_offs.to(device=q.device, dtype=torch.int32)
-    out = varlen_attn(q, k, v, cu_q, cu_k, int(q_lens.max()), int(kv_lens.max()), **kwargs)
-    return out[0] if isinstance(out, tuple) else out
 
 
 def _checked(offsets: torch.Tensor, name: str, total: int) -> torch.Tensor:
@@ -86,7 +48,8 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         broadcast_q: see q; output row `b * Lq + i` is query i against sequence b; dq sums over b.
         precision: `"fp32"` (the oracle), `"bf16"` (a 16-bit flash kernel's rounding) or `"mxfp8"`
             (LP-FA4 recipe; D a multiple of 32).
-        backend: `"auto"`, `"reference"` or `"triton"` (see `gem_lp.backend.resolve_backend`).
+        backend: `"auto"`, `"reference"` or `"cute"` (see `gem_lp.backend.resolve_backend`; `auto` takes `cute`
+            on sm_90 / sm_100 when the CuTe DSL stack imports, the reference elsewhere).
         softmax_scale: defaults to `1/sqrt(D)`.
         p_quant: `"const_p"` or `"dynamic"` (how `mxfp8` quantizes P).
         return_lse: also return LSE.
@@ -138,24 +101,25 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
             raise ValueError(f"{name} must be on the CPU or on q's device {q.device}, got {offs.device}")
 
     q, k = rotate_qk(q, k, qk_rotation)  # before dispatch, so that every backend gets it
-    resolved = resolve_backend(backend, q, k, v)
-    if resolved == "triton":
-        # bf16: torch's flash varlen kernel where it applies (the fastest BF16 jagged attention measured on
-        # the H200, so a BF16-vs-MXFP8 comparison is against the best BF16), else our BF16 kernel;
-        # mxfp8: our exact-MX kernels. fp32 and other head dims run the reference.
-        if precision == "bf16" and q.is_cuda and q.dtype != torch.float32 and not broadcast_q and not return_lse:
-            out = _varlen_attention(q, k, v, q_offs, kv_offs, causal=causal, scale=scale)
-            if out is not None:
-                return out
-        if precision != "fp32" and dim in (64, 128):
-            from .triton_attention import jagged_attention_triton
+    resolved = resolve_backend(backend, q, k, v, kernels=("cute",))
+    if resolved == "cute":
+        # bf16: FlashAttention-4 at any head dim it takes; mxfp8: the recipe's kernels at D 64 and 128 on sm_90;
+        # fp32 (the oracle), other head dims and mxfp8 elsewhere run the reference.
+        from .cute.config import HEAD_DIMS, MX_ARCH_MAJORS
 
-            return jagged_attention_triton(
-                q.contiguous(), k.contiguous(), v.contiguous(), q_offsets, kv_offsets, causal=causal,
-                broadcast_q=broadcast_q, precision=precision, softmax_scale=scale, p_quant=p_quant,
-                return_lse=return_lse, validate_offsets=False)
+        mx_here = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] in MX_ARCH_MAJORS
+        if precision == "mxfp8" and not mx_here and backend == "cute":
+            raise ValueError("backend='cute' cannot run precision='mxfp8' here: its kernels are built for sm_90a "
+                             "only (the Blackwell kernels are not written yet); use backend='reference'")
+        if precision == "bf16" or (precision == "mxfp8" and dim in HEAD_DIMS and mx_here):
+            from .cute.interface import jagged_attention_cute, varlen_batch
+
+            vb = varlen_batch(q_offsets, kv_offsets, q_offs, kv_offs, broadcast_q=broadcast_q, q_rows=q.shape[0],
+                              device=q.device)
+            out, lse = jagged_attention_cute(q, k, v, vb, causal=causal, precision=precision, scale=scale,
+                                             p_quant=p_quant)
+            return (out, lse) if return_lse else out
         resolved = "reference"
-
     plan = make_plan(q_offs, kv_offs, broadcast_q=broadcast_q, q_len=q.shape[0], heads=heads)
     out, lse = attention_reference(q, k, v, plan, causal=causal, precision=precision, scale=scale, p_quant=p_quant)
     return (out, lse) if return_lse else out

@@ -8,7 +8,12 @@ backward (so memory stays that of a flash kernel's inputs and outputs plus one c
   BF16); S, softmax, l, O/l in FP32; P rounded to the operand dtype before P.V; backward rounds P and dS
   to the operand dtype before their GEMMs.
 * `mxfp8`: the LP-FA4 recipe. Forward: Q, K `hdim` (1x32 along D), V `seq` (32 tokens x 1 feature);
-  P as E4M3, `const_p` (payload e4m3(256 p), scale 2^-8) or `dynamic` (1x32 along kv, rceil).
+  P as E4M3, `const_p` (payload e4m3(256 p), scale 2^-8) or `dynamic` (1x32 along kv, rceil), where
+  p = exp2(t - m'), t = S * fp32(scale log2 e), and the row max m' = ceil(max t) is snapped up to an integer:
+  an online kernel's p against its running max then differs from this p by an exact power of two, which the
+  E4M3 rounding commutes with, so kernels round exactly the values this reference rounds. O is normalized by
+  the row sum of the rounded P (weights summing to one; a query that sees one key gets its value exactly),
+  LSE = m' ln 2 + ln(sum p) by the unrounded one.
   Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
   and LSE, Δ = rowsum(dO * O) from the quantized dO that dP uses, dS (and P for dV when `dynamic`)
   quantized in 32x32 blocks. `MXRecipe` names these points; the error budget moves them.
@@ -79,7 +84,8 @@ class MXRecipe:
 
     The defaults are the recipe of docs/numerics.md (LP-FA4's, with Δ taken from the quantized dO), the one
     `jagged_attention` and the kernels implement. The other settings exist to measure it
-    (`gem_lp.attention.error_budget` and its tests), not as user options.
+    (`gem_lp.attention.error_budget` and its tests), not as user options. The forward's snapped row max and
+    its normalization of O by the rounded P's row sum are not options: the kernels round exactly there.
 
     Quantization points (False keeps that operand in FP32): `qk_forward` (Q, K of S = Q K^T), `v` (V of
     O = P V and of dP = dO V^T), `p` (P of P V and of dV = P^T dO), `qk_backward` (Q, K of the backward),
@@ -125,7 +131,8 @@ class MXRecipe:
 
 
 def scores_forward(q: torch.Tensor, k: torch.Tensor, scale: float, recipe: MXRecipe) -> torch.Tensor:
-    """S = Q K^T * scale from the forward's operands (FP32 q `[..., Pq, D]`, k `[..., Pk, D]`, `hdim` blocks)."""
+    """Q K^T * scale from the forward's operands (FP32 q `[..., Pq, D]`, k `[..., Pk, D]`, `hdim` blocks); the
+    forward passes fp32(softmax scale * log2 e) for its log2-domain scores, the backward the softmax scale."""
     qd, kd = (recipe.point(recipe.qk_forward, mx_hdim, t) for t in (q, k))
     return qd @ kd.transpose(-1, -2) * scale
 
@@ -153,10 +160,23 @@ def softmax_parts(s: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
     return p, m, p.sum(-1, keepdim=True)
 
 
-def normalize(pv: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """O = pv / l (0 where no key is visible) and LSE = m + ln l (-inf there), LSE `[Bc, H, Pq]`."""
+def snapped_softmax_parts(t: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mxfp8 forward's softmax on log2-domain scores t: p = exp2(t - m') over visible keys with
+    m' = ceil(row max of t) (0 for empty rows), the row max in natural units m' ln 2, and l = rowsum p."""
+    t = t.masked_fill(~mask, -math.inf)
+    m = torch.ceil(t.amax(-1, keepdim=True))
+    m = torch.where(m == -math.inf, torch.zeros((), dtype=t.dtype, device=t.device), m)
+    p = torch.exp2(t - m)
+    return p, m * math.log(2.0), p.sum(-1, keepdim=True)
+
+
+def normalize(pv: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+              weight_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O = pv / weight_sum (default l; 0 where no key is visible) and LSE = m + ln l (-inf there), LSE
+    `[Bc, H, Pq]`."""
     empty = l == 0
-    o = pv / torch.where(empty, torch.ones((), dtype=l.dtype, device=l.device), l)
+    w = l if weight_sum is None else weight_sum
+    o = pv / torch.where(w == 0, torch.ones((), dtype=w.dtype, device=w.device), w)
     lse = torch.where(empty, -math.inf, m + torch.log(l))
     return o, lse.squeeze(-1)
 
@@ -205,9 +225,10 @@ def forward_chunk(precision: str, q, k, v, mask, scale: float, recipe: MXRecipe,
     k_mean = key_mean(k, kv_valid) if recipe.k_smoothing else None
     if k_mean is not None:
         k = smooth_keys(k, k_mean, kv_valid)
-    p, m, l = softmax_parts(scores_forward(q, k, scale, recipe), mask)
+    scale_log2 = torch.tensor(scale * LOG2E, dtype=torch.float32).item()  # the kernels' FP32 constant
+    p, m, l = snapped_softmax_parts(scores_forward(q, k, scale_log2, recipe), mask)
     pq = recipe.point(recipe.p, quantize_p_forward, p, recipe.p_quant)
-    o, lse = normalize(pq @ recipe.point(recipe.v, mx_seq, v), m, l)
+    o, lse = normalize(pq @ recipe.point(recipe.v, mx_seq, v), m, l, weight_sum=pq.sum(-1, keepdim=True))
     if k_mean is not None:  # S was computed against K - mean: add the per-query constant q.mean back to LSE
         lse = lse + (q @ k_mean.transpose(-1, -2)).squeeze(-1) * scale
     return o, lse

@@ -1,8 +1,14 @@
-"""Configuration of the synthetic ranking data set (`configs/data/*.yaml` map onto these dataclasses)."""
+"""Configuration of the synthetic ranking data set (`gem_lp/configs/data/synthetic.yaml` fills these dataclasses).
+
+They are the structured-config schema Hydra checks that yaml and the command line against (types at
+composition, ranges in `__post_init__`), so they are plain (not frozen) dataclasses.
+"""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
+
+from .spec import EmbeddingFeature, FeatureSpec
 
 # Keys of the sequence KeyedJaggedTensor. The candidate shares the item table with the history.
 HIST_ITEM = "hist_item"
@@ -12,7 +18,7 @@ CAND_ITEM = "cand_item"
 SEQUENCE_KEYS = (HIST_ITEM, HIST_ACTION, HIST_GAP, CAND_ITEM)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class SparseFeatureSpec:
     """One pooled (non-sequence) id feature: `1..max_ids` Zipf-distributed ids per sample."""
 
@@ -29,7 +35,7 @@ class SparseFeatureSpec:
             raise ValueError(f"sparse feature {self.name!r}: max_ids must be >= 1, got {self.max_ids}")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class TeacherWeights:
     """Weights of the planted teacher's standardized logit terms (each term has unit std on calibration data)."""
 
@@ -41,9 +47,9 @@ class TeacherWeights:
     bias: float = -1.2  # constant: sets the base rate (about 0.3 with the defaults)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class SyntheticDataConfig:
-    """Everything that defines the synthetic task; see `configs/data/synthetic.yaml` for the defaults.
+    """Everything that defines the synthetic task; see `gem_lp/configs/data/synthetic.yaml` for the defaults.
 
     History lengths are lognormal with mean `history_mean` (before clipping to
     `[history_min, history_max]`) and log-std `history_sigma`.
@@ -68,16 +74,19 @@ class SyntheticDataConfig:
     teacher_dim: int = 16
     teacher_seed: int = 2024
     teacher_temperature: float = 4.0
-    teacher_weights: TeacherWeights = TeacherWeights()
+    teacher_weights: TeacherWeights = dataclasses.field(default_factory=TeacherWeights)
 
     def __post_init__(self):
-        positive = ("batch_size", "num_items", "num_actions", "num_time_buckets", "num_dense", "teacher_dim")
+        self.sparse_features = tuple(self.sparse_features)
+        positive = ("batch_size", "num_actions", "num_time_buckets", "num_dense", "teacher_dim")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.history_min <= self.history_max:
+        if self.num_items < 2:  # one item leaves the teacher nothing to rank: every label comes out the same
+            raise ValueError(f"data.num_items must be >= 2, got {self.num_items}")
+        if not 0 <= self.history_min <= self.history_max or self.history_max < 1:
             raise ValueError(
-                f"data.history_min and data.history_max must satisfy 0 <= min <= max, "
+                f"data.history_min and data.history_max must satisfy 0 <= min <= max and max >= 1, "
                 f"got {self.history_min}, {self.history_max}"
             )
         if self.history_mean <= 0 or self.history_sigma < 0:
@@ -92,6 +101,18 @@ class SyntheticDataConfig:
         names = [f.name for f in self.sparse_features]
         if len(set(names)) != len(names):
             raise ValueError(f"data.sparse_features names must be unique, got {names}")
+
+    def feature_spec(self) -> FeatureSpec:
+        """The keys and table sizes of this task's batches, as the model reads them."""
+        return FeatureSpec(
+            num_items=self.num_items,
+            num_dense=self.num_dense,
+            pooled_features=tuple(EmbeddingFeature(f.name, f.num_embeddings) for f in self.sparse_features),
+            event_features=(EmbeddingFeature(HIST_ACTION, self.num_actions, table="action"),
+                            EmbeddingFeature(HIST_GAP, self.num_time_buckets, table="time_gap")),
+            history_key=HIST_ITEM,
+            candidate_key=CAND_ITEM,
+        )
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "SyntheticDataConfig":

@@ -96,3 +96,19 @@ class SyntheticRecDataset(IterableDataset):
         while stop is None or index < stop:
             yield self.batch(index)
             index += workers
+
+
+class SyntheticSource:
+    """`data=synthetic`: the training stream and the eval batches of the planted-teacher task."""
+
+    def __init__(self, cfg: SyntheticDataConfig, seed: int):
+        self.cfg = cfg
+        self.seed = seed
+        self.features = cfg.feature_spec()
+        self.teacher = PlantedTeacher(cfg)
+
+    def train_dataset(self, start: int) -> SyntheticRecDataset:
+        return SyntheticRecDataset(self.cfg, self.seed, "train", start=start, teacher=self.teacher)
+
+    def eval_batches(self, limit: int) -> list[RecBatch]:
+        return list(SyntheticRecDataset(self.cfg, self.seed, "eval", num_batches=limit, teacher=self.teacher))

@@ -69,8 +69,9 @@ class JaggedSelfAttentionBlock(nn.Module):
         t = x.shape[0]
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
         # unbind, not three selects: its backward is one stack into dQKV, where each select's backward would
-        # write a zero-filled [T, 3, H, D] tensor and the three would then be added up
-        q, k, v = (part.contiguous() for part in qkv.unbind(1))
+        # write a zero-filled [T, 3, H, D] tensor and the three would then be added up. The views go to
+        # attention as they are: its MXFP8 producer pass reads them in place (its BF16 path copies them).
+        q, k, v = qkv.unbind(1)
         attn = self.ops.attention(q, k, v, offsets, causal=self.causal)
         x = x + self.out(attn.reshape(t, self.num_heads * self.head_dim))
         return x + self.mlp(x)
@@ -123,7 +124,7 @@ class SequenceReadout(nn.Module):
         t, b = tokens.shape[0], target.shape[0]
         h, d = self.num_heads, self.head_dim
         kv = self.kv(tokens).view(t, 2, h, d)
-        k, v = (part.contiguous() for part in kv.unbind(1))  # see JaggedSelfAttentionBlock.forward
+        k, v = kv.unbind(1)  # see JaggedSelfAttentionBlock.forward
 
         n_query = self.query_tokens.shape[0]
         q = self.query_proj(self.query_tokens.to(tokens.dtype)).view(n_query, h, d)

@@ -1,4 +1,5 @@
-"""Configuration of the GEM-like ranking model (`configs/model/*.yaml` map onto this dataclass)."""
+"""Configuration of the GEM-like ranking model (`gem_lp/configs/model/*.yaml` fill this dataclass, Hydra's schema
+for them: types are checked at composition, ranges in `__post_init__`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ QK_ROTATIONS = (None, "hadamard")
 MX_BLOCK = 32
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class GemModelConfig:
     """Sizes and numerics of `GemRanker`.
 

@@ -2,8 +2,9 @@
 
 Data flow for a batch of B users (shapes for the sequence part are jagged, T = sum of history lengths):
 
-1. Embeddings. `EmbeddingCollection` looks up the history (item, action, time-gap bucket; summed
-   per event, `[T, e]`) and the candidate item through the same item table (`[B, e]`).
+1. Embeddings. `EmbeddingCollection` looks up the history (item and each event feature, e.g. action
+   and time-gap bucket; summed per event, `[T, e]`) and the candidate item through the same item
+   table (`[B, e]`).
    `EmbeddingBagCollection` mean-pools each non-sequence id feature (`[B, F_sparse * e]`); dense
    features go through an MLP (`[B, dense_hidden]`).
 2. Interaction -> sequence: the pooled + dense features become K_sum summary tokens per user,
@@ -14,10 +15,13 @@ Data flow for a batch of B users (shapes for the sequence part are jagged, T = s
 5. Interaction: concat(summaries, pooled sparse, dense, candidate) -> RMSNorm -> DCN cross layers
    -> 2-layer MLP -> logit.
 
+The batch's keys and table sizes come from a `FeatureSpec` (`gem_lp.data.spec`), so any pipeline
+that yields `RecBatch`es feeds the model without changing it.
+
 Every projection is an `MXLinear` / `RMSNormMXLinear` and every attention is `jagged_attention`,
-with the recipe and backend of the config. The dense input layer (16 raw features, not a multiple
-of 32) and the final 1-wide logit layer stay ordinary float32 `nn.Linear`s, as low-precision
-training recipes keep the first and last layers in high precision.
+with the recipe and backend of the config. The dense input layer (`num_dense` raw features, not
+necessarily a multiple of 32) and the final 1-wide logit layer stay ordinary float32 `nn.Linear`s,
+as low-precision training recipes keep the first and last layers in high precision.
 """
 from __future__ import annotations
 
@@ -27,49 +31,48 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 from torchrec.modules.embedding_configs import PoolingType
 
 from gem_lp.data.batch import RecBatch
-from gem_lp.data.config import CAND_ITEM, HIST_ACTION, HIST_GAP, HIST_ITEM, SyntheticDataConfig
+from gem_lp.data.spec import ITEM_TABLE, FeatureSpec
 from gem_lp.norm_gemm import RMSNorm
 
 from .blocks import _ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
 from .config import GemModelConfig
 from .packing import prefix_rows, prepend_tokens
 
-ITEM_TABLE = "item"
-
 
 class GemRanker(nn.Module):
     """CTR model; `forward(batch) -> float32 logits [B]`."""
 
-    def __init__(self, cfg: GemModelConfig, data: SyntheticDataConfig):
+    def __init__(self, cfg: GemModelConfig, features: FeatureSpec):
         super().__init__()
         self.cfg = cfg
+        self.features = features
         ops = OpSettings(cfg.precision, cfg.backend, cfg.p_quant, cfg.norm_eps, cfg.qk_rotation)
         e, d = cfg.embedding_dim, cfg.d_model
+        names = self.embedding_tables(features)
         self.sequence_embeddings = EmbeddingCollection(
             tables=[
-                EmbeddingConfig(name=ITEM_TABLE, embedding_dim=e, num_embeddings=data.num_items,
-                                feature_names=[HIST_ITEM, CAND_ITEM]),
-                EmbeddingConfig(name="action", embedding_dim=e, num_embeddings=data.num_actions,
-                                feature_names=[HIST_ACTION]),
-                EmbeddingConfig(name="time_gap", embedding_dim=e, num_embeddings=data.num_time_buckets,
-                                feature_names=[HIST_GAP]),
+                EmbeddingConfig(name=names["sequence_embeddings"][0], embedding_dim=e,
+                                num_embeddings=features.num_items,
+                                feature_names=[features.history_key, features.candidate_key]),
+                *(EmbeddingConfig(name=name, embedding_dim=e, num_embeddings=f.num_embeddings, feature_names=[f.key])
+                  for name, f in zip(names["sequence_embeddings"][1:], features.event_features)),
             ],
             device=torch.device("cpu"),
         )
         self.pooled_embeddings = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name=f"pooled_{f.name}", embedding_dim=e, num_embeddings=f.num_embeddings,
-                                   feature_names=[f.name], pooling=PoolingType.MEAN)
-                for f in data.sparse_features
+                EmbeddingBagConfig(name=name, embedding_dim=e, num_embeddings=f.num_embeddings,
+                                   feature_names=[f.key], pooling=PoolingType.MEAN)
+                for name, f in zip(names["pooled_embeddings"], features.pooled_features)
             ],
             device=torch.device("cpu"),
         )
-        self.num_dense = data.num_dense
-        self.dense_input = nn.Linear(data.num_dense, cfg.dense_hidden)  # float32: 16 raw inputs, no MX blocks
+        self.num_dense = features.num_dense
+        self.dense_input = nn.Linear(features.num_dense, cfg.dense_hidden)  # float32: raw inputs, no MX blocks
         self.dense_act = _ACTIVATIONS[cfg.activation]
         self.dense_mlp = ops.linear(cfg.dense_hidden, cfg.dense_hidden)
 
-        non_sequence = len(data.sparse_features) * e + cfg.dense_hidden
+        non_sequence = len(features.pooled_features) * e + cfg.dense_hidden
         k_sum = cfg.num_summary_tokens
         self.summary_base = nn.Parameter(torch.randn(k_sum, d) * d**-0.5)
         self.summary_proj = ops.norm_linear(non_sequence, k_sum * d)
@@ -89,6 +92,14 @@ class GemRanker(nn.Module):
         self.head_mid = ops.linear(cfg.head_hidden, cfg.head_hidden)
         self.logit = nn.Linear(cfg.head_hidden, 1)  # float32 output layer
 
+    @staticmethod
+    def embedding_tables(features: FeatureSpec) -> dict[str, list[str]]:
+        """The table names of each TorchRec module of the model built from `features` (what a sharding plan
+        names): the item table and the event tables in `sequence_embeddings`, the pooled tables in
+        `pooled_embeddings`."""
+        return {"sequence_embeddings": [ITEM_TABLE, *(f.table for f in features.event_features)],
+                "pooled_embeddings": [f"pooled_{f.table}" for f in features.pooled_features]}
+
     def embedding_parameters(self) -> list[nn.Parameter]:
         """The TorchRec table weights (optimized with row-wise Adagrad)."""
         return list(self.sequence_embeddings.parameters()) + list(self.pooled_embeddings.parameters())
@@ -106,14 +117,27 @@ class GemRanker(nn.Module):
             raise ValueError(f"batch.dense_features must be [B, {self.num_dense}] = [{b}, {self.num_dense}], "
                              f"got {tuple(batch.dense_features.shape)}")
 
+        spec = self.features
         seq = self.sequence_embeddings(batch.sequence_features)
-        history = (seq[HIST_ITEM].values() + seq[HIST_ACTION].values() + seq[HIST_GAP].values()).to(dtype)
-        lengths = seq[HIST_ITEM].lengths()
-        candidate = seq[CAND_ITEM].values().to(dtype)  # [B, e]
+        history = seq[spec.history_key].values()
+        for f in spec.event_features:
+            event = seq[f.key].values()
+            if event.shape[0] != history.shape[0]:
+                raise ValueError(f"sequence_features[{f.key!r}] must hold one id per history event "
+                                 f"({spec.history_key!r}: {history.shape[0]} ids), got {event.shape[0]}")
+            history = history + event
+        history = history.to(dtype)
+        lengths = seq[spec.history_key].lengths()
+        candidate = seq[spec.candidate_key].values().to(dtype)  # [B, e]
         if candidate.shape[0] != b:
-            raise ValueError(f"sequence_features[{CAND_ITEM!r}] must hold exactly one id per sample, "
+            raise ValueError(f"sequence_features[{spec.candidate_key!r}] must hold exactly one id per sample, "
                              f"got {candidate.shape[0]} ids for {b} samples")
-        pooled = self.pooled_embeddings(batch.sparse_features).values().to(dtype)  # [B, F_sparse * e]
+        pooled = self.pooled_embeddings(batch.sparse_features)
+        keys = [f.key for f in spec.pooled_features]
+        # A sharded EmbeddingBagCollection (several processes) returns its features grouped by shard: put them back
+        # in the spec's order.
+        pooled = pooled.values() if pooled.keys() == keys else torch.cat([pooled[k] for k in keys], dim=1)
+        pooled = pooled.to(dtype)  # [B, F_sparse * e]
         dense = self.dense_act(self.dense_input(batch.dense_features.float())).to(dtype)
         dense = self.dense_act(self.dense_mlp(dense))
         non_sequence = torch.cat([pooled, dense], dim=1)

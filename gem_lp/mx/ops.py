@@ -129,21 +129,36 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
     Args:
         x: `[M, K]` float32/bfloat16/float16; K a multiple of 32, M any size.
         scaling: `"rceil"` (default) or `"floor"`.
-        backend: `"auto"`, `"reference"` or `"triton"`.
+        backend: `"auto"` (cute on sm_90 / sm_100 with the CuTe DSL stack, triton on other GPUs, the
+            reference on the CPU), `"reference"`, `"triton"` or `"cute"` (K at most 8192).
 
     Returns:
         `(rowwise, colwise)`: `rowwise` has payload `[M, K]` (1x32 blocks along K) and the blocked
-        layout of its `[M, K/32]` scales; `colwise` has payload `[K, M]` contiguous, the payload of
-        `x^T` quantized along its last dim (a last partial block of M takes its max over the real
-        rows only), and the blocked layout of its `[K, ceil(M/32)]` scales. Both have
-        `scale_layout="blocked"` and `axis=1`.
+        layout of its `[M, K/32]` scales; `colwise` has payload `[K, M]`, the payload of `x^T`
+        quantized along its last dim (a last partial block of M takes its max over the real rows
+        only), and the blocked layout of its `[K, ceil(M/32)]` scales. Both have
+        `scale_layout="blocked"` and `axis=1`. The colwise payload is contiguous from the reference
+        and Triton backends; from `cute` it is a view whose rows are 16-byte aligned (M rounded up to
+        16 bytes apart: contiguous when M is a multiple of 16), as a GEMM's TMA loads want it.
     """
     check_input(x)
     check_scaling(scaling)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     _check_multiple(x.shape[1], "x.shape[1] (K)")
-    backend = resolve_backend(backend, x)
+    requested = backend
+    backend = resolve_backend(backend, x, kernels=("triton", "cute"))
+    if backend == "cute":
+        from ..norm.cute.launch import norm_mx_cast, unsupported
+
+        why = unsupported(x)
+        if why is None:
+            out = norm_mx_cast(x, None, scaling=scaling, blocked_scales=True)
+            return (MXTensor(out.row_data, out.row_scale, "1d", 1, scaling, x.dtype, "blocked"),
+                    MXTensor(out.col_data, out.col_scale, "1d", 1, scaling, x.dtype, "blocked"))
+        if requested == "cute":
+            raise ValueError(f"backend='cute' cannot run quantize_dual: {why}")
+        backend = "triton"
     if backend == "triton":
         from .triton_quantize import mx_cast_2d
 

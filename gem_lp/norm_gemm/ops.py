@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..backend import resolve_backend
-from ..mx.formats import BLOCK, INPUT_DTYPES, check_scaling
+from ..mx.formats import BLOCK, INPUT_DTYPES, MXTensor, check_scaling
 from .reference import (
     MXLinearFunction,
     RMSNormMXLinearFunction,
@@ -77,20 +77,38 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     """RMSNorm of `x [..., K]` (flattened to `[M, K]`, K a multiple of 32) quantized to MXFP8.
 
     `y = fp32(x) * rstd * fp32(weight)` is quantized from FP32, rowwise (1x32 along K of `y [M, K]`) and
-    colwise (`y^T [K, M]` along M, partial last block allowed); `rstd [M]` float32. Not differentiable.
-    The Triton backend's colwise payload is a `[K, M]` view with rows padded to a multiple of 16 bytes (not
-    contiguous unless M is a multiple of 16; the reference's is contiguous): compare values, not layouts.
+    colwise (`y^T [K, M]` along M, partial last block allowed); `rstd [M]` float32; scales plain. Not
+    differentiable. `backend`: "auto" (cute on sm_90 / sm_100 with the CuTe DSL stack, triton on other GPUs, the
+    reference on the CPU), "reference", "triton" or "cute" (K at most 8192). The kernels' colwise payload is a
+    `[K, M]` view with rows padded to a multiple of 16 bytes (not contiguous unless M is a multiple of 16; the
+    reference's is contiguous): compare values, not layouts.
     """
     _check_norm(x, weight, eps)
     check_scaling(scaling)
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"rms_norm_quantize needs x's last dim K to be a multiple of {BLOCK}, got K={k}")
-    if resolve_backend(backend, x, weight) == "triton":
+    x2 = x.reshape(-1, k)
+    chosen = resolve_backend(backend, x, weight, kernels=("triton", "cute"))
+    if chosen == "cute":
+        from ..norm.cute.launch import unsupported
+
+        why = unsupported(x2)
+        if why is not None:
+            if backend == "cute":
+                raise ValueError(f"backend='cute' cannot run rms_norm_quantize: {why}")
+            chosen = "triton"
+    if chosen == "cute":
+        from ..norm.cute.launch import norm_mx_cast
+
+        out = norm_mx_cast(x2, weight, eps, scaling=scaling, blocked_scales=False)
+        return RMSNormQuantized(MXTensor(out.row_data, out.row_scale, "1d", 1, scaling, torch.float32),
+                                MXTensor(out.col_data, out.col_scale, "1d", 1, scaling, torch.float32), out.rstd)
+    if chosen == "triton":
         from .triton_norm import rms_norm_quantize_triton
 
-        return rms_norm_quantize_triton(x.reshape(-1, k), weight, eps, scaling)
-    return rms_norm_quantize_reference(x.reshape(-1, k), weight, eps, scaling)
+        return rms_norm_quantize_triton(x2, weight, eps, scaling)
+    return rms_norm_quantize_reference(x2, weight, eps, scaling)
 
 
 def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, scaling: str = "rceil",

@@ -1,44 +1,54 @@
-"""Progress bar and TensorBoard writer that degrade to plain output when tqdm / tensorboard are missing."""
+"""Progress (a bar on a terminal, log lines otherwise), TensorBoard scalars, step timing and Triton build counts.
+
+Messages go through Python `logging` (logger `gem_lp.train`): the command line sends them to the console and
+to `train.log` in the run directory.
+"""
 from __future__ import annotations
 
+import contextlib
+import logging
 import statistics
 import sys
 import time
-import warnings
+
+log = logging.getLogger("gem_lp.train")
 
 
 class Progress:
-    """tqdm bar over training steps (postfix: loss, samples/s); a line every `log_every` steps without tqdm."""
+    """A tqdm bar over the training steps (postfix: loss, samples/s, LR) when `bar` is set, stderr is a terminal
+    and tqdm is installed; otherwise an INFO log line every `log_every` steps. While the bar is shown, log
+    records to the console are printed above it (`tqdm.contrib.logging`)."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, log_every: int):
-        self.bar = None
+    def __init__(self, total: int, initial: int, bar: bool, log_every: int, enabled: bool = True):
+        self.total = total
         self.log_every = max(1, log_every)
-        self.enabled = enabled
-        if enabled:
+        self.enabled = enabled  # False: shows and logs nothing (the ranks other than 0 of a multi-process run)
+        self.bar = None
+        self._redirect = contextlib.ExitStack()
+        if enabled and bar and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
-
-                self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                                file=sys.stderr, mininterval=0.5)
+                from tqdm.contrib.logging import logging_redirect_tqdm
             except ImportError:
-                self.bar = None
+                return
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=0.5)
+            self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger()], tqdm_class=tqdm))
 
     def update(self, step: int, loss: float, samples_per_s: float, lr: float) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.update(1)
             if step % self.log_every == 0:
                 self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:,.0f}", lr=f"{lr:.2e}",
                                      refresh=False)
-        elif self.enabled and step % self.log_every == 0:
-            print(f"step {step}  loss {loss:.4f}  samples/s {samples_per_s:,.0f}  lr {lr:.2e}", flush=True)
-
-    def write(self, message: str) -> None:
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            print(message, flush=True)
+        elif step % self.log_every == 0:
+            log.info("step %d/%d  loss %.4f  samples/s %s  lr %.2e", step, self.total, loss,
+                     f"{samples_per_s:,.0f}", lr)
 
     def close(self) -> None:
+        self._redirect.close()
         if self.bar is not None:
             self.bar.close()
 
@@ -55,7 +65,7 @@ class Scalars:
 
             self.writer = SummaryWriter(log_dir=log_dir)
         except ImportError as err:
-            warnings.warn(f"TensorBoard logging disabled ({err}); install `tensorboard` to enable it")
+            log.warning("TensorBoard logging disabled (%s); install `tensorboard` to enable it", err)
 
     def add(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:

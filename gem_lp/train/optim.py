@@ -11,6 +11,8 @@ import math
 
 import torch
 
+ROWWISE_ADAGRAD_EPS = 1e-8  # also the fused (fbgemm) row-wise Adagrad's, for sharded tables
+
 
 class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad for 2-D embedding tables.
@@ -21,7 +23,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     Dense or sparse (`torch.sparse_coo`) gradients are accepted.
     """
 
-    def __init__(self, params, lr: float = 0.05, eps: float = 1e-8, weight_decay: float = 0.0,
+    def __init__(self, params, lr: float = 0.05, eps: float = ROWWISE_ADAGRAD_EPS, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0):
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")

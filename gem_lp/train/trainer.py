@@ -1,6 +1,8 @@
-"""The training loop: AdamW + row-wise Adagrad, warm-up + decay, clipping, eval, checkpoints, exact resume."""
+"""The training loop: AdamW + row-wise Adagrad, warm-up + decay, clipping, eval, checkpoints, exact resume; on one
+process, or on several under torchrun (TorchRec model parallelism, see `gem_lp.train.sharding`)."""
 from __future__ import annotations
 
+import logging
 import math
 import resource
 import time
@@ -9,30 +11,57 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from gem_lp.data import PlantedTeacher, RecBatch, SyntheticDataConfig, SyntheticRecDataset
-from gem_lp.models import GemModelConfig, GemRanker
+from gem_lp.data import DataError, DataSource, RankSlices, RecBatch, make_source, rank_bounds, rank_slice
+from gem_lp.models import GemRanker
 
-from .checkpoint import load_checkpoint, restore_rng_states, rng_states, save_atomic, seed_everything, write_json_atomic
-from .config import TrainerConfig
+from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, remove_stale_shards, remove_stale_temp_files,
+                         restore_rng_states, rng_states, save_atomic, save_sharded, seed_everything, verify_shards,
+                         write_json_atomic)
+from .config import RESUME_MAY_CHANGE, ConfigError, RunConfig, load_run_config, plain
+from .distributed import LaunchEnv, ProcessGroup, launch_env, rank_device
 from .logging_utils import KernelBuilds, Progress, Scalars, Stopwatch
 from .metrics import mean_bce, normalized_entropy, roc_auc
 from .optim import RowWiseAdagrad, warmup_decay_lambda
+from .sharding import shard_model
+from .signals import StopRequests, TrainingInterrupted, ignore_sigint_in_worker
 
-_TRAIN_LOSS_WINDOW = 50  # `train_loss` in metrics.json: mean over the last this many steps
+log = logging.getLogger("gem_lp.train")
+
+TRAIN_LOSS_WINDOW = 50  # `train_loss` in metrics.json: mean over the last this many steps
+METRICS_FILE = "metrics.json"
+_STATE_KEYS = ("step", "model", "dense_optimizer", "embedding_optimizer", "dense_scheduler", "embedding_scheduler",
+               "rng", "losses", "evals", "stopwatch", "model_config", "data_config", "trainer_config", "seed")
+# The checkpoint file of a multi-process run: the model (and the fused optimizer's state) are in its shards; RNG
+# and embedding scheduler states are per rank.
+_SHARDED_STATE_KEYS = ("step", "dense_optimizer", "dense_scheduler", "losses", "evals", "stopwatch", "model_config",
+                       "data_config", "trainer_config", "seed", "world_size", "sharding_plan", "shards", "rank_states")
 
 
 class NonFiniteError(RuntimeError):
-    """Raised when the loss or a gradient stops being finite; the message names the step."""
+    """The loss, a gradient or a gradient norm stopped being finite; raised before the optimizer step.
+
+    Attributes: `step` (1-based), `tensors` (the names of the offending tensors: parameters whose gradient it
+    is, or "training loss").
+    """
+
+    def __init__(self, message: str, step: int, tensors: list[str]):
+        super().__init__(message)
+        self.step = step
+        self.tensors = tensors
+
+
+class RunDirectoryInUse(FileExistsError):
+    """The run's checkpoint file exists and `resume` is false: the run would overwrite it."""
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer=cpu")
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer=cpu (or trainer.device=cpu)")
     return torch.device(name)
 
 
@@ -43,33 +72,87 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def checkpoint_path_of(config: RunConfig, run_dir: str | Path) -> Path:
+    """`trainer.checkpoint_path`, or `<run_dir>/checkpoint.pt`; a directory there is a `ConfigError`."""
+    path = Path(config.trainer.checkpoint_path) if config.trainer.checkpoint_path else Path(run_dir) / "checkpoint.pt"
+    if path.is_dir():
+        raise ConfigError(f"trainer.checkpoint_path: expected a file path, got the directory {path}")
+    return path
+
+
+def check_run_directory(config: RunConfig, run_dir: str | Path) -> Path:
+    """The run's checkpoint path, after checking that starting the run overwrites no checkpoint: with
+    `resume` false, an existing checkpoint file is a `RunDirectoryInUse` error naming the directory."""
+    path = checkpoint_path_of(config, run_dir)
+    if config.resume is False and path.is_file():
+        raise RunDirectoryInUse(
+            f"{path.parent} already holds a checkpoint ({path.name}) from an earlier run; pass resume=true to "
+            f"continue it, or choose another run directory (hydra.run.dir=...); nothing was overwritten")
+    return path
+
+
 class Trainer:
-    """Trains `GemRanker` on the synthetic task described by a composed Hydra config.
+    """Trains `GemRanker` on the data source that a composed config selects.
 
     Args:
-        cfg: the composed config (`model`, `data`, `trainer`, `seed`, `resume`).
+        cfg: the composed Hydra config (`model`, `data`, `trainer`, `seed`, `resume`) or a `RunConfig`.
         run_dir: where `metrics.json`, `checkpoint.pt` and TensorBoard events go.
+        source: a data pipeline of one's own (`gem_lp.data.DataSource`); default: the one `cfg.data` selects.
+            `cfg.data` is still what a resume compares, so it should describe the source.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: str | Path):
-        self.cfg = cfg
+    def __init__(self, cfg: DictConfig | RunConfig, run_dir: str | Path, source: DataSource | None = None,
+                 launch: LaunchEnv | None = None):
+        """`launch`: this process's rank in a multi-process launch; default: torchrun's environment variables (none
+        set: one process). Several processes share `data.batch_size` (the global batch) and the run directory."""
+        self.config = load_run_config(cfg)
+        self.tcfg, self.mcfg, self.dcfg = self.config.trainer, self.config.model, self.config.data
+        self.seed = self.config.seed
         self.run_dir = Path(run_dir)
+        self.checkpoint_path = check_run_directory(self.config, self.run_dir)
+        self.launch = launch if launch is not None else launch_env()
+        self.rank, self.world_size = (self.launch.rank, self.launch.world_size) if self.launch else (0, 1)
+        self.is_main = self.rank == 0  # writes the run's files and logs; every rank writes its own shards
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tcfg = TrainerConfig.from_mapping(OmegaConf.to_container(cfg.trainer, resolve=True))
-        self.mcfg = GemModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
-        self.dcfg = SyntheticDataConfig.from_mapping(OmegaConf.to_container(cfg.data, resolve=True))
-        self.seed = int(cfg.seed)
-        self.device = resolve_device(self.tcfg.device)
-        if self.tcfg.num_threads is not None:
-            torch.set_num_threads(self.tcfg.num_threads)
+        if self.is_main:
+            for stale in (remove_stale_temp_files(self.checkpoint_path)
+                          + remove_stale_temp_files(self.run_dir / METRICS_FILE)):
+                log.warning("removed %s, the temp file of a write that was interrupted", stale)
+        t = self.tcfg
+        self.device = resolve_device(t.device)
+        if t.num_threads is not None:
+            torch.set_num_threads(t.num_threads)
+        self.group: ProcessGroup | None = None
+        if self.launch is not None:
+            self.device = rank_device(self.device, self.launch)
+            self.group = ProcessGroup(self.launch, self.device, t.dist_timeout_s)
+        try:
+            self._build(source)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, source: DataSource | None) -> None:
+        """The data source, the model (sharded on several processes), optimizers, schedulers, and the resumed state."""
+        t = self.tcfg
         seed_everything(self.seed)
 
-        self.teacher = PlantedTeacher(self.dcfg)
-        self.model = GemRanker(self.mcfg, self.dcfg).to(self.device)
-        t = self.tcfg
+        self.source = source if source is not None else make_source(self.dcfg, self.seed)
+        self.model = GemRanker(self.mcfg, self.source.features).to(self.device)
+        self.network: torch.nn.Module = self.model  # what the forward pass calls
+        self.sharding_plan: dict[str, dict[str, Any]] | None = None
+        self.fused_tables = False  # the tables are sharded, updated inside the backward by TorchRec's optimizer
+        if self.group is not None:
+            sharded = shard_model(self.model, GemRanker.embedding_tables(self.source.features), t, self.launch,
+                                  self.group)
+            self.network, self.sharding_plan, self.fused_tables = sharded.module, sharded.plan, sharded.fused
+            self.model = sharded.module.module  # the GemRanker inside, its embedding modules sharded
         self.dense_optimizer = torch.optim.AdamW(self.model.dense_parameters(), lr=t.lr, betas=t.betas,
                                                  weight_decay=t.weight_decay)
-        self.embedding_optimizer = RowWiseAdagrad(self.model.embedding_parameters(), lr=t.embedding_lr)
+        if self.fused_tables:
+            self.embedding_optimizer = self.network.fused_optimizer
+        else:
+            self.embedding_optimizer = RowWiseAdagrad(self.model.embedding_parameters(), lr=t.embedding_lr)
         schedule = warmup_decay_lambda(t.warmup_steps, t.max_steps, t.decay, t.min_lr_ratio)
         self.dense_scheduler = torch.optim.lr_scheduler.LambdaLR(self.dense_optimizer, schedule)
         self.embedding_scheduler = torch.optim.lr_scheduler.LambdaLR(self.embedding_optimizer, schedule)
@@ -77,130 +160,346 @@ class Trainer:
         self.step = 0  # optimizer steps taken == index of the next training batch
         self.losses: list[float] = []  # training loss of every step, in order
         self.evals: list[dict[str, float]] = []
+        self.resumes: list[dict[str, Any]] = []  # what each resume of this run found changed, and did
         self.stopwatch = Stopwatch()
         self.kernel_builds_after_warmup = 0  # in this process
-        self.checkpoint_path = Path(t.checkpoint_path) if t.checkpoint_path else self.run_dir / "checkpoint.pt"
-        if bool(cfg.get("resume", False)):
-            self._resume()
+        self._stop_requests: StopRequests | None = None  # while fit() runs
+        self._agreed_stop: int | None = None  # a stop signal that some rank received, known to every rank
+        shards_in_use = None
+        if self.config.resume is not False:
+            shards_in_use = self._resume(force=self.config.resume == "force")
+        if self.group is not None and self.is_main:
+            for stale in remove_stale_shards(self.checkpoint_path, keep=shards_in_use):
+                log.warning("removed %s, sharded state that no checkpoint file names (an interrupted or superseded "
+                            "save)", stale)
+        if self.fused_tables:
+            self.embedding_optimizer.zero_grad()  # hands the scheduled LR to the fused kernels (see train_step)
 
-        eval_set = SyntheticRecDataset(self.dcfg, self.seed, "eval", num_batches=t.eval_batches, teacher=self.teacher)
-        self.eval_batches: list[RecBatch] = list(eval_set)
+        self.eval_batches: list[RecBatch] = self.source.eval_batches(t.eval_batches)
         self.teacher_metrics = self._teacher_metrics()
+        self.eval_slices = ([rank_slice(b, self.rank, self.world_size) for b in self.eval_batches] if self.group
+                            else self.eval_batches)
+
+    def close(self) -> None:
+        """End this rank's part in the process group (no-op on one process); call it once the run is over."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     # ---- bookkeeping -------------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        return {
+        """The checkpoint file's contents on one process (on several, `_sharded_state` adds to them)."""
+        state = {
             "step": self.step,
             "next_batch_index": self.step,
-            "model": self.model.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "embedding_optimizer": self.embedding_optimizer.state_dict(),
             "dense_scheduler": self.dense_scheduler.state_dict(),
-            "embedding_scheduler": self.embedding_scheduler.state_dict(),
-            "rng": rng_states(),
             "losses": list(self.losses),
             "evals": list(self.evals),
+            "resumes": list(self.resumes),
             "stopwatch": (self.stopwatch.seconds, self.stopwatch.samples),  # steady-state steps only
-            "model_config": OmegaConf.to_container(self.cfg.model, resolve=True),
-            "data_config": OmegaConf.to_container(self.cfg.data, resolve=True),
+            "model_config": plain(self.mcfg),
+            "data_config": plain(self.dcfg),
+            "trainer_config": plain(self.tcfg),
             "seed": self.seed,
         }
+        if self.group is None:
+            state.update(model=self.model.state_dict(), embedding_optimizer=self.embedding_optimizer.state_dict(),
+                         embedding_scheduler=self.embedding_scheduler.state_dict(), rng=rng_states())
+        elif not self.fused_tables:  # data parallel: the tables' optimizer state is the same on every rank
+            state["embedding_optimizer"] = self.embedding_optimizer.state_dict()
+        return state
+
+    def _sharded_tensors(self) -> dict[str, Any]:
+        """What a multi-process checkpoint keeps through torch.distributed.checkpoint: the model (sharded tables
+        as ShardedTensors, written by their owners) and the fused optimizer's state of the sharded tables."""
+        tensors = {"model": self.network.state_dict()}
+        if self.fused_tables:
+            tensors["embedding_optimizer"] = self.embedding_optimizer.state_dict()
+        return tensors
 
     def save_checkpoint(self) -> None:
-        save_atomic(self._state(), self.checkpoint_path)
+        if self.group is None:
+            save_atomic(self._state(), self.checkpoint_path)
+            return
+        shards = save_sharded(self._sharded_tensors(), self.checkpoint_path, self.step, self.group)
+        rank_states = self.group.gather_objects({"rng": rng_states(),
+                                                 "embedding_scheduler": self.embedding_scheduler.state_dict()})
+        if self.is_main:
+            save_atomic({**self._state(), "world_size": self.world_size, "sharding_plan": self.sharding_plan,
+                         "shards": shards, "rank_states": rank_states}, self.checkpoint_path)
+            remove_stale_shards(self.checkpoint_path, keep=shards["dir"])
+        self.group.barrier()  # every rank sees the new checkpoint file from here on
 
-    def _resume(self) -> None:
-        state = load_checkpoint(self.checkpoint_path)
-        for key, now in (("model_config", self.cfg.model), ("data_config", self.cfg.data)):
-            now = OmegaConf.to_container(now, resolve=True)
-            if state[key] != now:
-                raise ValueError(f"resume=true: the checkpoint's {key.split('_')[0]} config differs from this "
-                                 f"run's; exact resume needs the same one.\n checkpoint: {state[key]}\n now: {now}")
+    def _resume(self, force: bool) -> str | None:
+        """Load the checkpoint; returns the name of the shard directory it uses (None on one process)."""
+        path = self.checkpoint_path
+        state = load_checkpoint(path)
+        if ("shards" in state) != (self.group is not None):
+            raise ConfigError(
+                f"resume: checkpoint {path} was written by "
+                + (f"torchrun ({state.get('world_size')} process(es)); resume it with torchrun on as many processes"
+                   if "shards" in state else "a single process (no torchrun); resume it without torchrun"))
+        if self.group is not None and state["world_size"] != self.world_size:
+            raise ConfigError(f"resume: checkpoint {path} was written by {state['world_size']} process(es), this run "
+                              f"has {self.world_size}; a run resumes on the number of processes it was written with")
+        missing = [k for k in (_STATE_KEYS if self.group is None else _SHARDED_STATE_KEYS) if k not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks {missing}: not a training state of this gem-lp version")
+        for section, now in (("model", self.mcfg), ("data", self.dcfg)):
+            differences = _differences(state[f"{section}_config"], plain(now), section)
+            if differences:
+                raise ConfigError(f"resume: the checkpoint's {section} config differs from this run's "
+                                  f"({'; '.join(differences)}); a run resumes with the model, data and seed it "
+                                  f"started with")
         if state["seed"] != self.seed:
-            raise ValueError(f"resume=true: checkpoint seed {state['seed']} != seed {self.seed}")
-        self.model.load_state_dict(state["model"])
+            raise ConfigError(f"resume: checkpoint seed {state['seed']} != seed {self.seed}; a run resumes with the "
+                              f"model, data and seed it started with")
+        saved, now = state["trainer_config"], plain(self.tcfg)
+        changed = {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k]}
+        refused = [k for k in changed if k not in RESUME_MAY_CHANGE]
+        if refused and not force:
+            raise ConfigError(
+                f"resume=true: trainer settings differ from the checkpoint's ("
+                + "; ".join(f"trainer.{k}: {changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now" for k in refused)
+                + f"); drop those overrides to continue as the run started, or pass resume=force to continue with "
+                  f"the new values (recorded in {METRICS_FILE}). May change with resume=true: "
+                + ", ".join(RESUME_MAY_CHANGE))
+        if self.group is None:
+            self.model.load_state_dict(state["model"])
+            rank_state = {"rng": state["rng"], "embedding_scheduler": state["embedding_scheduler"]}
+        else:
+            rank_state = self._load_sharded(state)
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
-        self.embedding_optimizer.load_state_dict(state["embedding_optimizer"])
+        if not self.fused_tables:
+            self.embedding_optimizer.load_state_dict(state["embedding_optimizer"])
         self.dense_scheduler.load_state_dict(state["dense_scheduler"])
-        self.embedding_scheduler.load_state_dict(state["embedding_scheduler"])
-        restore_rng_states(state["rng"])
+        self.embedding_scheduler.load_state_dict(rank_state["embedding_scheduler"])
+        if self.fused_tables:  # the scheduled LR, exactly as it was after the last step
+            for group, lr in zip(self.embedding_optimizer.param_groups, self.embedding_scheduler.get_last_lr()):
+                group["lr"] = lr
+        restore_rng_states(rank_state["rng"])
         self.step = state["step"]
         self.losses = list(state["losses"])
         self.evals = list(state["evals"])
+        self.resumes = list(state.get("resumes", []))
         self.stopwatch.seconds, self.stopwatch.samples = state["stopwatch"]
         if self.step >= self.tcfg.max_steps:
-            raise ValueError(f"resume=true: the checkpoint is at step {self.step}, already at "
-                             f"trainer.max_steps={self.tcfg.max_steps}")
+            raise ConfigError(f"resume: the checkpoint is at step {self.step}, already at "
+                              f"trainer.max_steps={self.tcfg.max_steps}; raise trainer.max_steps to train further")
+        if changed:
+            self._apply_trainer_settings()
+        self.resumes.append({"step": self.step, "checkpoint": str(path), "forced": bool(refused),
+                             "changed": {f"trainer.{k}": {"checkpoint": a, "now": b} for k, (a, b) in changed.items()}})
+        if self.is_main:
+            log.info("resumed from %s at step %d", path, self.step)
+            for k, (a, b) in changed.items():
+                (log.warning if k in refused else log.info)("resume: trainer.%s changed from %r to %r%s", k, a, b,
+                                                             " (resume=force)" if k in refused else "")
+        return state["shards"]["dir"] if self.group is not None else None
+
+    def _load_sharded(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A multi-process checkpoint's model and fused optimizer state, after checking its plan and the checksums
+        of its shards (rank 0 reads them all; every rank then stops on the same error); returns this rank's RNG and
+        embedding scheduler states."""
+        path = self.checkpoint_path
+        if state["sharding_plan"] != self.sharding_plan:
+            differences = _differences(state["sharding_plan"], self.sharding_plan, "plan")
+            raise ConfigError(f"resume: the sharding plan differs from the checkpoint's ({'; '.join(differences)}); "
+                              f"a sharded checkpoint resumes with the plan it was written with (trainer.sharding, "
+                              f"trainer.table_sharding)")
+        error = self.group.broadcast_object(verify_shards(path, state["shards"]) if self.is_main else None)
+        if error is not None:
+            raise CheckpointError(error)
+        tensors = self._sharded_tensors()
+        load_sharded(tensors, path, state["shards"])
+        self.network.load_state_dict(tensors["model"])
+        if self.fused_tables:
+            self.embedding_optimizer.load_state_dict(tensors["embedding_optimizer"])
+        return state["rank_states"][self.rank]
+
+    def _apply_trainer_settings(self) -> None:
+        """After loading a checkpoint: this run's optimizer settings and LR schedule instead of the saved ones
+        (the schedule's multiplier is recomputed at the current step)."""
+        t = self.tcfg
+        for group in self.dense_optimizer.param_groups:
+            group["betas"], group["weight_decay"] = t.betas, t.weight_decay
+        for optimizer, scheduler, base_lr in ((self.dense_optimizer, self.dense_scheduler, t.lr),
+                                              (self.embedding_optimizer, self.embedding_scheduler, t.embedding_lr)):
+            scheduler.base_lrs = [base_lr] * len(optimizer.param_groups)
+            for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas):
+                group["initial_lr"] = base_lr
+                group["lr"] = base_lr * multiplier(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
     # ---- evaluation --------------------------------------------------------------------------------
 
-    def _teacher_metrics(self) -> dict[str, float]:
-        logits = torch.cat([b.teacher_logits for b in self.eval_batches])
+    def _teacher_metrics(self) -> dict[str, float | None]:
         labels = torch.cat([b.labels for b in self.eval_batches])
-        return {"teacher_auc": roc_auc(logits, labels), "teacher_ne": normalized_entropy(logits, labels),
-                "teacher_loss": mean_bce(logits, labels), "eval_base_rate": float(labels.mean())}
+        classes = torch.unique(labels)
+        if classes.numel() < 2:
+            raise DataError(f"data: every one of the {labels.numel()} eval labels is {float(classes[0]):g}, so AUC "
+                             f"and NE are undefined; the eval data needs both classes")
+        out: dict[str, float | None] = {"eval_base_rate": float(labels.mean())}
+        if all(b.teacher_logits is not None for b in self.eval_batches):
+            logits = torch.cat([b.teacher_logits for b in self.eval_batches])
+            out.update(teacher_auc=roc_auc(logits, labels), teacher_ne=normalized_entropy(logits, labels),
+                       teacher_loss=mean_bce(logits, labels))
+        else:  # real data: no planted teacher
+            out.update(teacher_auc=None, teacher_ne=None, teacher_loss=None)
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (mean BCE), AUC and NE of the model on the fixed eval batches."""
-        was_training = self.model.training
-        self.model.eval()
-        logits, labels = [], []
-        for batch in self.eval_batches:
-            logits.append(self.model(batch.to(self.device)).float().cpu())
-            labels.append(batch.labels)
-        self.model.train(was_training)
-        logits, labels = torch.cat(logits), torch.cat(labels)
+        """Loss (mean BCE), AUC and NE of the model on the fixed eval batches.
+
+        On several processes each rank scores its slice of every eval batch; one all-gather brings every logit to
+        every rank, in the order of one process, and the metrics are computed as on one process, over all samples.
+        Every rank must call it then (it runs collectives).
+        """
+        was_training = self.network.training
+        self.network.eval()
+        logits = [self.network(batch.to(self.device)).float() for batch in self.eval_slices]
+        self.network.train(was_training)
+        logits = torch.cat(logits) if self.group is None else self._gathered_eval_logits(logits)
+        logits, labels = logits.cpu(), torch.cat([batch.labels for batch in self.eval_batches])
         if not torch.isfinite(logits).all():
-            raise NonFiniteError(f"step {self.step}: the model produced non-finite eval logits")
+            raise NonFiniteError(f"step {self.step}: the model produced non-finite eval logits", self.step,
+                                 ["eval logits"])
         return {"eval_loss": mean_bce(logits, labels), "eval_auc": roc_auc(logits, labels),
                 "eval_ne": normalized_entropy(logits, labels)}
+
+    def _gathered_eval_logits(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's eval logits (`logits[i]`: this rank's slice of eval batch `i`) in the order of the eval
+        batches, through one all-gather (each rank's logits padded to the longest rank's count for it, the padding
+        dropped again)."""
+        sizes = [[stop - start for start, stop in (rank_bounds(b.batch_size, r, self.world_size)
+                                                    for b in self.eval_batches)] for r in range(self.world_size)]
+        longest = max(sum(per_batch) for per_batch in sizes)
+        mine = torch.cat(logits)
+        padded = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
+        gathered = self.group.gather(padded)
+        per_rank = [gathered[r, :sum(sizes[r])].split(sizes[r]) for r in range(self.world_size)]
+        return torch.cat([per_rank[r][i] for i in range(len(self.eval_batches)) for r in range(self.world_size)])
 
     # ---- training ----------------------------------------------------------------------------------
 
     def _train_loader(self) -> DataLoader:
-        dataset = SyntheticRecDataset(self.dcfg, self.seed, "train", start=self.step, teacher=self.teacher)
         workers = self.tcfg.num_workers
-        return DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=self.device.type == "cuda",
-                          prefetch_factor=4 if workers > 0 else None, persistent_workers=False)
+        dataset = self.source.train_dataset(self.step)
+        if self.group is not None:
+            dataset = RankSlices(dataset, self.rank, self.world_size)
+        return DataLoader(dataset, batch_size=None, num_workers=workers,
+                          pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers > 0 else None,
+                          persistent_workers=False, worker_init_fn=ignore_sigint_in_worker if workers else None)
 
-    def _checked_loss(self, loss: torch.Tensor, dense_norm: torch.Tensor | None, step: int) -> float:
-        """The loss as a float, after checking it and the gradients finite: one device-to-host copy per step,
-        after the backward is queued (a read of the loss before it would leave the GPU idle while the host
-        queues the backward). Raises `NonFiniteError` before the optimizer step otherwise."""
-        norms = [p.grad.detach().norm() for p in self.model.embedding_parameters() if p.grad is not None]
-        if dense_norm is not None:
-            norms.append(dense_norm.detach())
-        else:
-            norms += [p.grad.detach().norm() for p in self.model.dense_parameters() if p.grad is not None]
-        values = torch.stack([loss.detach().float()] + [n.float() for n in norms]).cpu()  # the one sync
+    def _checked_loss(self, loss: torch.Tensor, names: list[str], grads: list[torch.Tensor],
+                      norms: torch.Tensor, dense_norm: torch.Tensor, step: int) -> float:
+        """The loss as a float, after checking it, every gradient's norm and the dense gradients' global norm
+        finite: one device-to-host copy per step, after the backward is queued (a read of the loss before it
+        would leave the GPU idle while the host queues the backward). Raises `NonFiniteError` otherwise."""
+        values = torch.cat([loss.detach().float().reshape(1), norms.float(), dense_norm.float().reshape(1)]).cpu()
         value = float(values[0])
         if not math.isfinite(value):
             raise NonFiniteError(f"step {step}: training loss is {value} (non-finite); stopping before the "
-                                 f"optimizer step{self._last_checkpoint_note()}")
-        if not bool(torch.isfinite(values[1:]).all()):
-            bad = [name for name, p in self.model.named_parameters()
-                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-            raise NonFiniteError(f"step {step}: non-finite gradients in {bad[:5]}{' ...' if len(bad) > 5 else ''}; "
-                                 f"stopping before the optimizer step{self._last_checkpoint_note()}")
-        return value
+                                 f"optimizer step{self._last_checkpoint_note()}", step, ["training loss"])
+        if bool(torch.isfinite(values[1:]).all()):
+            return value
+        raise self._gradient_error(step, names, grads, values[1:-1].tolist(), float(values[-1]))
+
+    def _agreed_loss(self, loss_sum: torch.Tensor, global_batch_size: int, names: list[str],
+                     grads: list[torch.Tensor], norms: torch.Tensor, dense_norm: torch.Tensor, step: int) -> float:
+        """On several processes: the whole batch's mean loss, after every rank has learnt whether any rank found a
+        non-finite loss or gradient (then every rank raises `NonFiniteError`, before the optimizer step) and
+        whether any rank was asked to stop (`_agreed_stop`, for the next step boundary). One all-reduce per step:
+        `[loss sum, non-finite flag of each rank, stop signal of each rank]`."""
+        world, rank = self.world_size, self.rank
+        local = torch.cat([loss_sum.detach().float().reshape(1), norms.float(), dense_norm.float().reshape(1)])
+        slots = torch.zeros(1 + 2 * world, dtype=torch.float64, device=self.device)
+        slots[0] = loss_sum.detach().double()
+        slots[1 + rank] = (~torch.isfinite(local)).any().double()
+        requested = self._stop_requests.requested if self._stop_requests is not None else None
+        slots[1 + world + rank] = float(requested or 0)
+        values = torch.cat([self.group.sum(slots), local.double()]).cpu()
+        total, local = values[:1 + 2 * world], values[1 + 2 * world:]
+        signals = [int(v) for v in total[1 + world:].tolist() if v > 0]
+        self._agreed_stop = signals[0] if signals else None
+        bad_ranks = [r for r in range(world) if total[1 + r] > 0]
+        if not bad_ranks:
+            return float(total[0]) / global_batch_size
+        note = " (every rank stops)"
+        if rank not in bad_ranks:
+            raise NonFiniteError(
+                f"step {step}: rank(s) {bad_ranks} found a non-finite training loss or gradient; every rank stops "
+                f"before the optimizer step{self._last_checkpoint_note()}", step, [f"rank {r}" for r in bad_ranks])
+        if not math.isfinite(float(local[0])):
+            raise NonFiniteError(f"step {step}: training loss of rank {rank}'s samples is {float(local[0])} "
+                                 f"(non-finite); stopping before the optimizer step{self._last_checkpoint_note()}"
+                                 f"{note}", step, ["training loss"])
+        error = self._gradient_error(step, names, grads, local[1:-1].tolist(), float(local[-1]))
+        raise NonFiniteError(str(error) + note, error.step, error.tensors)
+
+    def _gradient_error(self, step: int, names: list[str], grads: list[torch.Tensor], norms: list[float],
+                        dense_norm: float) -> NonFiniteError:
+        """Says what is not finite: gradient values (NaN/Inf in a tensor), or only a norm (finite values whose
+        sum of squares overflows float32: the gradient norm's overflow, typically a too high learning rate)."""
+        stop = f"stopping before the optimizer step{self._last_checkpoint_note()}"
+        bad = [n for n, g in zip(names, grads) if not bool(torch.isfinite(g).all())]
+        if bad:
+            return NonFiniteError(f"step {step}: non-finite gradients in {_listed(bad)}; {stop}", step, bad)
+        overflowed = [n for n, v in zip(names, norms) if not math.isfinite(v)]
+        hint = f"the learning rate may be too high (trainer.lr={self.tcfg.lr:g}, trainer.embedding_lr=" \
+               f"{self.tcfg.embedding_lr:g})"
+        if overflowed:
+            largest = max(float(g.detach().abs().max()) for n, g in zip(names, grads) if n in overflowed)
+            return NonFiniteError(f"step {step}: overflow of the gradient norm of {_listed(overflowed)}: the values "
+                                  f"are finite (largest magnitude {largest:.3g}) but their L2 norm overflows float32; "
+                                  f"{hint}; {stop}", step, overflowed)
+        top = sorted(zip(norms, names), reverse=True)[:3]
+        return NonFiniteError(f"step {step}: overflow of the gradient norm: every gradient's norm is finite but the "
+                              f"global norm of the dense gradients ({dense_norm}) overflows float32; largest: "
+                              + ", ".join(f"{n} {v:.3g}" for v, n in top) + f"; {hint}; {stop}",
+                              step, [n for _, n in top])
 
     def _last_checkpoint_note(self) -> str:
         if self.checkpoint_path.is_file():
             return f" (last checkpoint: {self.checkpoint_path})"
         return " (no checkpoint written yet)"
 
-    def train_step(self, batch: RecBatch, step: int) -> float:
-        """One optimizer step on `batch`; `step` is its 1-based number (for messages). Returns the loss."""
+    def train_step(self, batch: RecBatch, step: int, global_batch_size: int | None = None) -> float:
+        """One optimizer step on `batch`; `step` is its 1-based number (for messages). Returns the loss.
+
+        On several processes `batch` is this rank's slice of a batch of `global_batch_size` samples and the step
+        is that of one process on the whole batch: DDP and TorchRec's sharded tables average the ranks' gradients,
+        so each rank's loss is its sum over `global_batch_size / world_size`, and the loss returned is the whole
+        batch's mean (the same on every rank). Sharded tables are updated by TorchRec's fused optimizer inside the
+        backward, with the LR that the previous step's `zero_grad` handed it (this step's scheduled LR).
+        """
         batch = batch.to(self.device, non_blocking=True)
-        logits = self.model(batch)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
+        logits = self.network(batch)
+        if self.group is None:
+            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
+        else:
+            if global_batch_size is None:
+                raise ValueError("train_step: global_batch_size is required on several processes (the size of the "
+                                 "batch that `batch` is this rank's slice of)")
+            loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float(), reduction="sum")
+            loss = loss_sum / (global_batch_size / self.world_size)
         loss.backward()
-        dense_norm = None
+        tables = {id(p) for p in self.model.embedding_parameters()}
+        named = sorted(((n, p) for n, p in self.model.named_parameters() if p.grad is not None),
+                       key=lambda item: id(item[1]) not in tables)  # the tables first, then the dense parameters
+        names, grads = [n for n, _ in named], [p.grad for _, p in named]
+        num_tables = sum(id(p) in tables for _, p in named)
+        norms = torch.stack(torch._foreach_norm(grads))  # per tensor, in the gradients' dtype as clipping does
+        dense_norm = torch.linalg.vector_norm(norms[num_tables:])  # what gradient clipping scales by
+        if self.group is None:
+            value = self._checked_loss(loss, names, grads, norms, dense_norm, step)
+        else:
+            value = self._agreed_loss(loss_sum, global_batch_size, names, grads, norms, dense_norm, step)
         if self.tcfg.grad_clip is not None:
-            dense_norm = torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(), self.tcfg.grad_clip)
-        value = self._checked_loss(loss, dense_norm, step)
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in named[num_tables:]], self.tcfg.grad_clip, dense_norm)
         self.dense_optimizer.step()
         self.embedding_optimizer.step()
         self.dense_scheduler.step()
@@ -210,74 +509,109 @@ class Trainer:
         return value
 
     def fit(self) -> dict[str, Any]:
-        """Train up to `max_steps` (or `stop_after`), evaluating and checkpointing on the way; returns metrics."""
+        """Train up to `max_steps` (or `stop_after`), evaluating and checkpointing on the way; returns metrics.
+
+        SIGINT / SIGTERM stop the run at the next step boundary: it writes a checkpoint and raises
+        `TrainingInterrupted` (the command line exits with 130 / 143).
+        """
         t = self.tcfg
         stop = t.stop_after if t.stop_after is not None else t.max_steps
         if self.step >= stop:
-            raise ValueError(f"nothing to do: already at step {self.step}, stop at {stop}")
+            raise ConfigError(f"trainer.stop_after: nothing to do, the run is already at step {self.step} and "
+                              f"would stop at {stop}")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        scalars = Scalars(str(self.run_dir / "tensorboard"), t.tensorboard)
-        progress = Progress(total=stop, initial=self.step, enabled=t.progress, log_every=t.log_every)
-        progress.write(f"{self.mcfg.precision} on {self.device}: {sum(p.numel() for p in self.model.parameters()):,} "
-                       f"parameters; teacher eval AUC {self.teacher_metrics['teacher_auc']:.4f}")
-        self.model.train()
+        # The run's files, progress and log lines come from rank 0 only.
+        scalars = Scalars(str(self.run_dir / "tensorboard"), t.tensorboard and self.is_main)
+        progress = Progress(total=stop, initial=self.step, bar=t.progress, log_every=t.log_every,
+                            enabled=self.is_main)
+        teacher = self.teacher_metrics["teacher_auc"]
+        if self.is_main:
+            log.info("%s on %s: %s parameters%s%s", self.mcfg.precision, self.device,
+                     f"{sum(p.numel() for p in self.model.parameters()):,}",
+                     f"; teacher eval AUC {teacher:.4f}" if teacher is not None else "",
+                     "" if self.group is None else f"; {self.world_size} processes, tables: " + ", ".join(
+                         f"{table} {p['sharding_type']} on ranks {p['ranks']}" for table, p in self.sharding_plan.items()))
+        self.network.train()
         started = time.perf_counter()
         builds = KernelBuilds().start()
         try:
-            loader = iter(self._train_loader())
-            while self.step < stop:
-                steady, builds_before = self.stopwatch.steady, builds.count
-                self.stopwatch.start()
-                batch = next(loader)
-                loss = self.train_step(batch, self.step + 1)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.stopwatch.stop(batch.batch_size)
-                if steady:
-                    self.kernel_builds_after_warmup += builds.count - builds_before
-                self.step += 1
-                self.losses.append(loss)
-                lr = self.dense_scheduler.get_last_lr()[0]
-                progress.update(self.step, loss, self.stopwatch.rate, lr)
-                if self.step % t.log_every == 0:
-                    scalars.add("train/loss", loss, self.step)
-                    scalars.add("train/lr", lr, self.step)
-                    scalars.add("train/samples_per_s", self.stopwatch.rate, self.step)
-                if self.step % t.eval_every == 0 or self.step == stop:
-                    point = {"step": self.step, "train_loss": self._recent_train_loss(), **self.evaluate()}
-                    self.evals.append(point)
-                    for key in ("eval_loss", "eval_auc", "eval_ne"):
-                        scalars.add(f"eval/{key[5:]}", point[key], self.step)
-                    progress.write(f"step {self.step}: eval loss {point['eval_loss']:.4f}  AUC {point['eval_auc']:.4f} "
-                                   f"(teacher {self.teacher_metrics['teacher_auc']:.4f})  NE {point['eval_ne']:.4f}")
-                if self.step % t.checkpoint_every == 0 or self.step == stop:
-                    self.save_checkpoint()
+            with StopRequests() as stop_requests:
+                self._stop_requests = stop_requests
+                loader = iter(self._train_loader())
+                while self.step < stop:
+                    requested = stop_requests.requested if self.group is None else self._agreed_stop
+                    if requested is not None:
+                        self.save_checkpoint()
+                        raise TrainingInterrupted(requested, self.step, str(self.checkpoint_path))
+                    self._one_step(loader, stop, progress, scalars, builds)
         finally:
+            self._stop_requests = None
             builds.stop()
             progress.close()
             scalars.close()
-        if self.kernel_builds_after_warmup:
-            progress.write(f"note: {self.kernel_builds_after_warmup} Triton kernel builds happened during timed steps "
-                           f"(samples_per_s counts them; samples_per_s_median_step is a typical step: "
-                           f"{self.stopwatch.median_rate:,.0f})")
+        if self.kernel_builds_after_warmup and self.is_main:
+            log.info("note: %d Triton kernel builds happened during timed steps (samples_per_s counts them; "
+                     "samples_per_s_median_step is a typical step: %s)", self.kernel_builds_after_warmup,
+                     f"{self.stopwatch.median_rate:,.0f}")
         metrics = self.metrics(wall_s=time.perf_counter() - started)
-        write_json_atomic(metrics, self.run_dir / "metrics.json")
+        if self.is_main:
+            write_json_atomic(metrics, self.run_dir / METRICS_FILE)
         return metrics
 
+    def _one_step(self, loader, stop: int, progress: Progress, scalars: Scalars, builds: KernelBuilds) -> None:
+        """A training step with its logging, and the eval and checkpoint that fall on it."""
+        t = self.tcfg
+        steady, builds_before = self.stopwatch.steady, builds.count
+        self.stopwatch.start()
+        batch = next(loader)
+        batch, samples = batch if self.group is not None else (batch, batch.batch_size)  # (rank's slice, batch size)
+        loss = self.train_step(batch, self.step + 1, samples)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stopwatch.stop(samples)
+        if steady:
+            self.kernel_builds_after_warmup += builds.count - builds_before
+        self.step += 1
+        self.losses.append(loss)
+        lr = self.dense_scheduler.get_last_lr()[0]
+        progress.update(self.step, loss, self.stopwatch.rate, lr)
+        if self.step % t.log_every == 0:
+            scalars.add("train/loss", loss, self.step)
+            scalars.add("train/lr", lr, self.step)
+            scalars.add("train/samples_per_s", self.stopwatch.rate, self.step)
+        if self.step % t.eval_every == 0 or self.step == stop:
+            point = {"step": self.step, "train_loss": self._recent_train_loss(), **self.evaluate()}
+            self.evals.append(point)
+            for key in ("eval_loss", "eval_auc", "eval_ne"):
+                scalars.add(f"eval/{key[5:]}", point[key], self.step)
+            teacher = self.teacher_metrics["teacher_auc"]
+            if self.is_main:
+                log.info("step %d: eval loss %.4f  AUC %.4f%s  NE %.4f", self.step, point["eval_loss"],
+                         point["eval_auc"], f" (teacher {teacher:.4f})" if teacher is not None else "",
+                         point["eval_ne"])
+        if self.step % t.checkpoint_every == 0 or self.step == stop:
+            self.save_checkpoint()
+
     def _recent_train_loss(self) -> float:
-        window = self.losses[-_TRAIN_LOSS_WINDOW:]
+        window = self.losses[-TRAIN_LOSS_WINDOW:]
         return sum(window) / len(window)
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
+        """The run's figures (what `metrics.json` holds); on several processes every rank calls it (the peak memory
+        is the largest rank's)."""
         last = self.evals[-1]
+        peak_mem = peak_memory_bytes(self.device)
+        if self.group is not None:
+            peak_mem = int(self.group.max(peak_mem))
         return {
             "precision": self.mcfg.precision,
             "backend": self.mcfg.backend,
             "steps": self.step,
             "max_steps": self.tcfg.max_steps,
-            "batch_size": self.dcfg.batch_size,
+            "batch_size": getattr(self.dcfg, "batch_size", None),
             "train_loss": self._recent_train_loss(),
+            "train_loss_window": TRAIN_LOSS_WINDOW,
             "eval_loss": last["eval_loss"],
             "eval_auc": last["eval_auc"],
             "eval_ne": last["eval_ne"],
@@ -285,17 +619,36 @@ class Trainer:
             "samples_per_s": self.stopwatch.rate,
             "samples_per_s_median_step": self.stopwatch.median_rate,
             "kernel_builds_after_warmup": self.kernel_builds_after_warmup,
-            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "peak_mem_bytes": peak_mem,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
+            "world_size": self.world_size,
+            "sharding_plan": self.sharding_plan,  # table -> sharding type, compute kernel, ranks (null: one process)
             "wall_s": wall_s,
             "seed": self.seed,
             "parameters": sum(p.numel() for p in self.model.parameters()),
+            "resumes": self.resumes,
             "eval_history": self.evals,
             "train_loss_history": self.losses,
         }
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+def _differences(saved: Any, now: Any, prefix: str) -> list[str]:
+    """`key: saved -> now` for each leaf where two plain configs differ."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(saved) | set(now))
+                for d in _differences(saved.get(k), now.get(k), f"{prefix}.{k}")]
+    return [] if saved == now else [f"{prefix}: {saved!r} in the checkpoint, {now!r} now"]
+
+
+def _listed(names: list[str]) -> str:
+    return str(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def train(cfg: DictConfig | RunConfig, run_dir: str | Path) -> dict[str, Any]:
     """Build a `Trainer` from `cfg` and run it; returns the metrics written to `<run_dir>/metrics.json`."""
-    return Trainer(cfg, run_dir).fit()
+    trainer = Trainer(cfg, run_dir)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

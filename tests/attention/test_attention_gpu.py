@@ -1,5 +1,5 @@
-"""Jagged attention on CUDA: the flash varlen route of the 16-bit recipe, the reference at realistic
-lengths (bounded memory), and CPU/GPU agreement of the reference."""
+"""Jagged attention on CUDA: the auto route of the 16-bit recipe (FlashAttention-4 on the cute backend), the
+reference at realistic lengths (bounded memory), and CPU/GPU agreement of the reference."""
 import math
 import time
 
@@ -34,7 +34,7 @@ def forward_backward(q, k, v, d_out, **kwargs):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_bf16_auto_route_matches_fp32_reference(dim, causal, dtype):
-    """backend='auto' on CUDA takes torch's flash varlen kernel for the 16-bit recipe; same semantics."""
+    """backend='auto' on CUDA takes FlashAttention-4 for the 16-bit recipe; same semantics."""
     lengths = [1, 31, 33, 127, 129, 700, 1000]
     offs = offsets(lengths, "cuda")
     q, k, v = qkv(int(offs[-1]), 4, dim, dtype, "cuda")

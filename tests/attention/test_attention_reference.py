@@ -171,22 +171,24 @@ def mx_explicit_one_sequence(q, k, v, d_out, causal, scale, p_quant):
             return deq(quantize_reference(p, block="square", allow_partial=True))
         return deq(quantize_reference(p, axis=-1, allow_partial=True))
 
-    # forward
-    s = deq(quantize_reference(q, axis=-1)) @ deq(quantize_reference(k, axis=-1)).transpose(1, 2) * scale
-    s = s.masked_fill(~visible, -math.inf)
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp2((s - m) * 1.4426950408889634)
+    # forward: scores in the log2 domain, the row max snapped up to an integer
+    scale_log2 = float(torch.tensor(scale * 1.4426950408889634, dtype=torch.float32))
+    t = deq(quantize_reference(q, axis=-1)) @ deq(quantize_reference(k, axis=-1)).transpose(1, 2) * scale_log2
+    t = t.masked_fill(~visible, -math.inf)
+    m = torch.ceil(t.amax(-1, keepdim=True))
+    p = torch.exp2(t - m)
     l = p.sum(-1, keepdim=True)
     v_seq = deq(quantize_reference(v, axis=1, allow_partial=True))  # 32 tokens x 1 feature
-    o = quant_p(p, square=False) @ v_seq / l
-    lse = (m + torch.log(l)).squeeze(-1)
+    pq = quant_p(p, square=False)
+    o = pq @ v_seq / pq.sum(-1, keepdim=True)
+    lse = (m * math.log(2.0) + torch.log(l)).squeeze(-1)
     # backward
     sq = lambda t: deq(quantize_reference(t, block="square", allow_partial=True))  # noqa: E731
     qs, ks, dos = sq(q), sq(k), sq(d_out)
     s2 = qs @ ks.transpose(1, 2) * scale
     pn = torch.where(visible, torch.exp2((s2 - lse[..., None]) * 1.4426950408889634), 0.0)
     dp = dos @ deq(quantize_reference(v, axis=-1)).transpose(1, 2)
-    delta = (dos * o).sum(-1, keepdim=True)  # Δ from the dO that dP uses
+    delta = (dos * o).sum(-1, keepdim=True)  # Δ from the quantized dO that dP uses
     ds = sq(pn * (dp - delta))
     dv = quant_p(pn, square=True).transpose(1, 2) @ dos
     dk = ds.transpose(1, 2) @ qs * scale

@@ -69,25 +69,23 @@ def test_jagged_attention_checks_each_offsets_tensor_once(monkeypatch):
         jagged_attention(q, k, v, offs, precision="fp32")
 
 
-def test_triton_attention_builds_its_tile_and_block_maps_once_per_batch(monkeypatch):
-    """A second call on the same offsets reuses the tile map and the producer's block maps, with the same
-    output; new offsets get their own plan."""
-    from gem_lp.attention import triton_attention as ta
+def test_producer_builds_its_chunk_map_once_per_offsets_tensor():
+    """A second producer pass over the same offsets tensor reuses its chunk map (same output); a new tensor gets
+    its own."""
+    from gem_lp.attention import producer
 
     clear_plan_cache()
-    built = []
-    for name in ("_build_fwd_tiles", "_build_block_map"):
-        real = getattr(ta, name)
-        monkeypatch.setattr(ta, name, lambda *a, _real=real, _name=name: built.append(_name) or _real(*a))
     g = torch.Generator().manual_seed(1)
     offs = torch.tensor([0, 33, 34, 70])
-    q, k, v = (torch.randn(70, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
-    first = ta.jagged_attention_triton(q, k, v, offs, precision="mxfp8", validate_offsets=False)
-    n_first = len(built)
-    second = ta.jagged_attention_triton(q, k, v, offs, precision="mxfp8", validate_offsets=False)
-    assert n_first >= 2 and len(built) == n_first and torch.equal(first, second)
-    other = torch.tensor([0, 1, 40, 70])
-    third = ta.jagged_attention_triton(q, k, v, other, precision="mxfp8", validate_offsets=False)
-    assert len(built) == 2 * n_first
-    ref = ta.jagged_attention_triton(q, k, v, other.clone(), precision="mxfp8", validate_offsets=False)
-    assert torch.equal(third, ref)
+    x = torch.randn(70, 2, 64, generator=g).to(torch.bfloat16)
+    (first,) = producer.mx_operands([(x, offs, producer.ORIENT_SQUARE)])
+
+    def plans():
+        return sum(len(entries) for entries in _PLANS.values())
+
+    before = plans()
+    (second,) = producer.mx_operands([(x, offs, producer.ORIENT_SQUARE)])
+    assert plans() == before and torch.equal(first, second)
+    other = offs.clone()
+    (third,) = producer.mx_operands([(x, other, producer.ORIENT_SQUARE)])
+    assert plans() == before + 1 and torch.equal(third, first)

@@ -52,7 +52,7 @@ def test_prepend_tokens_errors():
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_backward(batch, precision, causal):
     torch.manual_seed(0)
-    model = GemRanker(GemModelConfig(precision=precision, causal=causal, **SMALL), DATA)
+    model = GemRanker(GemModelConfig(precision=precision, causal=causal, **SMALL), DATA.feature_spec())
     logits = model(batch)
     assert logits.shape == (DATA.batch_size,) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
@@ -67,10 +67,10 @@ def test_forward_backward(batch, precision, causal):
 def test_recipes_agree_on_the_same_weights(batch):
     """MXFP8 and BF16 recipes compute the same function up to their rounding (logits and gradients)."""
     torch.manual_seed(0)
-    ref = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA)
+    ref = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA.feature_spec())
     out = {}
     for precision in ("fp32", "bf16", "mxfp8"):
-        model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA)
+        model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA.feature_spec())
         model.load_state_dict(ref.state_dict())
         logits = model(batch)
         F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
@@ -84,7 +84,7 @@ def test_recipes_agree_on_the_same_weights(batch):
 
 
 def test_ops_get_the_configured_recipe_and_backend():
-    model = GemRanker(GemModelConfig(precision="mxfp8", backend="reference", **SMALL), DATA)
+    model = GemRanker(GemModelConfig(precision="mxfp8", backend="reference", **SMALL), DATA.feature_spec())
     linears = [m for m in model.modules() if isinstance(m, (MXLinear, RMSNormMXLinear))]
     assert len(linears) >= 10
     assert all(m.recipe == "mxfp8" and m.backend == "reference" for m in linears)
@@ -104,7 +104,7 @@ def test_attention_calls_are_jagged_and_broadcast(batch, monkeypatch):
 
     monkeypatch.setattr(blocks, "jagged_attention", spy)
     cfg = GemModelConfig(precision="bf16", num_summary_tokens=3, num_query_tokens=4, **{**SMALL, "num_blocks": 1})
-    GemRanker(cfg, DATA)(batch)
+    GemRanker(cfg, DATA.feature_spec())(batch)
     lengths = batch.sequence_features.to_dict()[HIST_ITEM].lengths()
     seq_offsets = lengths_to_offsets(lengths + 3)
     (enc_q, enc_k, enc_qo, enc_kvo, enc_kw), (bq_q, _, bq_qo, bq_kvo, bq_kw), (t_q, _, t_qo, t_kvo, t_kw) = calls
@@ -126,13 +126,13 @@ def test_qk_rotation_reaches_every_attention(batch, monkeypatch, rotation):
         return jagged_attention(*args, **kw)
 
     monkeypatch.setattr(blocks, "jagged_attention", spy)
-    logits = GemRanker(GemModelConfig(precision="mxfp8", qk_rotation=rotation, **SMALL), DATA)(batch)
+    logits = GemRanker(GemModelConfig(precision="mxfp8", qk_rotation=rotation, **SMALL), DATA.feature_spec())(batch)
     logits.sum().backward()
     assert calls == [rotation] * (SMALL["num_blocks"] + 2) and torch.isfinite(logits).all()
 
 
 def test_candidate_shares_the_item_table():
-    model = GemRanker(GemModelConfig(**SMALL), DATA)
+    model = GemRanker(GemModelConfig(**SMALL), DATA.feature_spec())
     tables = {c.name: c.feature_names for c in model.sequence_embeddings.embedding_configs()}
     assert tables["item"] == [HIST_ITEM, CAND_ITEM]
     assert {id(p) for p in model.embedding_parameters()}.isdisjoint({id(p) for p in model.dense_parameters()})
@@ -155,7 +155,7 @@ def test_config_errors(bad, match):
 
 
 def test_bad_dense_features(batch):
-    model = GemRanker(GemModelConfig(**SMALL), DATA)
+    model = GemRanker(GemModelConfig(**SMALL), DATA.feature_spec())
     wrong = dataclasses.replace(batch, dense_features=batch.dense_features[:, :5])
     with pytest.raises(ValueError, match="dense_features"):
         model(wrong)
@@ -166,13 +166,13 @@ def test_bad_dense_features(batch):
 def test_forward_backward_on_cuda(batch, precision):
     """KJTs built on the CPU, moved with .to(); embeddings, packing and ops run on the GPU."""
     torch.manual_seed(0)
-    model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA).cuda()
+    model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA.feature_spec()).cuda()
     b = batch.to("cuda")
     logits = model(b)
     assert logits.is_cuda and logits.shape == (DATA.batch_size,)
     F.binary_cross_entropy_with_logits(logits, b.labels).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    cpu_model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA)
+    cpu_model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA.feature_spec())
     cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     assert (cpu_model(batch) - logits.detach().cpu()).abs().max() < 0.05
 
@@ -184,8 +184,29 @@ def test_users_without_history(precision):
     batch = make_batch(data, PlantedTeacher(data), 0, "train", 1)
     lengths = batch.sequence_features.to_dict()[HIST_ITEM].lengths()
     assert int((lengths == 0).sum()) > 0
-    model = GemRanker(GemModelConfig(precision=precision, **SMALL), data)
+    model = GemRanker(GemModelConfig(precision=precision, **SMALL), data.feature_spec())
     logits = model(batch)
     F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
     assert torch.isfinite(logits).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_pooled_features_are_read_by_key_not_by_position(batch):
+    """A sharded EmbeddingBagCollection returns its features grouped by shard, in another order than the spec's;
+    the model reads each feature by its key, so the logits do not depend on that order."""
+    from torchrec import KeyedTensor
+
+    torch.manual_seed(0)
+    model = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA.feature_spec())
+    expected = model(batch)
+    pooled = model.pooled_embeddings
+
+    class ReversedKeys(torch.nn.Module):
+        def forward(self, features):
+            out = pooled(features)
+            keys = out.keys()[::-1]
+            return KeyedTensor.from_tensor_list(keys, [out[k] for k in keys])
+
+    model.pooled_embeddings = ReversedKeys()
+    assert model.pooled_embeddings(batch.sparse_features).keys() == ["b", "a"]
+    assert torch.equal(model(batch), expected)

@@ -56,7 +56,7 @@ def test_a_step_checks_only_the_new_batch_offsets(checked, monkeypatch):
     import gem_lp.models.blocks as blocks
 
     torch.manual_seed(0)
-    model = GemRanker(GemModelConfig(precision="mxfp8", **SMALL), DATA)
+    model = GemRanker(GemModelConfig(precision="mxfp8", **SMALL), DATA.feature_spec())
     target_offsets = []
     real = blocks.jagged_attention
 

@@ -1,7 +1,48 @@
-"""Stopwatch (steady-state and median rates) and KernelBuilds (Triton build counter)."""
+"""Progress (a bar on a terminal only, log lines otherwise), Stopwatch (steady-state and median rates), KernelBuilds
+(Triton build counter), and the quiet torch.fx deprecation."""
+import logging
+
 import pytest
 
-from gem_lp.train.logging_utils import KernelBuilds, Stopwatch
+from gem_lp.train.logging_utils import KernelBuilds, Progress, Stopwatch
+
+
+@pytest.mark.parametrize("bar", [True, False])
+def test_progress_logs_a_line_every_log_every_steps_without_a_terminal(monkeypatch, caplog, bar):
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    caplog.set_level(logging.INFO, logger="gem_lp.train")
+    progress = Progress(total=7, initial=0, bar=bar, log_every=3)
+    assert progress.bar is None
+    for step in range(1, 8):
+        progress.update(step, loss=0.5 + step / 100, samples_per_s=1234.5, lr=1e-3)
+    progress.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 3/7  loss 0.5300  samples/s 1,234  lr 1.00e-03", "step 6/7  loss 0.5600  samples/s 1,234  lr 1.00e-03"]
+
+
+def test_progress_shows_a_bar_on_a_terminal(monkeypatch, caplog):
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    caplog.set_level(logging.INFO, logger="gem_lp.train")
+    progress = Progress(total=4, initial=1, bar=True, log_every=1)
+    assert progress.bar is not None and progress.bar.n == 1
+    progress.update(2, loss=0.5, samples_per_s=10.0, lr=1e-3)
+    assert progress.bar.n == 2 and not caplog.records  # the bar, not log lines
+    progress.close()
+    off = Progress(total=4, initial=0, bar=False, log_every=1)
+    assert off.bar is None  # trainer.progress=false: log lines even on a terminal
+
+
+def test_torch_fx_tracing_deprecation_is_not_logged(caplog):
+    """torch's KJT metaclass calls the deprecated is_fx_tracing() on every KJT built; its warning is dropped."""
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    import gem_lp.data  # noqa: F401  (installs the filter)
+
+    caplog.set_level(logging.WARNING)
+    symbolic_trace.is_fx_tracing_warning.__wrapped__()  # the warning itself, past its once-per-process cache
+    logging.getLogger("torch.fx._symbolic_trace").warning("another warning of that module")
+    assert [r.getMessage() for r in caplog.records] == ["another warning of that module"]
 
 
 def test_stopwatch_median_ignores_a_slow_step(monkeypatch):

@@ -1,4 +1,4 @@
-"""Trainer: smoke run through the Hydra config, exact resume, NaN/Inf guard, atomic checkpoints."""
+"""Trainer: smoke run through the Hydra config, exact resume, NaN/Inf guard (naming the tensor), atomic checkpoints."""
 import json
 import math
 import os
@@ -6,11 +6,12 @@ import os
 import pytest
 import torch
 
-from gem_lp.train import NonFiniteError, Trainer, load_checkpoint, save_atomic
+from gem_lp.data import DataError
+from gem_lp.train import ConfigError, NonFiniteError, Trainer, load_checkpoint, save_atomic
 
 METRIC_KEYS = {"precision", "steps", "train_loss", "eval_loss", "eval_auc", "eval_ne", "samples_per_s",
                "samples_per_s_median_step", "kernel_builds_after_warmup", "peak_mem_bytes", "device", "teacher_auc",
-               "eval_history", "train_loss_history"}
+               "eval_history", "train_loss_history", "train_loss_window", "resumes"}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
@@ -59,8 +60,11 @@ def test_resume_errors(tiny_config, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Trainer(tiny_config("resume=true"), tmp_path / "empty")
     Trainer(tiny_config("trainer.max_steps=4", "trainer.stop_after=2"), tmp_path / "run").fit()
-    with pytest.raises(ValueError, match="model config differs"):
+    with pytest.raises(ConfigError, match=r"model config differs from this run's \(model.num_blocks: 1 in the "
+                                          r"checkpoint, 2 now\)"):
         Trainer(tiny_config("trainer.max_steps=4", "resume=true", "model.num_blocks=2"), tmp_path / "run")
+    with pytest.raises(ConfigError, match="checkpoint seed 0 != seed 3"):
+        Trainer(tiny_config("trainer.max_steps=4", "resume=true", "seed=3"), tmp_path / "run")
 
 
 def test_nan_loss_stops_naming_the_step(tiny_config, tmp_path):
@@ -97,12 +101,60 @@ def test_nan_gradient_stops_before_the_update(tiny_config, tmp_path):
         assert torch.equal(v, before[k]), k
 
 
+def test_gradient_norm_overflow_is_named_as_such(tiny_config, tmp_path):
+    """Finite gradient values whose L2 norm overflows float32: said as such, naming the tensor, before the update
+    (gradient clipping would otherwise scale every dense gradient by 0/inf)."""
+    trainer = Trainer(tiny_config(), tmp_path)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.model.logit.weight.register_hook(lambda g: torch.full_like(g, 3e19))
+    with pytest.raises(NonFiniteError, match=r"step 1: overflow of the gradient norm of \['logit.weight'\]: the "
+                                             r"values are finite") as info:
+        trainer.fit()
+    assert info.value.tensors == ["logit.weight"] and info.value.step == 1
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_global_gradient_norm_overflow(tiny_config, tmp_path):
+    """Every tensor's norm finite, their global norm not: the largest are named."""
+    trainer = Trainer(tiny_config(), tmp_path)
+    for p in (trainer.model.logit.weight, trainer.model.logit.bias):
+        p.register_hook(lambda g: torch.full_like(g, 1.5e19 / g.numel() ** 0.5))  # norm 1.5e19 each
+    with pytest.raises(NonFiniteError, match=r"step 1: overflow of the gradient norm: every gradient's norm is "
+                                             r"finite but the global norm of the dense gradients \(inf\)") as info:
+        trainer.fit()
+    assert set(info.value.tensors[:2]) == {"logit.weight", "logit.bias"}
+
+
+def test_divergence_from_a_huge_learning_rate_reports_the_overflow(tiny_config, tmp_path):
+    with pytest.raises(NonFiniteError, match="overflow of the gradient norm") as info:
+        Trainer(tiny_config("trainer.lr=1e3", "trainer.warmup_steps=0"), tmp_path).fit()
+    assert info.value.tensors and "trainer.lr=1000" in str(info.value)
+
+
+def test_eval_labels_of_one_class_stop_before_training(tiny_config, tmp_path, monkeypatch):
+    """AUC and NE need both classes: such an eval set is refused before the first step, not reported as NaN."""
+    from gem_lp.data import SyntheticSource
+
+    original = SyntheticSource.eval_batches
+
+    def all_positive(self, limit):
+        batches = original(self, limit)
+        for b in batches:
+            b.labels.fill_(1.0)
+        return batches
+
+    monkeypatch.setattr(SyntheticSource, "eval_batches", all_positive)
+    with pytest.raises(DataError, match=r"every one of the 32 eval labels is 1, so AUC and NE are undefined"):
+        Trainer(tiny_config(), tmp_path)
+
+
 def test_save_atomic_replaces_whole_files_only(tmp_path):
     path = tmp_path / "ckpt.pt"
     save_atomic({"a": torch.arange(3)}, path)
     with pytest.raises(Exception):
         save_atomic({"a": lambda: None}, path)  # not picklable: the old file must survive intact
-    assert torch.equal(torch.load(path)["a"], torch.arange(3))
+    assert torch.equal(load_checkpoint(path)["a"], torch.arange(3))
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
 

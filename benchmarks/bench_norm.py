@@ -1,0 +1,185 @@
+"""RMSNorm + both MX casts (and the dual cast alone) on one GPU: the CuTe kernel beside a device copy of the same
+bytes (the ceiling), quack's BF16 `rmsnorm_fwd`, `torch.compile` of the reference, and the Triton kernels.
+
+Shapes: BF16 x `[M, K]`, M = 32768 and the jagged token counts 32767, 32766, 32784; K = 256, 1024, 4096.
+Rows per shape (group `norm MxK`):
+  copy                 a device copy of as many bytes as ours moves (the ceiling of the group)
+  ours cute            `norm_mx_cast` (blocked scales, the launch table's choice), then every other launch of
+                       `LAUNCH_CANDIDATES` (same bytes, checked), to keep the table honest
+  ours public op       `rms_norm_quantize(backend="cute")` (plain scales, host checks included); its host
+                       microseconds per call in the JSON (`host_us_per_call`)
+  triton               `rms_norm_quantize(backend="triton")`
+  torch.compile        of `rms_norm_quantize_reference` (RMSNorm + both casts, unfused)
+  quack rmsnorm_fwd    BF16 RMSNorm only (reads x, writes BF16 y): what copy speed looks like for a norm
+and per shape a `dual MxK` group: `quantize_dual` on cute beside Triton and the copy.
+TB/s counts x read once plus every byte written (payloads, scales, rstd); quack's rows count its own bytes. Each
+of our rows is checked byte for byte (`exact` in the JSON): payloads and scales against the reference quantization of
+y computed with the kernel's rstd, rstd within 4 ulp of the FP64 value.
+
+Run on the GPU host from the repository root: `python -m benchmarks.bench_norm [--ms 32768,32767] [--ks 1024]
+[--no-candidates]`. Prints the timing table last; JSON under $OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import Bench, host_us_per_call  # noqa: E402
+from gem_lp.mx import quantize_dual, quantize_reference, to_blocked  # noqa: E402
+from gem_lp.norm_gemm import rms_norm_quantize  # noqa: E402
+from gem_lp.norm_gemm.reference import rms_norm_quantize_reference  # noqa: E402
+
+DEV = "cuda"
+EPS = 1e-6
+MS = (32768, 32767, 32766, 32784)
+KS = (256, 1024, 4096)
+# Launches (tile_k, cluster_n) timed beside the table's, per K
+LAUNCH_CANDIDATES = {256: ((128, 2), (256, 1)), 512: ((256, 2), (512, 1)), 1024: ((256, 4), (512, 2), (1024, 1)),
+                     4096: ((512, 8), (1024, 4))}
+
+
+def moved_bytes(x: torch.Tensor, tensors) -> int:
+    """x read once plus the bytes of every output tensor (a padded colwise payload counts its logical bytes)."""
+    return x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def exact(out_row, out_col, rstd, x, w) -> bool:
+    """Payloads and scales equal the reference quantization of y (x when w is None) with the kernel's rstd; rstd
+    within 4 ulp of the FP64 value. `out_row` / `out_col`: (payload, scales, blocked) triples."""
+    ok = True
+    if w is None:
+        y = x.float()
+    else:
+        rstd64 = torch.rsqrt(x.double().square().mean(-1) + EPS)
+        ok = bool(((rstd.double() - rstd64).abs() <= 4 * torch.finfo(torch.float32).eps * rstd64).all())
+        del rstd64
+        y = x.float() * rstd[:, None] * w.float()
+    for (data, scale, blocked), t in ((out_row, y), (out_col, y.t())):
+        want = quantize_reference(t, axis=1, allow_partial=True)
+        ok &= torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
+        ok &= torch.equal(scale, to_blocked(want.scale) if blocked else want.scale)
+        del want
+    return bool(ok)
+
+
+def tag(ok: bool) -> str:
+    return " [exact]" if ok else " [BYTES DIFFER]"
+
+
+def copy_row(bench: Bench, group: str, nbytes: int) -> None:
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    bench.time(group, "copy (same bytes)", lambda: dst.copy_(src), nbytes=2 * src.numel(), peer=True)
+
+
+def norm_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
+    from gem_lp.norm.cute.config import NormLaunch, launch_for
+    from gem_lp.norm.cute.launch import device_arch, norm_mx_cast
+
+    group = f"norm {M}x{K}"
+    g = torch.Generator(device=DEV).manual_seed(M + K)
+    x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+    w = (torch.rand(K, device=DEV, generator=g) + 0.5).bfloat16()
+    default = launch_for(device_arch(x.device), K)
+    launches = [default] + ([NormLaunch(*c) for c in LAUNCH_CANDIDATES.get(K, ()) if NormLaunch(*c) != default]
+                            if candidates else [])
+    out = norm_mx_cast(x, w, EPS)
+    nbytes = moved_bytes(x, (out.row_data, out.row_scale, out.col_data, out.col_scale, out.rstd))
+    copy_row(bench, group, nbytes)
+    for launch in launches:
+        out = norm_mx_cast(x, w, EPS, launch=launch)
+        ok = exact((out.row_data, out.row_scale, True), (out.col_data, out.col_scale, True), out.rstd, x, w)
+        name = f"ours cute tile_k={launch.tile_k} cluster={launch.cluster_n}" + (" (table)" if launch == default else "")
+        bench.time(group, name + tag(ok), lambda launch=launch: norm_mx_cast(x, w, EPS, launch=launch), nbytes=nbytes,
+                   exact=ok)
+    q = rms_norm_quantize(x, w, EPS, backend="cute")
+    ok = exact((q.rowwise.data, q.rowwise.scale, False), (q.colwise.data, q.colwise.scale, False), q.rstd, x, w)
+    host = host_us_per_call(lambda: rms_norm_quantize(x, w, EPS, backend="cute"))
+    print(f"  [{group}] public op host time: {host:.1f} us per call", flush=True)
+    bench.time(group, "ours public op rms_norm_quantize(cute)" + tag(ok), lambda: rms_norm_quantize(x, w, EPS, backend="cute"),
+               nbytes=nbytes, exact=ok, host_us_per_call=host)
+    try:
+        q = rms_norm_quantize(x, w, EPS, backend="triton")
+        ok = exact((q.rowwise.data, q.rowwise.scale, False), (q.colwise.data, q.colwise.scale, False), q.rstd, x, w)
+        bench.time(group, "triton rms_norm_quantize" + tag(ok), lambda: rms_norm_quantize(x, w, EPS, backend="triton"),
+                   nbytes=nbytes, exact=ok, peer=True)
+    except Exception as e:  # one failing peer must not hide the others
+        print(f"  [{group}] triton: FAILED {type(e).__name__}: {e}", flush=True)
+    compiled = torch.compile(lambda t: rms_norm_quantize_reference(t, w, EPS, "rceil"), dynamic=False)
+    bench.time(group, "torch.compile(reference RMSNorm + both casts)", lambda: compiled(x), nbytes=nbytes, peer=True)
+    try:
+        from quack.rmsnorm import rmsnorm_fwd
+
+        bench.time(group, "quack rmsnorm_fwd bf16 (norm only)", lambda: rmsnorm_fwd(x, w, eps=EPS),
+                   nbytes=2 * x.numel() * x.element_size(), peer=True)
+    except Exception as e:
+        print(f"  [{group}] quack: FAILED {type(e).__name__}: {e}", flush=True)
+    del x, out, q
+    torch.cuda.empty_cache()
+
+
+def dual_group(bench: Bench, M: int, K: int) -> None:
+    group = f"dual {M}x{K}"
+    g = torch.Generator(device=DEV).manual_seed(M * K)
+    x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+    row, col = quantize_dual(x, backend="cute")
+    nbytes = moved_bytes(x, (row.data, row.scale, col.data, col.scale))
+    copy_row(bench, group, nbytes)
+    ok = exact((row.data, row.scale, True), (col.data, col.scale, True), None, x, None)
+    bench.time(group, "ours quantize_dual(cute)" + tag(ok), lambda: quantize_dual(x, backend="cute"), nbytes=nbytes, exact=ok)
+    row, col = quantize_dual(x, backend="triton")
+    ok = exact((row.data, row.scale, True), (col.data, col.scale, True), None, x, None)
+    bench.time(group, "triton quantize_dual" + tag(ok), lambda: quantize_dual(x, backend="triton"), nbytes=nbytes, exact=ok,
+               peer=True)
+    del x, row, col
+    torch.cuda.empty_cache()
+
+
+def _ints(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        ap.error(f"{what} must be comma-separated integers, got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        ap.error(f"{what} must list positive integers, got {text!r}")
+    return values
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated")
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="row widths K (multiples of 32), comma-separated")
+    ap.add_argument("--no-candidates", action="store_true", help="time only the launch table's launch")
+    ap.add_argument("--no-dual", action="store_true", help="skip the dual cast groups")
+    args = ap.parse_args()
+    ms, ks = _ints(args.ms, "--ms", ap), _ints(args.ks, "--ks", ap)
+    if any(k % 32 for k in ks):
+        ap.error(f"--ks must be multiples of 32, got {ks}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    bench = Bench("bench_norm")
+    bench.copy_bandwidth()
+    for K in ks:
+        for M in ms:
+            groups = [("norm", lambda: norm_group(bench, M, K, candidates=not args.no_candidates))]
+            if not args.no_dual:
+                groups.append(("dual", lambda: dual_group(bench, M, K)))
+            for what, run in groups:
+                try:
+                    run()
+                except Exception as e:  # a failing group is recorded; the others still run
+                    print(f"  [{what} {M}x{K}] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    traceback.print_exc(limit=3)
+                    bench.rows.append(dict(group=f"{what} {M}x{K}", name="(group)", error=f"{type(e).__name__}: {e}"))
+                    torch.cuda.empty_cache()
+    bench.finish()
+
+
+if __name__ == "__main__":
+    main()

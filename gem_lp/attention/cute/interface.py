@@ -1,0 +1,149 @@
+"""The `cute` backend of `jagged_attention`: FlashAttention-4's varlen kernels for `bf16`, and FA4's Hopper kernels
+with the LP-FA4 recipe (`fwd_sm90`, `bwd_sm90`) behind a producer pass for `mxfp8`.
+
+Shapes follow `jagged_attention`: q `[Tq, H, D]` (`[Lq, H, D]` with broadcast_q), k, v `[Tk, H, D]`. broadcast_q
+runs as B query sequences of length Lq (the shared queries repeated; their gradients summed). LSE is `[H, T]`
+inside (FA4's layout) and handed out as a `[T, H]` view.
+
+`mxfp8` operands: the producer pass (`gem_lp.attention.producer`, memory-bound, one launch) writes the MX-exact
+BF16 operands: forward Q, K `hdim` and V `seq`; backward Q, K, dO `square` and V `hdim`, blocks aligned to each
+sequence's first token. The kernels' outputs are BF16 (O, dQ, dK, dV), cast to the input
+dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..plan import cached_plan
+from ..producer import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, mx_operands
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenBatch:
+    """Device-side sequence layout of one call: FA4's int32 `cu_seqlens`, int64 offsets for the producer pass,
+    and the maximum lengths (host integers, from the validated CPU offsets)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    q_offsets: torch.Tensor  # int64: rows of q as given (`[0, Lq]` with broadcast_q)
+    out_offsets: torch.Tensor  # int64: rows of O and dO
+    kv_offsets: torch.Tensor
+    max_q: int
+    max_k: int
+    batch: int
+    broadcast_q: bool
+
+
+def _device_offsets(key_tensor: torch.Tensor, offs: torch.Tensor, device: torch.device, tag: tuple):
+    """(int32, int64) copies of validated CPU offsets on `device`, once per offsets tensor (and version)."""
+    def build():
+        d64 = offs.to(device=device, dtype=torch.int64)
+        return d64.to(torch.int32), d64
+    return cached_plan(key_tensor, ("cute offsets", device, tag), build)
+
+
+def varlen_batch(q_offsets_arg, kv_offsets_arg, q_offs: torch.Tensor | None, kv_offs: torch.Tensor,
+                 *, broadcast_q: bool, q_rows: int, device: torch.device) -> VarlenBatch:
+    """The call's layout. `*_arg`: the offsets tensors the caller passed (cache keys); `q_offs`, `kv_offs`: their
+    validated CPU int64 values (q_offs None with broadcast_q)."""
+    key_kv = kv_offsets_arg if kv_offsets_arg is not None else q_offsets_arg
+    cu_k, kv64 = _device_offsets(key_kv, kv_offs, device, ("kv",))
+    batch = kv_offs.numel() - 1
+    max_k = int((kv_offs[1:] - kv_offs[:-1]).max()) if batch else 0
+    if broadcast_q:
+        out_cpu = torch.arange(batch + 1, dtype=torch.int64) * q_rows
+        cu_q, out64 = _device_offsets(key_kv, out_cpu, device, ("broadcast out", q_rows))
+        _, q64 = _device_offsets(key_kv, torch.tensor([0, q_rows]), device, ("broadcast q", q_rows))
+        max_q = q_rows if batch else 0
+    else:
+        cu_q, q64 = _device_offsets(q_offsets_arg, q_offs, device, ("q",))
+        out64 = q64
+        max_q = int((q_offs[1:] - q_offs[:-1]).max()) if batch else 0
+    return VarlenBatch(cu_q, cu_k, q64, out64, kv64, max_q, max_k, batch, broadcast_q)
+
+
+def _kernel_dtype(x: torch.Tensor) -> torch.dtype:
+    # the bf16 recipe rounds FP32 inputs to BF16 (reference.operand_dtype_16); FA4 takes BF16 and FP16
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the producer pass reads it: token rows may be strided (a view into a fused projection), heads and
+    features contiguous."""
+    return x if x.numel() == 0 or (x.stride(2) == 1 and x.stride(1) == x.shape[2]) else x.contiguous()
+
+
+def _repeat_q(q: torch.Tensor, vb: VarlenBatch) -> torch.Tensor:
+    return q.repeat(vb.batch, 1, 1) if vb.broadcast_q else q
+
+
+def _sum_q(dq: torch.Tensor, vb: VarlenBatch, lq: int) -> torch.Tensor:
+    if not vb.broadcast_q:
+        return dq
+    return dq.view(vb.batch, lq, *dq.shape[1:]).sum(0, dtype=torch.float32)
+
+
+class CuteAttention(torch.autograd.Function):
+    """O and LSE `[H, T]` of jagged attention on the CuTe kernels, with the recipe's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, vb: VarlenBatch, causal: bool, precision: str, scale: float, p_quant: str):
+        from flash_attn.cute import interface as fa4
+
+        from .launch import device_arch, mx_forward
+
+        if precision == "bf16":
+            dt = _kernel_dtype(q)
+            q_, k_, v_ = (t.to(dt).contiguous() for t in (q, k, v))
+            out, lse = fa4._flash_attn_fwd(
+                _repeat_q(q_, vb), k_, v_, cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q,
+                max_seqlen_k=vb.max_k, softmax_scale=scale, causal=causal, return_lse=True)[:2]
+        else:
+            qd, kd, vd = mx_operands([(_rows(q), vb.q_offsets, ORIENT_HDIM), (_rows(k), vb.kv_offsets, ORIENT_HDIM),
+                                      (_rows(v), vb.kv_offsets, ORIENT_SEQ)])
+            out, lse = mx_forward(_repeat_q(qd, vb), kd, vd, vb.cu_q, vb.cu_k, causal=causal, scale=scale,
+                                  p_quant=p_quant, arch=device_arch(q.device))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.vb, ctx.causal, ctx.precision, ctx.scale, ctx.p_quant = vb, causal, precision, scale, p_quant
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), lse.t()
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        from flash_attn.cute import interface as fa4
+
+        from .launch import device_arch, mx_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        vb = ctx.vb
+        if d_out is None:
+            d_out = torch.zeros(out.shape, dtype=q.dtype, device=out.device)
+        d_out = d_out.contiguous()
+        dlse = None if d_lse is None else d_lse.t().contiguous()
+        if ctx.precision == "bf16":
+            dt = _kernel_dtype(q)
+            q_, k_, v_ = (t.to(dt).contiguous() for t in (q, k, v))
+            dq, dk, dv = fa4._flash_attn_bwd(
+                _repeat_q(q_, vb), k_, v_, out, d_out.to(out.dtype), lse, softmax_scale=ctx.scale, causal=ctx.causal,
+                cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q, max_seqlen_k=vb.max_k, dlse=dlse)
+        else:
+            qs, ks, vh, dos = mx_operands([(_rows(q), vb.q_offsets, ORIENT_SQUARE),
+                                           (_rows(k), vb.kv_offsets, ORIENT_SQUARE),
+                                           (_rows(v), vb.kv_offsets, ORIENT_HDIM),
+                                           (d_out, vb.out_offsets, ORIENT_SQUARE)])
+            dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, lse, dlse, vb.cu_q, vb.cu_k,
+                                     causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
+                                     arch=device_arch(q.device))
+        dq = _sum_q(dq, vb, q.shape[0])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def jagged_attention_cute(q, k, v, vb: VarlenBatch, *, causal: bool, precision: str, scale: float, p_quant: str
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O `[T_out, H, D]` in q's dtype and LSE `[T_out, H]` FP32 (arguments validated by `jagged_attention`)."""
+    if math.prod(q.shape) and q.shape[2] % 8:
+        raise ValueError(f"the cute backend needs a head dim that is a multiple of 8, got D={q.shape[2]}")
+    return CuteAttention.apply(q, k, v, vb, causal, precision, scale, p_quant)

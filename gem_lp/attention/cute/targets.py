@@ -1,0 +1,63 @@
+"""The attention kernels `jagged_attention` can launch on the cute backend, as `gem_lp.compile_check` builds."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ...compile_check import CompileTarget
+from .config import HEAD_DIMS
+
+# A varlen batch for the builds (shapes are dynamic in the kernels: any batch reuses them); above 256 sequences
+# FA4's schedulers take a cumulative tile count, a second build of each kernel.
+_TOKENS, _HEADS = 4096, 4
+_BATCHES = {"": 8, " many-seqs": 300}
+
+
+def _tensors(dim: int, batch: int):
+    q, k, v = (torch.empty(_TOKENS, _HEADS, dim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    return q, k, v, torch.empty(batch + 1, dtype=torch.int32, device="cuda")
+
+
+def _bf16(direction: str, dim: int, causal: bool, batch: int) -> None:
+    from flash_attn.cute import interface as fa4
+
+    q, k, v, cu = _tensors(dim, batch)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024, causal=causal)
+    if direction == "fwd":
+        fa4._flash_attn_fwd(q, k, v, return_lse=True, **kw)
+    else:
+        lse = torch.empty(_HEADS, _TOKENS, dtype=torch.float32, device="cuda")
+        fa4._flash_attn_bwd(q, k, v, q, q, lse, **kw)
+
+
+def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arch: str) -> None:
+    from .launch import mx_backward, mx_forward
+
+    q, k, v, cu = _tensors(dim, batch)
+    kw = dict(causal=causal, scale=dim**-0.5, p_quant=p_quant, arch=arch)
+    if direction == "fwd":
+        mx_forward(q, k, v, cu, cu, **kw)
+    else:
+        lse = torch.empty(_HEADS, _TOKENS, dtype=torch.float32, device="cuda")
+        mx_backward(q, k, v, q, q, lse, None, cu, cu, **kw)
+
+
+def compile_targets(arch: str) -> list[CompileTarget]:
+    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist (sm_90a: the public API
+    runs the reference for mxfp8 on other GPUs)."""
+    from .config import MX_ARCH_MAJORS
+
+    with_mx = int(arch[3:-1]) // 10 in MX_ARCH_MAJORS
+    targets = []
+    for dim in HEAD_DIMS:
+        for causal in (False, True):
+            for seqs, batch in _BATCHES.items():
+                mode = f"d{dim} {'causal' if causal else 'full'}{seqs}"
+                for direction in ("fwd", "bwd"):
+                    targets.append(CompileTarget("attention", direction, "bf16", mode,
+                                                 partial(_bf16, direction, dim, causal, batch)))
+                    for p_quant in ("const_p", "dynamic") if with_mx else ():
+                        targets.append(CompileTarget("attention", direction, "mxfp8", f"{mode} {p_quant}",
+                                                     partial(_mxfp8, direction, dim, causal, batch, p_quant, arch)))
+    return targets

@@ -1,0 +1,144 @@
+"""Build every CuTe kernel the public API can launch, for one GPU architecture, on a machine without a GPU.
+
+    python -m gem_lp.compile_check --arch sm_90a|sm_100a [--dump-dir DIR] [--op attention|norm ...]
+
+Kernels are built under `FakeTensorMode` (fake CUDA tensors; nothing is launched) with the architecture set
+through the CuTe DSL's and FlashAttention-4's environment. Each build keeps its PTX; one line per kernel gives the
+op and direction, the precision, the arch, the build's mode and the MMA instructions in the PTX: `wgmma` for
+sm_90a; `tcgen05.mma` and how many of them are block-scaled for sm_100a. Exit status 1 when a build fails or an
+mxfp8 GEMM or attention build for sm_100a has no block-scaled MMA (casts and norms have no MMA). Kernel packages list their builds in a `compile_targets(arch)`
+function (see `TARGET_MODULES`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable
+
+ARCHES = ("sm_90a", "sm_100a")
+# SM count the builds are specialized for (H200 / B200); FA4's schedulers read it from the driver otherwise.
+NUM_SMS = {"sm_90a": 132, "sm_100a": 148}
+TARGET_MODULES = ("gem_lp.attention.cute.targets", "gem_lp.norm.cute.targets")
+# What the API runs without a CuTe kernel on an arch, said on every run for that arch.
+MISSING = {"sm_100a": ["attention fwd/bwd mxfp8: no sm_100a kernel yet (the API runs the reference recipe there)"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTarget:
+    """One build: `build()` compiles (never launches) under FakeTensorMode; its PTX lands in the dump dir."""
+
+    op: str  # attention, norm, linear, gemm
+    direction: str  # fwd, bwd, cast
+    precision: str  # bf16, mxfp8
+    mode: str  # what else selects the kernel (head dim, causal, ...)
+    build: Callable[[], None]
+    needs_mma: bool = True  # False for kernels without a GEMM (casts, norms): no MMA count is required of them
+
+
+@dataclasses.dataclass
+class KernelReport:
+    target: CompileTarget
+    kernel: str
+    wgmma: int
+    tcgen05: int
+    block_scaled: int
+
+
+def mma_counts(ptx: str) -> tuple[int, int, int]:
+    """(wgmma, tcgen05.mma, block-scaled tcgen05.mma) instructions in a PTX text."""
+    # an instruction may carry a guard predicate (`@p tcgen05.mma ...`); comments do not count
+    lines = [s.split("//")[0] for s in ptx.splitlines()]
+    wgmma = sum(1 for s in lines if re.search(r"^\s*(@!?\w+\s+)?wgmma\.mma_async", s))
+    tc = [s for s in lines if re.search(r"^\s*(@!?\w+\s+)?tcgen05\.mma\b", s)]
+    return wgmma, len(tc), sum(1 for s in tc if "block_scale" in s)
+
+
+def _kernel_name(path: str) -> str:
+    """The kernel class of a dumped PTX file (`cutlass___call___<module path><Class>_object_at...`)."""
+    base = os.path.basename(path)
+    m = re.search(r"([A-Z][A-Za-z0-9]+)_object_at", base)
+    return m.group(1) if m else base[:60]
+
+
+def _dumped(dump_dir: str) -> dict[str, int]:
+    """File name -> modification time (ns) of the dump dir's files."""
+    return {f: os.stat(os.path.join(dump_dir, f)).st_mtime_ns for f in os.listdir(dump_dir)}
+
+
+def _configure(arch: str, dump_dir: str) -> None:
+    os.environ["CUTE_DSL_ARCH"] = arch
+    os.environ["FLASH_ATTENTION_ARCH"] = arch
+    os.environ["FLASH_ATTENTION_NUM_SMS"] = str(NUM_SMS[arch])
+    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_DUMP_DIR"] = dump_dir
+
+
+def run(arch: str, dump_dir: str, out=sys.stdout, ops: tuple[str, ...] | None = None) -> int:
+    """Build every target for `arch` (only those of `ops` when given), print one line per kernel; returns the exit
+    status."""
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
+    os.makedirs(dump_dir, exist_ok=True)
+    _configure(arch, dump_dir)
+    import importlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    failures = 0
+    targets = [t for name in TARGET_MODULES for t in importlib.import_module(name).compile_targets(arch)]
+    if ops:
+        targets = [t for t in targets if t.op in ops]
+    for target in targets:
+        label = f"{target.op} {target.direction:3s} {target.precision:5s} {arch:7s} {target.mode}"
+        before = _dumped(dump_dir)
+        t0 = time.time()
+        try:
+            with FakeTensorMode():
+                target.build()
+        except Exception as exc:  # a failed build is reported and counted, the others still run
+            failures += 1
+            print(f"{label}: BUILD FAILED {type(exc).__name__}: {str(exc)[:300]}", file=out, flush=True)
+            traceback.print_exc(limit=3, file=sys.stderr)
+            continue
+        # new files, and files rewritten by a build whose dump name equals an earlier build's
+        new = sorted(f for f, stamp in _dumped(dump_dir).items() if f.endswith(".ptx") and before.get(f) != stamp)
+        reports = []
+        for f in new:
+            with open(os.path.join(dump_dir, f)) as fh:
+                reports.append(KernelReport(target, _kernel_name(f), *mma_counts(fh.read())))
+        for r in reports:
+            counts = (f"wgmma={r.wgmma}" if arch == "sm_90a"
+                      else f"tcgen05.mma={r.tcgen05} block_scaled={r.block_scaled}")
+            print(f"{label} {r.kernel}: {counts}", file=out, flush=True)
+        print(f"{label}: built in {time.time() - t0:.1f} s", file=out, flush=True)
+        if (target.precision == "mxfp8" and target.needs_mma and arch == "sm_100a"
+                and not any(r.block_scaled for r in reports)):
+            failures += 1
+            print(f"{label}: FAILED no block-scaled tcgen05.mma in its PTX", file=out, flush=True)
+    for note in MISSING.get(arch, []):
+        print(f"not built: {note}", file=out, flush=True)
+    print(f"compile_check {arch}: {len(targets) - failures} passed, {failures} failed", file=out, flush=True)
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="sm_90a", choices=ARCHES)
+    ap.add_argument("--dump-dir", default=None, help="keep each kernel's PTX here (default: a temporary dir)")
+    ap.add_argument("--op", action="append", default=None, help="build only this op's kernels (repeatable)")
+    args = ap.parse_args(argv)
+    ops = tuple(args.op) if args.op else None
+    if args.dump_dir is not None:
+        return run(args.arch, args.dump_dir, ops=ops)
+    with tempfile.TemporaryDirectory() as d:
+        return run(args.arch, d, ops=ops)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""RMSNorm (+ MX cast) kernels by toolchain; the public ops stay in `gem_lp.norm_gemm` (`rms_norm_quantize`) and
+`gem_lp.mx` (`quantize_dual`), which dispatch here for `backend="cute"`."""

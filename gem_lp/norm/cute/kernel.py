@@ -1,0 +1,356 @@
+"""RMSNorm + both MX casts (or the dual MX cast alone) of `x [M, K]` in one CuTe DSL kernel, x read once.
+
+One CTA owns a 32-row block (one colwise MX block) and `tile_k` columns; a cluster of `cluster_n` CTAs along K covers
+rows wider than one CTA holds, and shares the rows' partial sums of squares through distributed shared memory.
+
+1. The CTA copies its x tile into shared memory with 16-byte `cp.async` (quack's `copy_utils`); rows past M and
+   columns past K are zero-filled instead, so they add nothing to the sums of squares.
+2. Each thread owns one strip of 8 rows x 8 columns; in a warp, lanes `kq + 4 kh + 8 mq` cover 32 rows (mq: 8-row
+   strips) x 64 columns (kh: 32-column MX blocks, kq: 8 columns of a block), and a quarter warp reads 128 contiguous
+   bytes of one row (no bank conflicts). Warps follow each other along K.
+3. RMSNorm: per-row sums of squares over the strip, summed over the 8 lanes of a row (quack's `warp_reduce`), over the
+   warps (shared memory) and over the cluster (`st.async` into every peer, quack's `store_shared_remote`), each step
+   in a fixed order, so every CTA of a cluster holds the same sum; then `rstd = 1 / sqrt(sum / K + eps)` correctly
+   rounded, and `y = (fp32(x) * rstd) * fp32(w)` in the reference's operation order.
+4. Both casts from the strip in registers: rowwise block maxima over 8 columns then over the 4 lanes of a block
+   (shuffles), colwise maxima over 8 rows then over the 4 strips of the 32 rows (shuffles). Maxima keep NaN
+   (`max.NaN.xorsign.abs`). Rowwise payload: 8 bytes per row of the strip; colwise payload (`y^T [K, M]`, rows
+   `col_stride` bytes apart, a multiple of 16): 8 bytes per column (the strip's 8 rows are consecutive in `y^T`).
+5. Scales go straight to their layout (plain, or the 128x4 blocked layout including its zero padding: the grid
+   rounds the row blocks up to 128 rows, and CTAs past M write only padding), so no output needs a fill launch.
+
+The bytes equal `gem_lp.mx.reference`'s for the same FP32 y; rstd equals the reference's whenever the FP32 sum of
+squares is exact (the summation order differs from torch's otherwise).
+"""
+from __future__ import annotations
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+import quack.copy_utils as copy_utils
+import quack.utils as quack_utils
+from quack.reduce import warp_reduce
+from quack.reduction_base import ReductionBase
+
+from ...mx.cute_device import (abs_max_nan, div_rn, inv_scale, payload_word, rstd_of, scale_byte, store_u8,
+                               store_v2_u32)
+
+BLOCK = 32
+STRIP_ROWS = 8
+STRIP_COLS = 8
+
+
+class NormMXCast(ReductionBase):
+    """The kernel for one configuration (all compile-time): x dtype, K, the CTA's `tile_k` columns, `cluster_n`
+    CTAs along K, and what it computes (`normalize`: RMSNorm, else y = x; `rceil` or floor scales; `blocked` or
+    plain scale layouts). `tile_k` is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
+
+    def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool):
+        super().__init__(dtype, K, stage=1)
+        assert K % BLOCK == 0 and tile_k % 128 == 0 and cluster_n * tile_k >= K > (cluster_n - 1) * tile_k
+        self.K, self.tile_k, self.cluster_n_cfg = K, tile_k, cluster_n
+        self.normalize, self.rceil, self.blocked = normalize, rceil, blocked
+        self.num_warps = tile_k // 64
+        self.num_threads = 32 * self.num_warps
+        self.vec = 128 // dtype.width  # elements of one 16-byte copy
+        self.k_blocks = K // BLOCK
+        # the blocked row-scale matrix [M, K/32] has ceil(K/128) tiles of 4 columns
+        self.row_scale_tiles = (self.k_blocks + 3) // 4
+        self.k_pad128 = (K + 127) // 128 * 128
+        self.even_k = cluster_n * tile_k == K
+
+    def _threads_per_row(self):
+        return self.tile_k // self.vec
+
+    def _num_threads(self):
+        return self.num_threads
+
+    def _set_cluster_n(self):
+        self.cluster_n = self.cluster_n_cfg
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor, mRowS: cute.Tensor,
+                 mColQ: cute.Tensor, mColS: cute.Tensor, mRstd: cute.Tensor | None, col_stride: Int32,
+                 eps: Float32, stream: cuda.CUstream):
+        self._set_cluster_n()
+        M = mX.shape[0]
+        row_blocks = cute.ceil_div(M, BLOCK)
+        if const_expr(self.blocked):  # padding rows of the blocked layouts up to a multiple of 128
+            row_blocks = cute.ceil_div(M, 128) * 4
+        tiled_copy = copy_utils.tiled_copy_2d(self.dtype, self._threads_per_row(), self.num_threads, self.vec,
+                                              is_async=True)
+        self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy).launch(
+            grid=[row_blocks, self.cluster_n, 1], block=[self.num_threads, 1, 1],
+            cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1 and self.normalize) else None,
+            stream=stream)
+
+    # ------------------------------------------------------------------ addresses
+
+    @cute.jit
+    def _row_scale_offset(self, r: Int32, c: Int32) -> Int64:
+        """Byte offset of the row scale (row r, 32-column block c)."""
+        if const_expr(self.blocked):
+            return _blocked_offset(r, c, Int32(self.row_scale_tiles))
+        return Int64(r) * self.k_blocks + Int64(c)
+
+    @cute.jit
+    def _col_scale_offset(self, k: Int32, c: Int32, col_blocks: Int32) -> Int64:
+        """Byte offset of the colwise scale (column k of x, 32-row block c) in `[K, col_blocks]`."""
+        if const_expr(self.blocked):
+            return _blocked_offset(k, c, (col_blocks + 3) // 4)
+        return Int64(k) * Int64(col_blocks) + Int64(c)
+
+    # ------------------------------------------------------------------ kernel
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor, mRowS: cute.Tensor,
+               mColQ: cute.Tensor, mColS: cute.Tensor, mRstd: cute.Tensor | None, col_stride: Int32,
+               eps: Float32, tiled_copy: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cta_k, _ = cute.arch.block_idx()
+        M = mX.shape[0]
+        col_blocks = cute.ceil_div(M, BLOCK)
+        m0 = bidx * BLOCK
+        k0 = cta_k * self.tile_k
+        if m0 >= M:
+            self._padding_only(mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
+        else:
+            self._row_block(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0,
+                            bidx, cta_k, col_blocks, tidx)
+
+    @cute.jit
+    def _padding_only(self, mRowS, mColS, m0, k0, bidx, col_blocks, tidx):
+        """A CTA past M (blocked layouts only): zero scale bytes of rows m0.. and of column block `bidx`."""
+        row_s = mRowS.iterator.toint()
+        col_s = mColS.iterator.toint()
+        blocks_here = self.tile_k // BLOCK
+        for it in cutlass.range_constexpr(cute.ceil_div(BLOCK * blocks_here, self.num_threads)):
+            idx = tidx + it * self.num_threads
+            r = idx // blocks_here
+            c = k0 // BLOCK + idx % blocks_here
+            if idx < BLOCK * blocks_here and c < self.row_scale_tiles * 4:
+                store_u8(row_s + self._row_scale_offset(m0 + r, c), 0, Int32(0), Int32(1))
+        for it in cutlass.range_constexpr(cute.ceil_div(self.tile_k, self.num_threads)):
+            k = k0 + tidx + it * self.num_threads
+            if k < self.k_pad128:
+                store_u8(col_s + self._col_scale_offset(k, bidx, col_blocks), 0, Int32(0), Int32(1))
+
+    @cute.jit
+    def _row_block(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx,
+                   cta_k, col_blocks, tidx):
+        K, tile_k = self.K, self.tile_k
+        smem = cutlass.utils.SmemAllocator()
+        sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((BLOCK, tile_k), order=(1, 0)),
+                                  byte_alignment=128)
+        if const_expr(self.normalize):
+            sSums = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.num_warps, BLOCK), order=(1, 0)),
+                                         byte_alignment=16)
+            sRstd = smem.allocate_tensor(Float32, cute.make_layout(BLOCK), byte_alignment=16)
+            mbar = None
+            if const_expr(self.cluster_n > 1):
+                sPeer = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.cluster_n, BLOCK), order=(1, 0)),
+                                             byte_alignment=16)
+                mbar = smem.allocate_array(Int64, num_elems=1)
+                self._initialize_cluster(tidx, mbar, self.num_warps)
+
+        # 1. x tile -> shared memory (zeros past M and past K)
+        gX = cute.local_tile(mX, (BLOCK, tile_k), (bidx, cta_k))
+        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (BLOCK, tile_k), (bidx, cta_k))
+        thr_copy = tiled_copy.get_slice(tidx)
+        tXgX = thr_copy.partition_S(gX)
+        tXsX = thr_copy.partition_D(sX)
+        tXcX = thr_copy.partition_S(cX)
+        zeros = cute.make_rmem_tensor_like(tXsX[None, 0, 0])
+        zeros.fill(0.0)
+        copy_atom = copy_utils.get_copy_atom(self.dtype, self.vec, is_async=True)
+        for i in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
+                coord = tXcX[(0, 0), i, j]
+                inside = coord[0] < M
+                if const_expr(not self.even_k):
+                    inside = inside and coord[1] < K
+                if inside:
+                    cute.copy(copy_atom, tXgX[None, i, j], tXsX[None, i, j])
+                else:
+                    cute.autovec_copy(zeros, tXsX[None, i, j])
+        cute.arch.cp_async_commit_group()
+
+        # the thread's strip: rows m0 + 8 mq + r, columns k0 + c0 + v
+        lane = tidx % 32
+        warp = tidx // 32
+        kq = lane % 4
+        kh = (lane // 4) % 2
+        mq = lane // 8
+        c0 = warp * 64 + kh * BLOCK + kq * STRIP_COLS
+        k = k0 + c0
+        k_ok = True
+        if const_expr(not self.even_k):
+            k_ok = k < K
+        w = cute.make_rmem_tensor(cute.make_layout(STRIP_COLS), Float32)
+        if const_expr(self.normalize):
+            if k_ok:
+                for v in cutlass.range_constexpr(STRIP_COLS):
+                    w[v] = mW[k + v].to(Float32)
+            else:
+                w.fill(0.0)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+
+        xs = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS)), self.dtype)
+        sXv = cute.zipped_divide(sX, (1, STRIP_COLS))  # ((1, 8), (32, tile_k / 8))
+        for r in cutlass.range_constexpr(STRIP_ROWS):
+            cute.autovec_copy(sXv[(0, None), (mq * STRIP_ROWS + r, c0 // STRIP_COLS)], xs[None, r])
+
+        # 2. RMSNorm: rstd of the strip's rows
+        rstd = cute.make_rmem_tensor(cute.make_layout(STRIP_ROWS), Float32)
+        if const_expr(self.normalize):
+            for r in cutlass.range_constexpr(STRIP_ROWS):
+                s = Float32(0.0)
+                for v in cutlass.range_constexpr(STRIP_COLS):
+                    xv = xs[v, r].to(Float32)
+                    s = s + xv * xv
+                rstd[r] = warp_reduce(s, operator.add, threads_in_group=8)
+            if lane % 8 == 0:
+                for r in cutlass.range_constexpr(STRIP_ROWS):
+                    sSums[warp, mq * STRIP_ROWS + r] = rstd[r]
+            if const_expr(self.cluster_n > 1):
+                cute.arch.cluster_wait()  # every peer's barrier is initialized
+            cute.arch.barrier()
+            if tidx < BLOCK:
+                total = Float32(0.0)
+                for wi in cutlass.range_constexpr(self.num_warps):
+                    total = total + sSums[wi, tidx]
+                if const_expr(self.cluster_n > 1):
+                    total = self._cluster_sum(total, sPeer, mbar, tidx)
+                if const_expr(K & (K - 1) == 0):
+                    mean = total * Float32(1.0 / K)
+                else:
+                    mean = div_rn(total, Float32(K))
+                row_rstd = rstd_of(mean, eps)
+                if m0 + tidx < M:
+                    if cta_k == 0:
+                        mRstd[m0 + tidx] = row_rstd
+                else:
+                    row_rstd = Float32(0.0)  # rows past M: y = 0 (x is 0 there; eps = 0 would give 0 * inf)
+                sRstd[tidx] = row_rstd
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(STRIP_ROWS):
+                rstd[r] = sRstd[mq * STRIP_ROWS + r]
+
+        # 3. y of the strip, FP32
+        y = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS)), Float32)
+        for r in cutlass.range_constexpr(STRIP_ROWS):
+            for v in cutlass.range_constexpr(STRIP_COLS):
+                if const_expr(self.normalize):
+                    y[v, r] = (xs[v, r].to(Float32) * rstd[r]) * w[v]
+                else:
+                    y[v, r] = xs[v, r].to(Float32)
+
+        # 4. block maxima: rows over the block's 4 lanes (kq), columns over the 4 strips (mq)
+        row_amax = cute.make_rmem_tensor(cute.make_layout(STRIP_ROWS), Float32)
+        col_amax = cute.make_rmem_tensor(cute.make_layout(STRIP_COLS), Float32)
+        for r in cutlass.range_constexpr(STRIP_ROWS):
+            a = abs_max_nan(y[0, r], y[1, r])
+            for v in cutlass.range_constexpr(2, STRIP_COLS):
+                a = abs_max_nan(a, y[v, r])
+            row_amax[r] = a
+        for v in cutlass.range_constexpr(STRIP_COLS):
+            a = abs_max_nan(y[v, 0], y[v, 1])
+            for r in cutlass.range_constexpr(2, STRIP_ROWS):
+                a = abs_max_nan(a, y[v, r])
+            col_amax[v] = a
+        for r in cutlass.range_constexpr(STRIP_ROWS):
+            for step in cutlass.range_constexpr(2):
+                row_amax[r] = abs_max_nan(row_amax[r], cute.arch.shuffle_sync_bfly(row_amax[r], offset=1 << step))
+        for v in cutlass.range_constexpr(STRIP_COLS):
+            for step in cutlass.range_constexpr(2):
+                col_amax[v] = abs_max_nan(col_amax[v], cute.arch.shuffle_sync_bfly(col_amax[v], offset=8 << step))
+
+        # 5. rowwise cast: 8 payload bytes per row of the strip; the block's scale byte from its first lane (kq 0).
+        # Addresses: a base per thread plus constant offsets (rows are K bytes apart; in the blocked layout the
+        # strip's 8 rows are consecutive rows of one 32-row group, 16 bytes apart).
+        strip_m = m0 + mq * STRIP_ROWS
+        valid_rows = M - strip_m  # rows r < valid_rows exist
+        cb = k >> 5
+        k_ok_i = Int32(1)
+        if const_expr(not self.even_k):
+            k_ok_i = Int32(k_ok)
+        row_q = mRowQ.iterator.toint() + Int64(strip_m) * K + Int64(k)
+        if const_expr(self.blocked):
+            row_s = mRowS.iterator.toint() + Int64(((m0 >> 7) * self.row_scale_tiles + (cb >> 2)) * 512
+                                                   + mq * STRIP_ROWS * 16 + ((m0 >> 5) & 3) * 4 + (cb & 3))
+            row_s_step = 16
+        else:
+            row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)
+            row_s_step = self.k_blocks
+        lead_k = Int32(kq == 0) * k_ok_i
+        for r in cutlass.range_constexpr(STRIP_ROWS):
+            byte = scale_byte(row_amax[r], rceil=self.rceil)
+            inv = inv_scale(byte)
+            lo = payload_word(y[0, r], y[1, r], y[2, r], y[3, r], inv, byte)
+            hi = payload_word(y[4, r], y[5, r], y[6, r], y[7, r], inv, byte)
+            row_ok = Int32(r < valid_rows) * k_ok_i
+            store_v2_u32(row_q, r * K, lo, hi, row_ok)
+            if const_expr(self.blocked):  # rows up to the 128-row padding get a byte (0 past M)
+                store_u8(row_s, r * row_s_step, byte * Int32(r < valid_rows), lead_k)
+            else:
+                store_u8(row_s, r * row_s_step, byte, row_ok * Int32(kq == 0))
+        if const_expr(self.blocked and self.k_blocks % 4 != 0):
+            # the zero columns of the last 4-column group of the row scales, by the lane of the last block
+            if cb == self.k_blocks - 1:
+                for r in cutlass.range_constexpr(STRIP_ROWS):
+                    for extra in cutlass.range_constexpr(4 - self.k_blocks % 4):
+                        store_u8(row_s, r * row_s_step + 1 + extra, Int32(0), lead_k)
+
+        # 6. colwise cast: y^T rows k + v, bytes strip_m .. + 8 (inside the 16-byte aligned row when strip_m < M);
+        # the column's scale byte from the first strip (mq 0). In the blocked layout the strip's 8 columns are
+        # consecutive rows of one 32-row group of the [K, ceil(M/32)] scale matrix, 16 bytes apart.
+        col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
+        if const_expr(self.blocked):
+            col_s = mColS.iterator.toint() + Int64(((k >> 7) * ((col_blocks + 3) >> 2) + (bidx >> 2)) * 512
+                                                   + (k & 31) * 16 + ((k >> 5) & 3) * 4 + (bidx & 3))
+        else:
+            col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)
+        strip_ok = Int32(strip_m < M) * k_ok_i
+        lead_m = Int32(mq == 0)
+        for v in cutlass.range_constexpr(STRIP_COLS):
+            byte = scale_byte(col_amax[v], rceil=self.rceil)
+            inv = inv_scale(byte)
+            lo = payload_word(y[v, 0], y[v, 1], y[v, 2], y[v, 3], inv, byte)
+            hi = payload_word(y[v, 4], y[v, 5], y[v, 6], y[v, 7], inv, byte)
+            store_v2_u32(col_q + Int64(v) * Int64(col_stride), 0, lo, hi, strip_ok)
+            if const_expr(self.blocked):
+                if const_expr(self.even_k):
+                    store_u8(col_s, v * 16, byte, lead_m)
+                else:  # columns past K up to 128 are padding rows of the colwise scale matrix: zeros
+                    store_u8(col_s, v * 16, byte * k_ok_i, lead_m * Int32(k + v < self.k_pad128))
+            else:
+                store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
+
+    @cute.jit
+    def _cluster_sum(self, partial: Float32, sPeer: cute.Tensor, mbar, tidx: Int32) -> Float32:
+        """Sum of `partial` (row `tidx` of this CTA's block) over the CTAs of the cluster, in rank order."""
+        rank = cute.arch.block_idx_in_cluster()
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.cluster_n * BLOCK * 4)
+        for peer in cutlass.range_constexpr(self.cluster_n):
+            quack_utils.store_shared_remote(partial, quack_utils.elem_pointer(sPeer, (rank, tidx)), mbar, peer)
+        cute.arch.mbarrier_wait(mbar, phase=0)
+        total = Float32(0.0)
+        for peer in cutlass.range_constexpr(self.cluster_n):
+            total = total + sPeer[peer, tidx]
+        return total
+
+
+@cute.jit
+def _blocked_offset(r: Int32, c: Int32, col_tiles: Int32) -> Int64:
+    """Offset of scale (r, c) in the 128x4 blocked layout of a matrix with `col_tiles` tiles of 4 columns."""
+    tile = Int64(r // 128) * Int64(col_tiles) + Int64(c // 4)
+    return tile * 512 + Int64((r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4)

@@ -1,0 +1,157 @@
+"""Host side of the CuTe RMSNorm + MX cast kernel: build once per configuration (M is dynamic), then launch on torch
+tensors through TVM FFI. Under `FakeTensorMode` the kernel is built and not launched (`gem_lp.compile_check`)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from flash_attn.cute.testing import is_fake_mode
+from quack.compile_utils import make_fake_tensor
+from quack.cute_dsl_utils import torch2cute_dtype_map
+
+from ...mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div
+from ...mx.layout import blocked_size
+from .config import MAX_CLUSTER, MAX_TILE_K, NormLaunch, launch_for, max_k
+from .kernel import NormMXCast
+
+# Rows of the colwise payload `y^T [K, M]` start 16 bytes apart (a GEMM's TMA wants 16-byte strides; the kernel's
+# 8-byte stores stay aligned): the same layout as the Triton kernels' colwise payload.
+COLWISE_ROW_ALIGN = 16
+
+_COMPILED: dict[tuple, object] = {}
+# (x dtype, weight dtype or None, K, rceil, blocked, arch or device) -> the build of the launch table's launch
+_DEFAULT_BUILDS: dict[tuple, object] = {}
+
+
+@dataclasses.dataclass
+class NormCastOutputs:
+    """Payloads (float8_e4m3fn) and E8M0 scale bytes (uint8) of `y [M, K]` (rowwise) and `y^T [K, M]` (colwise),
+    and rstd `[M]` (None without the norm). `col_data` is a `[K, M]` view whose rows are `colwise_row_stride(M)`
+    bytes apart. Scales are flat 128x4 blocked layouts, or plain `[M, K/32]` / `[K, ceil(M/32)]` matrices."""
+
+    row_data: torch.Tensor
+    row_scale: torch.Tensor
+    col_data: torch.Tensor
+    col_scale: torch.Tensor
+    rstd: torch.Tensor | None
+
+
+def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized output buffer (the kernel writes every byte; tests fill these with garbage to check that)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def colwise_row_stride(M: int) -> int:
+    return max(1, ceil_div(M, COLWISE_ROW_ALIGN)) * COLWISE_ROW_ALIGN
+
+
+def device_arch(device: torch.device) -> str:
+    return _arch_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}a"
+
+
+def unsupported(x: torch.Tensor) -> str | None:
+    """Why the kernel cannot take `x [M, K]` (None when it can)."""
+    K = x.shape[-1]
+    if K % BLOCK:
+        return f"K={K} is not a multiple of {BLOCK}"
+    if K > max_k():
+        return f"K={K} is above the kernel's {max_k()}"
+    return None
+
+
+def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: bool, blocked: bool):
+    key = (dtype, w_dtype, K, launch, normalize, rceil, blocked)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        vec = 128 // dtype.width
+        m = cute.sym_int()
+        x = make_fake_tensor(dtype, (m, K), divisibility=vec)
+        w = make_fake_tensor(w_dtype, (K,), divisibility=1) if normalize else None
+        flat = [make_fake_tensor(cutlass.Uint8, (cute.sym_int(),), divisibility=16) for _ in range(4)]
+        rstd = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), divisibility=1) if normalize else None
+        kernel = NormMXCast(dtype, K, launch.tile_k, launch.cluster_n, normalize, rceil, blocked)
+        fn = _COMPILED[key] = cute.compile(
+            kernel, x, w, *flat, rstd, cutlass.Int32(16), cutlass.Float32(0.0),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+    return fn
+
+
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its rows start at 16-byte aligned addresses with a contiguous last dim (what the kernel's
+    16-byte `cp.async` copies need), else a contiguous copy."""
+    if is_fake_mode():  # a build: the layout is the compiled one (16-byte aligned rows)
+        return x
+    rows_aligned = x.shape[0] <= 1 or (x.stride(0) * x.element_size()) % 16 == 0
+    if x.stride(1) == 1 and rows_aligned and x.data_ptr() % 16 == 0:
+        return x
+    return x.contiguous()
+
+
+def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str = "rceil",
+                 blocked_scales: bool = True, arch: str | None = None,
+                 launch: NormLaunch | None = None) -> NormCastOutputs:
+    """RMSNorm of `x [M, K]` (or x itself when `weight` is None) cast to MXFP8 rowwise and colwise, one launch.
+
+    Args:
+        x: `[M, K]` float32/bfloat16/float16, K a multiple of 32 (at most `config.max_k()`), any M >= 0.
+        weight: `[K]` norm weight (any float dtype), or None for the dual cast of x.
+        eps: added to the mean of squares (FP32).
+        scaling: "rceil" or "floor".
+        blocked_scales: scales in the 128x4 blocked layout (with its zero padding) instead of plain matrices.
+        arch: the build's target (default: the device's); for builds without a GPU.
+        launch: another launch than the table's (`config.NormLaunch`; benchmarks compare them). The bytes written do
+            not depend on it.
+    """
+    M, K = x.shape
+    dev = x.device
+    x = _aligned_rows(x)
+    normalize = weight is not None
+    if normalize:
+        weight = weight.contiguous()
+    k_blocks, m_blocks = K // BLOCK, ceil_div(M, BLOCK)
+    row_data = _new_buffer((M, K), PAYLOAD_DTYPE, dev)
+    stride = colwise_row_stride(M)
+    col_buf = _new_buffer((K * stride,), PAYLOAD_DTYPE, dev)
+    col_data = col_buf.as_strided((K, M), (stride, 1))
+    if blocked_scales:
+        row_scale = _new_buffer((blocked_size(M, k_blocks),), SCALE_DTYPE, dev)
+        col_scale = _new_buffer((blocked_size(K, m_blocks),), SCALE_DTYPE, dev)
+    else:
+        row_scale = _new_buffer((M, k_blocks), SCALE_DTYPE, dev)
+        col_scale = _new_buffer((K, m_blocks), SCALE_DTYPE, dev)
+    rstd = _new_buffer((M,), torch.float32, dev) if normalize else None
+    out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd)
+    if M == 0:
+        return out
+    scaling_key = scaling == "rceil"
+    w_dtype = weight.dtype if normalize else None
+    if launch is None:  # the common call: one dict lookup for the built kernel (host time counts at small M)
+        key = (x.dtype, w_dtype, K, scaling_key, blocked_scales, arch or dev)
+        fn = _DEFAULT_BUILDS.get(key)
+        if fn is None:
+            fn = _DEFAULT_BUILDS[key] = _build(
+                torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K,
+                launch_for(arch or device_arch(dev), K), normalize, scaling_key, blocked_scales)
+    elif not (launch.tile_k % 128 == 0 and 0 < launch.tile_k <= MAX_TILE_K and launch.cluster_n <= MAX_CLUSTER
+              and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k):
+        raise ValueError(f"launch {launch} does not cover K={K} (tile_k a multiple of 128 up to {MAX_TILE_K}, "
+                         f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns)")
+    else:
+        fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
+                    normalize, scaling_key, blocked_scales)
+    if not is_fake_mode():
+        fn(x, weight, row_data.view(torch.uint8).view(-1), row_scale.view(-1), col_buf.view(torch.uint8),
+           col_scale.view(-1), rstd, stride, float(eps))
+    return out
+
+

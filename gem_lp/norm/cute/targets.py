@@ -1,0 +1,41 @@
+"""The RMSNorm + MX cast builds the public ops launch on the cute backend (`rms_norm_quantize`: plain scales;
+`quantize_dual` and the GEMM operand casts: blocked scales), as `gem_lp.compile_check` builds them."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ...compile_check import CompileTarget
+
+# The K of the model and of the benchmark shapes; BF16 x is the model's, FP32 / FP16 x once each.
+KS = (256, 512, 1024, 4096)
+_TOKENS = 1000  # M is dynamic in the builds
+
+
+def _build(K: int, dtype: torch.dtype, normalize: bool, blocked: bool, scaling: str, arch: str) -> None:
+    from .launch import norm_mx_cast
+
+    x = torch.empty(_TOKENS, K, dtype=dtype, device="cuda")
+    w = torch.empty(K, dtype=torch.float32, device="cuda") if normalize else None
+    norm_mx_cast(x, w, 1e-6, scaling=scaling, blocked_scales=blocked, arch=arch)
+
+
+def builds() -> list[tuple[str, int, torch.dtype, bool, bool, str]]:
+    """(mode, K, dtype, normalize, blocked scales, scaling) of every build."""
+    out = []
+    for K in KS:
+        out.append((f"rmsnorm K{K} bf16 plain", K, torch.bfloat16, True, False, "rceil"))
+        out.append((f"rmsnorm K{K} bf16 blocked", K, torch.bfloat16, True, True, "rceil"))
+        out.append((f"dual-cast K{K} bf16 blocked", K, torch.bfloat16, False, True, "rceil"))
+    out.append(("rmsnorm K1024 fp32 plain", 1024, torch.float32, True, False, "rceil"))
+    out.append(("rmsnorm K1024 fp16 plain floor", 1024, torch.float16, True, False, "floor"))
+    out.append(("dual-cast K1024 fp32 blocked", 1024, torch.float32, False, True, "rceil"))
+    out.append(("rmsnorm K96 bf16 blocked", 96, torch.bfloat16, True, True, "rceil"))  # K not a tile multiple
+    return out
+
+
+def compile_targets(arch: str) -> list[CompileTarget]:
+    return [CompileTarget("norm", "fwd", "mxfp8", mode, partial(_build, K, dtype, normalize, blocked, scaling, arch),
+                          needs_mma=False)
+            for mode, K, dtype, normalize, blocked, scaling in builds()]
