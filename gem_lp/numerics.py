@@ -1,4 +1,4 @@
-"""Accuracy figures of a low-precision result against an FP32 reference (DESIGN.md §3, "Accuracy").
+"""Accuracy figures of a low-precision result against an FP32 reference (docs/numerics.md, "Accuracy conventions").
 
 Both work on the flattened tensors in FP64 so that the figure itself adds no rounding of note.
 """

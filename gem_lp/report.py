@@ -2,8 +2,9 @@
 
 Finds every run below the directory (a directory with `metrics.json` or a Hydra `.hydra/config.yaml`),
 tabulates the final metrics, and gives the eval-NE gap of each MXFP8 run against the BF16 run whose
-composed config (`.hydra/config.yaml`) is the same in everything but `model.precision` (and `resume`):
-`100 * (NE_mxfp8 - NE_bf16) / NE_bf16`, positive = MXFP8 worse. Runs it cannot pair, and runs without
+composed config (`.hydra/config.yaml`) is the same in everything but `model.precision` (and `resume`); where
+there is none, the one BF16 run that also differs in `model.qk_rotation`, which belongs to the MXFP8 recipe
+(`gem_mxfp8` rotates q and k, `gem_bf16` does not): `100 * (NE_mxfp8 - NE_bf16) / NE_bf16`, positive = MXFP8 worse. Runs it cannot pair, and runs without
 `metrics.json` (killed, failed or still running), are listed in the report and on stderr.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 REQUIRED = ("precision", "steps", "train_loss", "eval_loss", "eval_auc", "eval_ne", "samples_per_s",
             "peak_mem_bytes", "device")
 NOT_COMPARED = ("model.precision", "resume")  # what a BF16 run and its MXFP8 partner may differ in
+# ... and, where no BF16 run equals an MXFP8 run in it, these parts of the MXFP8 recipe too
+RECIPE_KEYS = ("model.qk_rotation",)
 DEFAULT_TRAIN_LOSS_WINDOW = 50  # metrics.json's train_loss window where the run did not record it
 
 
@@ -32,9 +35,9 @@ def find_run_dirs(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def _pair_key(config: dict[str, Any]) -> str:
+def _pair_key(config: dict[str, Any], not_compared: tuple[str, ...] = NOT_COMPARED) -> str:
     config = json.loads(json.dumps(config))
-    for dotted in NOT_COMPARED:
+    for dotted in not_compared:
         *parents, leaf = dotted.split(".")
         node = config
         for name in parents:
@@ -63,20 +66,21 @@ def load_runs(root: Path) -> tuple[list[dict[str, Any]], list[str]]:
         if (hydra_dir / "overrides.yaml").is_file():
             overrides = [line[2:].strip() for line in (hydra_dir / "overrides.yaml").read_text().splitlines()
                          if line.startswith("- ")]
-        key = None
+        key = recipe_key = None
         if (hydra_dir / "config.yaml").is_file():
             from omegaconf import OmegaConf
 
-            key = _pair_key(OmegaConf.to_container(OmegaConf.load(hydra_dir / "config.yaml"), resolve=False))
-        runs.append({**metrics, "name": name, "pair_key": key, "overrides": overrides})
+            config = OmegaConf.to_container(OmegaConf.load(hydra_dir / "config.yaml"), resolve=False)
+            key, recipe_key = _pair_key(config), _pair_key(config, NOT_COMPARED + RECIPE_KEYS)
+        runs.append({**metrics, "name": name, "pair_key": key, "recipe_key": recipe_key, "overrides": overrides})
     if not runs and not without_metrics:
         raise FileNotFoundError(f"no runs below {root}; pass the directory of a `python train.py -m` sweep")
     return runs, without_metrics
 
 
 def ne_gaps(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """The relative eval-NE gap (%) of each mxfp8 run against the one bf16 run with the same pair key, and the
-    runs left unpaired, each with the reason."""
+    """The relative eval-NE gap (%) of each mxfp8 run against the one bf16 run with the same pair key (else the one
+    with the same key but for `RECIPE_KEYS`), and the runs left unpaired, each with the reason."""
     gaps, unpaired = [], []
     bf16_partnered: set[str] = set()
     for r in runs:
@@ -90,6 +94,8 @@ def ne_gaps(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict
         if r["precision"] != "mxfp8":
             continue
         partners = [b for b in runs if b["precision"] == "bf16" and b["pair_key"] == r["pair_key"]]
+        if not partners and r.get("recipe_key") is not None:
+            partners = [b for b in runs if b["precision"] == "bf16" and b.get("recipe_key") == r["recipe_key"]]
         if len(partners) != 1:
             reason = ("no BF16 run with the same config but the precision" if not partners else
                       "several BF16 runs with the same config: " + ", ".join(b["name"] for b in partners))

@@ -1,7 +1,7 @@
 """A second, independent implementation of the MX rules in pure Python (floats and struct, no torch math).
 
 It is the oracle of the oracle: `gem_lp.mx.reference` (torch) is checked against it element by element, so a
-mistake in either shows up as a mismatch. Written from DESIGN.md §3 with different means on purpose
+mistake in either shows up as a mismatch. Written from docs/numerics.md with different means on purpose
 (`math.frexp` instead of bit masks, a table search instead of a cast).
 """
 import bisect

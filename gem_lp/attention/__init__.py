@@ -1,4 +1,4 @@
-"""Jagged attention (forward and backward) in FP32, BF16 and MXFP8 (LP-FA4 recipe), see DESIGN.md §3."""
+"""Jagged attention (forward and backward) in FP32, BF16 and MXFP8 (LP-FA4 recipe), see docs/numerics.md."""
 from .interface import jagged_attention
 from .layout import CHUNK_ELEMENTS, JaggedPlan, check_offsets, make_plan
 from .naive import naive_jagged_attention

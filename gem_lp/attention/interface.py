@@ -10,6 +10,7 @@ from ..mx.formats import BLOCK
 from .layout import check_offsets, check_offsets_form, check_qkv, make_plan
 from .plan import cached_plan
 from .reference import P_QUANTS, PRECISIONS, attention_reference
+from .rotation import check_qk_rotation, rotate_qk
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> None:
     check_qkv(q, k, v)
@@ -31,7 +32,7 @@ def _checked(offsets: torch.Tensor, name: str, total: int) -> torch.Tensor:
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor | None,
                      kv_offsets: torch.Tensor | None = None, *, causal: bool = False, broadcast_q: bool = False,
                      precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
-                     p_quant: str = "const_p", return_lse: bool = False
+                     p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over jagged (variable-length) sequences, differentiable.
 
@@ -52,6 +53,10 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         softmax_scale: defaults to `1/sqrt(D)`.
         p_quant: `"const_p"` or `"dynamic"` (how `mxfp8` quantizes P).
         return_lse: also return LSE.
+        qk_rotation: None, or `"hadamard"`: q and k are multiplied by an orthonormal Walsh-Hadamard matrix over
+            the head dim (D a power of two) before any backend runs. Q K^T is unchanged in exact arithmetic and
+            outlier channels are spread over all channels, which keeps `mxfp8` accurate on them
+            (docs/numerics.md); dq and dk are rotated back by autograd.
 
     Returns:
         O `[T_out, H, D]` in q's dtype (`T_out` = Tq, or B * Lq with broadcast_q); a query with no
@@ -64,6 +69,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         raise ValueError(f"p_quant must be one of {P_QUANTS}, got {p_quant!r}")
     _check_qkv(q, k, v, precision)
     heads, dim = q.shape[1], q.shape[2]
+    check_qk_rotation(qk_rotation, dim)
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(dim)
     elif isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0:
@@ -94,6 +100,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         if offs is not None and offs.device.type != "cpu" and offs.device != q.device:
             raise ValueError(f"{name} must be on the CPU or on q's device {q.device}, got {offs.device}")
 
+    q, k = rotate_qk(q, k, qk_rotation)  # before dispatch, so that every backend gets it
     resolved = resolve_backend(backend, q, k, v, kernels=("cute",))
     if resolved == "cute":
         # bf16: FlashAttention-4 at any head dim it takes; mxfp8: the recipe's kernels at D 64 and 128 on sm_90;

@@ -1,6 +1,6 @@
 """Reference jagged attention: FP32 math with rounding exactly at each recipe's quantization points.
 
-Three recipes (DESIGN.md §3), one autograd Function that saves Q, K, V, O and LSE and recomputes P in the
+Three recipes (docs/numerics.md), one autograd Function that saves Q, K, V, O and LSE and recomputes P in the
 backward (so memory stays that of a flash kernel's inputs and outputs plus one chunk of scores):
 
 * `fp32`:  plain FP32 math (FP64 when the inputs are FP64, for gradcheck); the accuracy oracle.
@@ -16,7 +16,7 @@ backward (so memory stays that of a flash kernel's inputs and outputs plus one c
   LSE = m' ln 2 + ln(sum p) by the unrounded one.
   Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
   and LSE, Δ = rowsum(dO * O) from the quantized dO that dP uses, dS (and P for dV when `dynamic`)
-  quantized in 32x32 blocks.
+  quantized in 32x32 blocks. `MXRecipe` names these points; the error budget moves them.
 
 Every GEMM takes exactly dequantized (or 16-bit) operands and accumulates in FP32 (autocast is switched
 off inside; on CUDA keep `torch.backends.cuda.matmul.allow_tf32` off for the `fp32` oracle, the other two
@@ -25,6 +25,7 @@ recipes' operands are exact in TF32). Tensors inside a chunk are `[Bc, H, P, D]`
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -72,6 +73,79 @@ def quantize_p_forward(p: torch.Tensor, p_quant: str) -> torch.Tensor:
 def quantize_p_backward(p: torch.Tensor, p_quant: str) -> torch.Tensor:
     """P of the backward dV = P^T dO GEMM: `const_p`, or `dynamic` 32x32 blocks."""
     return const_p(p) if p_quant == "const_p" else mx_square(p)
+
+
+# ----------------------------------------------------------------------------- the mxfp8 recipe's options
+
+
+@dataclasses.dataclass(frozen=True)
+class MXRecipe:
+    """Where the reference's `mxfp8` recipe rounds to MXFP8, and in which blocks.
+
+    The defaults are the recipe of docs/numerics.md (LP-FA4's, with Δ taken from the quantized dO), the one
+    `jagged_attention` and the kernels implement. The other settings exist to measure it
+    (`gem_lp.attention.error_budget` and its tests), not as user options. The forward's snapped row max and
+    its normalization of O by the rounded P's row sum are not options: the kernels round exactly there.
+
+    Quantization points (False keeps that operand in FP32): `qk_forward` (Q, K of S = Q K^T), `v` (V of
+    O = P V and of dP = dO V^T), `p` (P of P V and of dV = P^T dO), `qk_backward` (Q, K of the backward),
+    `do` (dO), `ds` (dS of dQ and dK). Variants:
+
+    * `qk_recompute`: the backward recomputes P from its own `square` Q, K (`square`, against the forward's
+      LSE), or from the forward's `hdim` operands (`forward`: P consistent with LSE).
+    * `qk_grad_blocks`: K of dQ = dS K and Q of dK = dS^T Q in `square` blocks or in `seq` blocks (32 tokens
+      x 1 feature, along the contraction: an outlier channel keeps its scale to itself).
+    * `ds_blocks`: dS in one `square` quantization, or `rowcol`: 1x32 along kv for dQ and 32x1 along the
+      queries for dK (two quantizations, each along its GEMM's contraction).
+    * `delta`: Δ of dS = P (dP - Δ) as rowsum(dO * O) with the dequantized dO that dP uses (`o_do_q`), with
+      dO as given (`o_do`, LP-FA4's), or as rowsum(P * dP) of the backward's own operands (`p_dp`, which
+      needs a second pass over the keys in a kernel).
+    * `k_smoothing`: subtract each sequence's mean key (per head and channel) before quantizing. Softmax is
+      invariant to a per-query constant, so O is unchanged in exact arithmetic; LSE gets q.mean added back.
+    """
+
+    p_quant: str = "const_p"
+    qk_forward: bool = True
+    v: bool = True
+    p: bool = True
+    qk_backward: bool = True
+    do: bool = True
+    ds: bool = True
+    qk_recompute: str = "square"
+    qk_grad_blocks: str = "square"
+    ds_blocks: str = "square"
+    delta: str = "o_do_q"
+    k_smoothing: bool = False
+
+    def __post_init__(self):
+        choices = {"p_quant": P_QUANTS, "qk_recompute": ("square", "forward"), "qk_grad_blocks": ("square", "seq"),
+                   "ds_blocks": ("square", "rowcol"), "delta": ("o_do_q", "o_do", "p_dp")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MXRecipe.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def point(enabled: bool, quantize, x: torch.Tensor, *args) -> torch.Tensor:
+        """`quantize(x, *args)` at a quantization point that is on, x itself where it is switched off."""
+        return quantize(x, *args) if enabled else x
+
+
+def scores_forward(q: torch.Tensor, k: torch.Tensor, scale: float, recipe: MXRecipe) -> torch.Tensor:
+    """Q K^T * scale from the forward's operands (FP32 q `[..., Pq, D]`, k `[..., Pk, D]`, `hdim` blocks); the
+    forward passes fp32(softmax scale * log2 e) for its log2-domain scores, the backward the softmax scale."""
+    qd, kd = (recipe.point(recipe.qk_forward, mx_hdim, t) for t in (q, k))
+    return qd @ kd.transpose(-1, -2) * scale
+
+
+def key_mean(k: torch.Tensor, kv_valid: torch.Tensor) -> torch.Tensor:
+    """Mean over each sequence's real keys, `[Bc, H, 1, D]` (k `[Bc, H, Pk, D]` holds zeros in the padding)."""
+    count = kv_valid.sum(-1).clamp(min=1).to(k.dtype)[:, None, None, None]
+    return k.sum(-2, keepdim=True) / count
+
+
+def smooth_keys(k: torch.Tensor, mean: torch.Tensor, kv_valid: torch.Tensor) -> torch.Tensor:
+    """K - mean on the real keys; the padding stays 0 so that it never raises a block's max."""
+    return torch.where(kv_valid[:, None, :, None], k - mean, torch.zeros((), dtype=k.dtype, device=k.device))
 
 
 # ----------------------------------------------------------------------------- softmax pieces
@@ -134,8 +208,9 @@ def operand_dtype_16(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def forward_chunk(precision: str, q, k, v, mask, scale: float, p_quant: str):
-    """O (compute dtype) and LSE of one chunk; q `[Bc,H,Pq,D]`, k/v `[Bc,H,Pk,D]` in the input dtype."""
+def forward_chunk(precision: str, q, k, v, mask, scale: float, recipe: MXRecipe, kv_valid):
+    """O (compute dtype) and LSE of one chunk; q `[Bc,H,Pq,D]`, k/v `[Bc,H,Pk,D]` in the input dtype,
+    `kv_valid [Bc,Pk]` the real (not padding) keys; `recipe` applies to `mxfp8` only."""
     if precision == "fp32":
         ct = compute_dtype(q)
         q, k, v = q.to(ct), k.to(ct), v.to(ct)
@@ -146,14 +221,20 @@ def forward_chunk(precision: str, q, k, v, mask, scale: float, p_quant: str):
         q, k, v = (t.to(od).float() for t in (q, k, v))
         p, m, l = softmax_parts(q @ k.transpose(-1, -2) * scale, mask)
         return normalize(p.to(od).float() @ v, m, l)
-    qd, kd, vd = mx_hdim(q), mx_hdim(k), mx_seq(v)
+    q, k, v = q.float(), k.float(), v.float()
+    k_mean = key_mean(k, kv_valid) if recipe.k_smoothing else None
+    if k_mean is not None:
+        k = smooth_keys(k, k_mean, kv_valid)
     scale_log2 = torch.tensor(scale * LOG2E, dtype=torch.float32).item()  # the kernels' FP32 constant
-    p, m, l = snapped_softmax_parts(qd @ kd.transpose(-1, -2) * scale_log2, mask)
-    pq = quantize_p_forward(p, p_quant)
-    return normalize(pq @ vd, m, l, weight_sum=pq.sum(-1, keepdim=True))
+    p, m, l = snapped_softmax_parts(scores_forward(q, k, scale_log2, recipe), mask)
+    pq = recipe.point(recipe.p, quantize_p_forward, p, recipe.p_quant)
+    o, lse = normalize(pq @ recipe.point(recipe.v, mx_seq, v), m, l, weight_sum=pq.sum(-1, keepdim=True))
+    if k_mean is not None:  # S was computed against K - mean: add the per-query constant q.mean back to LSE
+        lse = lse + (q @ k_mean.transpose(-1, -2)).squeeze(-1) * scale
+    return o, lse
 
 
-def backward_chunk(precision: str, q, k, v, o, do, lse, dlse, mask, scale: float, p_quant: str):
+def backward_chunk(precision: str, q, k, v, o, do, lse, dlse, mask, scale: float, recipe: MXRecipe, kv_valid):
     """dQ, dK, dV (compute dtype) of one chunk; o, do in the input dtype, lse/dlse `[Bc,H,Pq]`."""
     if precision == "fp32":
         ct = compute_dtype(q)
@@ -168,11 +249,48 @@ def backward_chunk(precision: str, q, k, v, o, do, lse, dlse, mask, scale: float
         ds = grad_scores(p, do16 @ v.transpose(-1, -2), do, o, dlse).to(od).float()
         dv = p.to(od).float().transpose(-1, -2) @ do16
         return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
-    qs, ks, dos, vh = mx_square(q), mx_square(k), mx_square(do), mx_hdim(v)
-    p = probabilities(qs @ ks.transpose(-1, -2) * scale, lse, mask)
-    ds = mx_square(grad_scores(p, dos @ vh.transpose(-1, -2), dos, o, dlse))  # Δ from the dO that dP uses
-    dv = quantize_p_backward(p, p_quant).transpose(-1, -2) @ dos
-    return ds @ ks * scale, ds.transpose(-1, -2) @ qs * scale, dv
+    return mx_backward_chunk(q.float(), k.float(), v.float(), o, do.float(), lse, dlse, mask, scale, recipe, kv_valid)
+
+
+def mx_backward_chunk(q, k, v, o, do, lse, dlse, mask, scale: float, recipe: MXRecipe, kv_valid):
+    """The `mxfp8` backward of one chunk (FP32 inputs), at the rounding points `recipe` names."""
+    r = recipe
+    k_mean = key_mean(k, kv_valid) if r.k_smoothing else None
+    if k_mean is not None:
+        # the forward's LSE belongs to the original keys; P is recomputed against the smoothed ones
+        lse = lse - (q @ k_mean.transpose(-1, -2)).squeeze(-1) * scale
+        k = smooth_keys(k, k_mean, kv_valid)
+    qs, ks = (r.point(r.qk_backward, mx_square, t) for t in (q, k))
+    dos = r.point(r.do, mx_square, do)
+    s = scores_forward(q, k, scale, r) if r.qk_recompute == "forward" else qs @ ks.transpose(-1, -2) * scale
+    p = probabilities(s, lse, mask)
+    dp = dos @ r.point(r.v, mx_hdim, v).transpose(-1, -2)
+    if r.delta == "o_do":
+        ds = grad_scores(p, dp, do, o, dlse)
+    elif r.delta == "o_do_q":
+        ds = grad_scores(p, dp, dos, o, dlse)
+    else:  # Δ = rowsum(P * dP) of the backward's own operands: dS's rows then sum to 0 as the true dS's do
+        ds = grad_scores(p, dp, p, dp, dlse)
+    if r.ds_blocks == "square":
+        ds_for_dq = ds_for_dk = r.point(r.ds, mx_square, ds)
+    else:  # each GEMM's own 1-D blocks along its contraction: kv for dQ = dS K, queries for dK = dS^T Q
+        ds_for_dq, ds_for_dk = r.point(r.ds, mx_hdim, ds), r.point(r.ds, mx_seq, ds)
+    if r.qk_grad_blocks == "square":
+        k_for_dq, q_for_dk = ks, qs
+    else:  # 32 tokens x 1 feature: an outlier channel keeps its scale to itself
+        k_for_dq, q_for_dk = (r.point(r.qk_backward, mx_seq, t) for t in (k, q))
+    dv = r.point(r.p, quantize_p_backward, p, r.p_quant).transpose(-1, -2) @ dos
+    dq = ds_for_dq @ k_for_dq * scale
+    dk = ds_for_dk.transpose(-1, -2) @ q_for_dk * scale
+    if k_mean is not None:  # chain rule through K - mean(K) and through LSE's added q.mean
+        count = kv_valid.sum(-1).clamp(min=1).to(dk.dtype)[:, None, None, None]
+        valid = kv_valid[:, None, :, None]
+        dk_mean = dk.sum(-2, keepdim=True) / count
+        if dlse is not None:
+            dq = dq + dlse[..., None] * k_mean * scale
+            dk_mean = dk_mean - (dlse[..., None] * q).sum(-2, keepdim=True) * scale / count
+        dk = torch.where(valid, dk - dk_mean, torch.zeros((), dtype=dk.dtype, device=dk.device))
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- the autograd Function
@@ -186,12 +304,12 @@ class JaggedAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: JaggedPlan, causal: bool, precision: str, scale: float, p_quant: str):
+    def forward(ctx, q, k, v, plan: JaggedPlan, causal: bool, precision: str, scale: float, recipe: MXRecipe):
         with torch.autocast(q.device.type, enabled=False):  # the recipe fixes every GEMM's dtype itself
-            return JaggedAttentionFunction._forward(ctx, q, k, v, plan, causal, precision, scale, p_quant)
+            return JaggedAttentionFunction._forward(ctx, q, k, v, plan, causal, precision, scale, recipe)
 
     @staticmethod
-    def _forward(ctx, q, k, v, plan: JaggedPlan, causal: bool, precision: str, scale: float, p_quant: str):
+    def _forward(ctx, q, k, v, plan: JaggedPlan, causal: bool, precision: str, scale: float, recipe: MXRecipe):
         ct = compute_dtype(q) if precision == "fp32" else torch.float32
         heads, dim = q.shape[1], q.shape[2]
         out = q.new_zeros(plan.num_out, heads, dim)
@@ -199,11 +317,12 @@ class JaggedAttentionFunction(torch.autograd.Function):
         for chunk in plan.chunks:
             qr, kvr, outr = chunk_rows(plan, chunk, q.device)
             mask = visibility_mask(plan, chunk, qr, kvr, causal)
-            o_c, lse_c = forward_chunk(precision, qr.gather(q), kvr.gather(k), kvr.gather(v), mask, scale, p_quant)
+            o_c, lse_c = forward_chunk(precision, qr.gather(q), kvr.gather(k), kvr.gather(v), mask, scale, recipe,
+                                       kvr.valid)
             outr.scatter(out, o_c)
             outr.scatter(lse, lse_c)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.causal, ctx.precision, ctx.scale, ctx.p_quant = plan, causal, precision, scale, p_quant
+        ctx.plan, ctx.causal, ctx.precision, ctx.scale, ctx.recipe = plan, causal, precision, scale, recipe
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -228,7 +347,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             dlse_c = None if d_lse is None else outr.gather_rows(d_lse)
             dq_c, dk_c, dv_c = backward_chunk(
                 ctx.precision, qr.gather(q), kvr.gather(k), kvr.gather(v), outr.gather(out),
-                outr.gather(d_out), outr.gather_rows(lse), dlse_c, mask, ctx.scale, ctx.p_quant)
+                outr.gather(d_out), outr.gather_rows(lse), dlse_c, mask, ctx.scale, ctx.recipe, kvr.valid)
             qr.scatter(dq, dq_c, accumulate=plan.broadcast_q)
             kvr.scatter(dk, dk_c)
             kvr.scatter(dv, dv_c)
@@ -236,7 +355,15 @@ class JaggedAttentionFunction(torch.autograd.Function):
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: JaggedPlan, *,
-                        causal: bool, precision: str, scale: float, p_quant: str = "const_p"
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and LSE of jagged attention by the reference recipe (arguments already validated)."""
-    return JaggedAttentionFunction.apply(q, k, v, plan, causal, precision, scale, p_quant)
+                        causal: bool, precision: str, scale: float, p_quant: str = "const_p",
+                        recipe: MXRecipe | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of jagged attention by the reference recipe (arguments already validated).
+
+    `recipe` (mxfp8 only) overrides the LP-FA4 rounding points for measurements; its `p_quant` is then the
+    one used, and a different `p_quant` argument is an error.
+    """
+    if recipe is None:
+        recipe = MXRecipe(p_quant=p_quant)
+    elif p_quant != recipe.p_quant:
+        raise ValueError(f"p_quant={p_quant!r} disagrees with recipe.p_quant={recipe.p_quant!r}; pass one of them")
+    return JaggedAttentionFunction.apply(q, k, v, plan, causal, precision, scale, recipe)

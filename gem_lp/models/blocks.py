@@ -12,12 +12,14 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 class OpSettings:
-    """What every op of the model is told: precision recipe, backend and the P quantization mode."""
+    """What every op of the model is told: precision recipe, backend, and attention's P quantization mode and
+    Q/K rotation."""
 
-    def __init__(self, recipe: str, backend: str, p_quant: str, eps: float):
+    def __init__(self, recipe: str, backend: str, p_quant: str, eps: float, qk_rotation: str | None = None):
         self.recipe = recipe
         self.backend = backend
         self.p_quant = p_quant
+        self.qk_rotation = qk_rotation
         self.eps = eps
 
     def linear(self, in_features: int, out_features: int, bias: bool = True) -> MXLinear:
@@ -28,7 +30,8 @@ class OpSettings:
 
     def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, broadcast_q=False):
         return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
-                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant)
+                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant,
+                                qk_rotation=self.qk_rotation)
 
 
 class FeedForward(nn.Module):

@@ -10,6 +10,7 @@ import torch
 PRECISIONS = ("bf16", "mxfp8", "fp32")
 ACTIVATIONS = ("silu", "gelu", "relu")
 P_QUANTS = ("const_p", "dynamic")
+QK_ROTATIONS = (None, "hadamard")
 MX_BLOCK = 32
 
 
@@ -18,7 +19,8 @@ class GemModelConfig:
     """Sizes and numerics of `GemRanker`.
 
     `precision` is the recipe of every projection and attention op (`bf16`, `mxfp8`, or `fp32`);
-    `backend` is passed through to them unchanged. Activations between ops are bfloat16 for the
+    `backend` is passed through to them unchanged; `p_quant` and `qk_rotation` (None or `hadamard`, which
+    needs a power-of-two `head_dim`) go to every attention op. Activations between ops are bfloat16 for the
     `bf16` and `mxfp8` recipes and float32 for `fp32`; parameters are float32 (master weights).
     GEMM widths (`d_model`, `num_heads * head_dim`, hidden sizes, `embedding_dim`) must be
     multiples of 32 so that every MX block is a whole 32-element block.
@@ -27,6 +29,7 @@ class GemModelConfig:
     precision: str = "bf16"
     backend: str = "auto"
     p_quant: str = "const_p"
+    qk_rotation: str | None = None
     embedding_dim: int = 64
     d_model: int = 64
     num_heads: int = 2
@@ -49,11 +52,15 @@ class GemModelConfig:
             raise ValueError(f"model.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.p_quant not in P_QUANTS:
             raise ValueError(f"model.p_quant must be one of {P_QUANTS}, got {self.p_quant!r}")
+        if self.qk_rotation not in QK_ROTATIONS:
+            raise ValueError(f"model.qk_rotation must be null or hadamard, got {self.qk_rotation!r}")
         widths = ("embedding_dim", "d_model", "head_dim", "mlp_hidden", "dense_hidden", "head_hidden")
         for name in widths:
             v = getattr(self, name)
             if v < MX_BLOCK or v % MX_BLOCK:
                 raise ValueError(f"model.{name} must be a positive multiple of {MX_BLOCK}, got {v}")
+        if self.qk_rotation == "hadamard" and self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"model.qk_rotation=hadamard needs a power-of-two model.head_dim, got {self.head_dim}")
         counts = ("num_heads", "num_blocks", "num_summary_tokens", "num_query_tokens")
         for name in counts:
             if getattr(self, name) < 1:

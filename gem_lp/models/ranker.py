@@ -46,7 +46,7 @@ class GemRanker(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.features = features
-        ops = OpSettings(cfg.precision, cfg.backend, cfg.p_quant, cfg.norm_eps)
+        ops = OpSettings(cfg.precision, cfg.backend, cfg.p_quant, cfg.norm_eps, cfg.qk_rotation)
         e, d = cfg.embedding_dim, cfg.d_model
         names = self.embedding_tables(features)
         self.sequence_embeddings = EmbeddingCollection(

@@ -1,4 +1,4 @@
-"""MXFP8 numerics (OCP MX v1.0, E4M3 payload, E8M0 scales per 32 elements), exact by DESIGN.md §3."""
+"""MXFP8 numerics (OCP MX v1.0, E4M3 payload, E8M0 scales per 32 elements), exact by docs/numerics.md."""
 from .formats import BLOCK, E4M3_MAX, MXTensor
 from .layout import blocked_index, blocked_size, from_blocked, to_blocked
 from .ops import dequantize, quantize, quantize_dual

@@ -113,6 +113,22 @@ def test_attention_calls_are_jagged_and_broadcast(batch, monkeypatch):
     assert bq_kw["broadcast_q"] is True and bq_q[0] == 4 and torch.equal(bq_kvo, seq_offsets)
     assert t_q[0] == DATA.batch_size and torch.equal(t_qo, torch.arange(DATA.batch_size + 1))
     assert torch.equal(t_kvo, seq_offsets)
+    assert enc_kw["qk_rotation"] is bq_kw["qk_rotation"] is t_kw["qk_rotation"] is None
+
+
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
+def test_qk_rotation_reaches_every_attention(batch, monkeypatch, rotation):
+    calls = []
+    import gem_lp.models.blocks as blocks
+
+    def spy(*args, **kw):
+        calls.append(kw["qk_rotation"])
+        return jagged_attention(*args, **kw)
+
+    monkeypatch.setattr(blocks, "jagged_attention", spy)
+    logits = GemRanker(GemModelConfig(precision="mxfp8", qk_rotation=rotation, **SMALL), DATA.feature_spec())(batch)
+    logits.sum().backward()
+    assert calls == [rotation] * (SMALL["num_blocks"] + 2) and torch.isfinite(logits).all()
 
 
 def test_candidate_shares_the_item_table():
@@ -128,6 +144,8 @@ def test_candidate_shares_the_item_table():
     (dict(precision="fp8"), "precision"),
     (dict(num_heads=0), "num_heads"),
     (dict(activation="tanh"), "activation"),
+    (dict(qk_rotation="none"), "model.qk_rotation must be null or hadamard, got 'none'"),
+    (dict(qk_rotation="hadamard", head_dim=96), "qk_rotation=hadamard needs a power-of-two model.head_dim, got 96"),
 ])
 def test_config_errors(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -61,7 +61,7 @@ def test_corner_cases(case, scaling):
 
 
 def test_design_examples():
-    """The worked examples of DESIGN.md §3, spelled out."""
+    """The worked examples of docs/numerics.md (section 1), spelled out."""
     q = lambda v, s: quantize_reference(v.view(1, 32), scaling=s)  # noqa: E731
     z = q(torch.zeros(32), "rceil")
     assert z.scale.item() == 0 and _u8(z.data).eq(0).all()

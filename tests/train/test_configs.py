@@ -42,8 +42,34 @@ def test_defaults_and_precision_choice(composed):
     run = load_run_config(composed())
     assert run.model.precision == "bf16" and run.trainer.device == "cpu"
     mx = load_run_config(composed("model=gem_mxfp8")).model
-    assert mx.precision == "mxfp8"
-    assert {**vars(mx), "precision": "bf16"} == vars(run.model)  # the recipes differ in precision only
+    assert mx.precision == "mxfp8" and mx.qk_rotation == "hadamard" and run.model.qk_rotation is None
+    # the recipes differ in precision and in MXFP8's Hadamard rotation of q and k only
+    assert {**vars(mx), "precision": "bf16", "qk_rotation": None} == vars(run.model)
+
+
+@pytest.mark.parametrize("value, want", [("null", None), ("hadamard", "hadamard")])
+def test_qk_rotation_override(composed, value, want):
+    for choice in ("model=gem_bf16", "model=gem_mxfp8"):
+        assert load_run_config(composed(choice, f"model.qk_rotation={value}")).model.qk_rotation == want
+    with pytest.raises(ConfigError, match="model.qk_rotation must be null or hadamard, got 'givens'"):
+        load_run_config(composed("model.qk_rotation=givens"))
+
+
+def test_rotation_sweep_expands_into_four_valid_runs(composed):
+    """`python train.py -m model=gem_bf16,gem_mxfp8 model.qk_rotation=null,hadamard`, expanded by Hydra's own
+    sweeper and parser, composes four runs with every combination."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweep = ["model=gem_bf16,gem_mxfp8", "model.qk_rotation=null,hadamard"]
+    parsed = OverridesParser.create().parse_overrides(sweep)
+    (jobs,) = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    assert len(jobs) == 4
+    seen = set()
+    for overrides in jobs:
+        model = load_run_config(composed(*overrides)).model
+        seen.add((model.precision, model.qk_rotation))
+    assert seen == {(p, r) for p in ("bf16", "mxfp8") for r in (None, "hadamard")}
 
 
 def test_gpu_sizes_follow_the_tensor_core_tiles(composed):

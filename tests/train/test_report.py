@@ -118,6 +118,37 @@ def test_runs_without_metrics_are_listed_not_dropped(tmp_path, caplog):
     assert "0_gem_bf16: not paired" in caplog.text
 
 
+def test_gaps_pair_runs_with_equal_model_keys(tmp_path):
+    """`-m model=gem_bf16,gem_mxfp8 model.qk_rotation=null,hadamard`: each mxfp8 run against the bf16 run with
+    its qk_rotation; model.precision counts as the precision choice too."""
+    fake_run(tmp_path, "0", "bf16", 0.90, ["model=gem_bf16", "model.qk_rotation=null"])
+    fake_run(tmp_path, "1", "bf16", 0.80, ["model=gem_bf16", "model.qk_rotation=hadamard"])
+    fake_run(tmp_path, "2", "mxfp8", 0.909, ["model=gem_mxfp8", "model.qk_rotation=null"])
+    fake_run(tmp_path, "3", "mxfp8", 0.82, ["model=gem_mxfp8", "model.qk_rotation=hadamard"])
+    fake_run(tmp_path, "4", "bf16", 0.70, ["model.precision=bf16", "model.num_blocks=2"])
+    fake_run(tmp_path, "5", "mxfp8", 0.714, ["model.precision=mxfp8", "model.num_blocks=2"])
+    gaps, unpaired = ne_gaps(load_runs(tmp_path)[0])
+    gaps = {g["mxfp8"]: g for g in gaps}
+    assert {name: g["bf16"] for name, g in gaps.items()} == {"2": "0", "3": "1", "5": "4"} and not unpaired
+    assert gaps["3"]["ne_gap_pct"] == pytest.approx(2.5)
+
+
+def test_gaps_pair_the_rotated_mxfp8_recipe_with_bf16(tmp_path):
+    """`-m model=gem_bf16,gem_mxfp8`: gem_mxfp8 rotates q and k (model.qk_rotation=hadamard), gem_bf16 does not;
+    with no BF16 run of the same rotation, the MXFP8 run pairs with the one that differs in it too."""
+    def config(precision, rotation, num_blocks=1):
+        return {"model": {"precision": precision, "qk_rotation": rotation, "num_blocks": num_blocks},
+                "trainer": {"lr": 0.005}, "seed": 0, "resume": False}
+
+    fake_run(tmp_path, "0_gem_bf16", "bf16", 0.80, ["model=gem_bf16"], config=config("bf16", None))
+    fake_run(tmp_path, "1_gem_mxfp8", "mxfp8", 0.804, ["model=gem_mxfp8"], config=config("mxfp8", "hadamard"))
+    fake_run(tmp_path, "2_gem_mxfp8", "mxfp8", 0.81, ["model=gem_mxfp8"], config=config("mxfp8", "hadamard", 2))
+    gaps, unpaired = ne_gaps(load_runs(tmp_path)[0])
+    assert [(g["mxfp8"], g["bf16"]) for g in gaps] == [("1_gem_mxfp8", "0_gem_bf16")]
+    assert gaps[0]["ne_gap_pct"] == pytest.approx(0.5)
+    assert unpaired == [{"run": "2_gem_mxfp8", "reason": "no BF16 run with the same config but the precision"}]
+
+
 def test_report_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no runs below"):
         load_runs(tmp_path)
