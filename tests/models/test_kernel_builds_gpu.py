@@ -14,7 +14,7 @@ from gem_lp.train.logging_utils import KernelBuilds
 # the GPU config's layer shapes (head dim 128, widths multiples of 128), one block to keep the test short
 MODEL = dict(embedding_dim=128, d_model=256, num_heads=2, head_dim=128, num_blocks=1, mlp_hidden=512,
              dense_hidden=128, head_hidden=256)
-STEPS = 150
+STEPS = 100
 
 
 @pytest.mark.gpu
@@ -23,7 +23,7 @@ STEPS = 150
 # a trainer's batch size is fixed, so each side of it is taken once, at the first step.
 @pytest.mark.parametrize("batch_size", [40, 300])
 def test_no_kernel_builds_after_the_first_step(precision, batch_size):
-    data = SyntheticDataConfig(batch_size=batch_size, num_items=5000, history_min=0, history_max=900,
+    data = SyntheticDataConfig(batch_size=batch_size, num_items=5000, history_min=0, history_max=600,
                                history_sigma=1.0)
     teacher = PlantedTeacher(data)
     torch.manual_seed(0)
