@@ -1,6 +1,6 @@
 """Jagged attention on one GPU: ours (mxfp8, bf16) beside FlashAttention-4 and torch `varlen_attn`, and accuracy.
 
-Workloads (DESIGN.md §6; lengths lognormal, sigma 0.8, seed 0, D128):
+Workloads (lengths lognormal, sigma 0.8, seed 0, D128; `benchmarks.common.lognormal_lengths`):
   A        32 sequences, mean 1024, in [32, 4096], H16
   B        4096 sequences, mean 200, in [1, 4096], H4 (short histories)
   long     8 sequences, mean 8192, in [4096, 16384], H16

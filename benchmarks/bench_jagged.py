@@ -1,6 +1,6 @@
 """Jagged MXFP8 quantization on the GPU: our one-launch zero-gather kernel against the padded path.
 
-Workloads (DESIGN.md §6): A = 32 sequences, lognormal mean 1024 (lo 32, hi 4096), H16 D128 (32088 tokens,
+Workloads (as in `benchmarks.bench_attention`): A = 32 sequences, lognormal mean 1024 (lo 32, hi 4096), H16 D128 (32088 tokens,
 max 3274); B = 4096 sequences, mean 200 (lo 1, hi 4096), H4 D128. bf16 values, rceil.
 
 Rows per workload:

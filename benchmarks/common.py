@@ -21,7 +21,8 @@ import torch
 
 def lognormal_lengths(batch: int, mean: float, *, seed: int = 0, lo: int = 1, hi: int = 4096,
                       sigma: float = 0.8) -> torch.Tensor:
-    """Sequence lengths drawn as in DESIGN.md §6 (same generator, seed and clamp as the anchors)."""
+    """Sequence lengths of the benchmark workloads: lognormal with mean `mean` and log-std `sigma`, rounded and
+    clamped to [lo, hi], from a generator seeded with `seed` (so every script and peer sees the same batch)."""
     g = torch.Generator().manual_seed(seed)
     mu = math.log(mean) - 0.5 * sigma**2
     return torch.exp(torch.randn(batch, generator=g) * sigma + mu).round().clamp(lo, hi).long()

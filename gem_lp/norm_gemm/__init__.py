@@ -1,4 +1,4 @@
-"""RMSNorm(+MX quantize), the MXFP8 linear recipe and their modules (DESIGN.md §1.4)."""
+"""RMSNorm(+MX quantize), the MXFP8 linear recipe and their modules (recipe: docs/numerics.md)."""
 from .modules import RECIPES, MXLinear, RMSNorm, RMSNormMXLinear
 from .ops import mx_linear, rms_norm, rms_norm_mx_linear, rms_norm_quantize
 from .reference import RMSNormQuantized

@@ -1,5 +1,5 @@
 """GPU checks: the compiled kernel (hardware E4M3 cast) byte for byte against the reference, on the
-DESIGN.md §6 jagged workload and on the mixed batch with outliers and non-finite values."""
+benchmarks' jagged workload A and on the mixed batch with outliers and non-finite values."""
 import importlib.util
 import pathlib
 import warnings
@@ -28,7 +28,7 @@ def assert_same_bytes(ours, ref):
 
 
 def _benchmark_common():
-    """benchmarks/common.py (the §6 length generator), loaded by path: `benchmarks` is not installed."""
+    """benchmarks/common.py (the workloads' length generator), loaded by path: `benchmarks` is not installed."""
     path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
     spec = importlib.util.spec_from_file_location("bench_common", path)
     module = importlib.util.module_from_spec(spec)
