@@ -69,6 +69,8 @@ def test_compile_targets_list():
     assert all(f"K{K} N{N} bf16" in modes for K, N in SHAPES)
     assert "K1024 N3072 bf16 bias" in modes and "K1024 N3072 fp32" in modes
     assert len(modes) == len(set(modes)) == len(SHAPES) + 2
+    t100 = compile_targets("sm_100a")
+    assert len(t100) == 1 and t100[0].precision == "mxfp8" and t100[0].needs_mma and "block-scaled" in t100[0].mode
     from gem_lp import compile_check
 
     assert "gem_lp.gemm.cute.targets" in compile_check.TARGET_MODULES

@@ -43,10 +43,12 @@ decode hides under the WGMMAs (about 20 instructions per thread per k16 block an
 and whether `mul.rn.bf16x2` keeps BF16 subnormals on the H200 (scale byte 0 is the subnormal 2^-127; the tests'
 byte-0 rows check it).
 
-sm_100 (no build here yet): Blackwell has the block-scaled MMA (`tcgen05.mma ... kind::mxf8f6f4.block_scale`), so its
-MX GEMM is quack's `GemmSm100` with MXFP8 A and B and scale factors in the same blocked layout (`quack/blockscaled`),
-with no transform. It takes an MX B (the weight's MX cast, not its BF16 form), so it is a different function, not an
-arch entry of `mx_gemm_sm90`; `targets.compile_targets("sm_100a")` lists no build until it is written.
+sm_100 (compiled, not launched): Blackwell has the block-scaled MMA, so its MX GEMM is quack's own `GemmDefaultSm100`
+with MXFP8 A and B and E8M0 scale factors per 32 k (`quack/blockscaled`; the same 512-byte 128x4 tiles as
+`to_blocked`), no transform. `launch.build_sm100_mxfp8` builds it (2-CTA 256x256 tile) and `compile_check --arch
+sm_100a --op gemm` checks that its PTX issues `tcgen05.mma.cta_group::2.kind::mxf8f6f4.block_scale.block32`. It takes
+an MX B (the weight's MX cast rather than its BF16 form), so its public launch will be its own function; none is
+written yet (scale-factor tensor view `(rm, rk, 32, 4, 4)` of the blocked bytes, and the run, are unverified).
 """
 from .launch import GemmLaunch, mx_gemm_sm90
 

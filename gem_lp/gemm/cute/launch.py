@@ -191,6 +191,37 @@ def mx_gemm_sm90(a_payload: torch.Tensor, a_scale: torch.Tensor, b_bf16: torch.T
                                                 (1, SCALE_TILE_WORDS * col_tiles, SCALE_TILE_WORDS))
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     epi = GemmDefaultSm90.EpilogueArguments(mRowVecBroadcast=bias32)
-    sched = make_scheduler_args(_max_active_clusters(launch.cluster_n, dev.index or 0), 8, None)
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    sched = make_scheduler_args(_max_active_clusters(launch.cluster_n, index), 8, None)
     fn(TransformAOperand(a_view, s_view), b, y, None, epi, sched, None, None, None)
     return y
+
+
+# ---- sm_100: quack's block-scaled GEMM (compiled, not launched yet) ---------------------------------------------------
+
+# 2-CTA tcgen05 tile 256x256 (cluster 2x1), MXFP8 A and B with E8M0 scales per 32 k in the blocked layout.
+SM100_TILE_MN, SM100_CLUSTER = (256, 256), (2, 1, 1)
+
+
+def build_sm100_mxfp8(out_dtype: torch.dtype = torch.bfloat16):
+    """Build (never launch) quack's `GemmDefaultSm100` for `Y = deq(A) deq(B)^T`, A `[M, K]` and B `[N, K]` MXFP8
+    (K-major) with blocked E8M0 scale factors, M, N, K dynamic: the sm_100 MX GEMM, whose MMA is the block-scaled
+    `tcgen05.mma ... kind::mxf8f6f4.block_scale`. No public launch uses it yet (module `gem_lp.gemm.cute` docstring)."""
+    key = ("sm100", out_dtype)
+    fn = _COMPILED.get(key)
+    if fn is not None:
+        return fn
+    import cutlass
+    from quack.gemm_default_epi import GemmDefaultSm100
+    from quack.gemm_tvm_ffi_utils import (compile_gemm_kernel, make_fake_gemm_tensors, make_fake_scheduler_args,
+                                          make_fake_sf_tensor)
+
+    d_dtype = cutlass.BFloat16 if out_dtype == torch.bfloat16 else cutlass.Float32
+    mA, mB, mD, mC, _, _, _, l = make_fake_gemm_tensors(
+        cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, d_dtype, None, "k", "k", "n", None, batched=False)
+    sfa, sfb = (make_fake_sf_tensor(cutlass.Float8E8M0FNU, None) for _ in range(2))
+    fn = _COMPILED[key] = compile_gemm_kernel(
+        GemmDefaultSm100, cutlass.Float8E4M3FN, SM100_TILE_MN, SM100_CLUSTER, False, True, False, False, (10, 0),
+        mA, mB, mD, mC, GemmDefaultSm100.EpilogueArguments(), make_fake_scheduler_args(False, False, l), None,
+        mSFA=sfa, mSFB=sfb, sf_vec_size=32)
+    return fn

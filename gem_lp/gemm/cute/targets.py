@@ -1,4 +1,5 @@
-"""The MX GEMM builds, as `gem_lp.compile_check` builds them (the model's linear shapes)."""
+"""The MX GEMM builds, as `gem_lp.compile_check` builds them: sm_90a at the model's linear shapes, sm_100a quack's
+block-scaled MXFP8 GEMM."""
 from __future__ import annotations
 
 from functools import partial
@@ -30,8 +31,17 @@ def builds() -> list[tuple[str, int, int, torch.dtype, bool]]:
     return out
 
 
+def _sm100(out_dtype: torch.dtype) -> None:
+    from .launch import build_sm100_mxfp8
+
+    build_sm100_mxfp8(out_dtype)
+
+
 def compile_targets(arch: str) -> list[CompileTarget]:
-    if arch != "sm_90a":
-        return []
+    """sm_90a: `mx_gemm_sm90` at the model shapes (N and K static, M dynamic); sm_100a: quack's block-scaled MXFP8
+    GEMM (M, N, K dynamic), built only (no public launch yet)."""
+    if arch == "sm_100a":
+        return [CompileTarget("gemm", "fwd", "mxfp8", f"quack block-scaled mxfp8 {name} (build only)",
+                              partial(_sm100, dt)) for name, dt in (("bf16", torch.bfloat16),)]
     return [CompileTarget("gemm", "fwd", "mxfp8", mode, partial(_sm90, K, N, dt, bias))
             for mode, K, N, dt, bias in builds()]
