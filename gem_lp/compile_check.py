@@ -1,12 +1,13 @@
 """Build every CuTe kernel the public API can launch, for one GPU architecture, on a machine without a GPU.
 
-    python -m gem_lp.compile_check --arch sm_90a|sm_100a [--dump-dir DIR] [--op attention|norm ...]
+    python -m gem_lp.compile_check --arch sm_90a|sm_100a [--dump-dir DIR] [--op attention|norm|gemm ...]
 
 Kernels are built under `FakeTensorMode` (fake CUDA tensors; nothing is launched) with the architecture set
 through the CuTe DSL's and FlashAttention-4's environment. Each build keeps its PTX; one line per kernel gives the
 op and direction, the precision, the arch, the build's mode and the MMA instructions in the PTX: `wgmma` for
 sm_90a; `tcgen05.mma` and how many of them are block-scaled for sm_100a. Exit status 1 when a build fails or an
-mxfp8 GEMM or attention build for sm_100a has no block-scaled MMA (casts and norms have no MMA). Kernel packages list their builds in a `compile_targets(arch)`
+mxfp8 GEMM or attention build for sm_100a has no block-scaled MMA, or a GEMM or attention build for sm_90a has no
+wgmma (casts and norms have no MMA). Kernel packages list their builds in a `compile_targets(arch)`
 function (see `TARGET_MODULES`).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable
 ARCHES = ("sm_90a", "sm_100a")
 # SM count the builds are specialized for (H200 / B200); FA4's schedulers read it from the driver otherwise.
 NUM_SMS = {"sm_90a": 132, "sm_100a": 148}
-TARGET_MODULES = ("gem_lp.attention.cute.targets", "gem_lp.norm.cute.targets")
+TARGET_MODULES = ("gem_lp.attention.cute.targets", "gem_lp.norm.cute.targets", "gem_lp.gemm.cute.targets")
 # What the API runs without a CuTe kernel on an arch, said on every run for that arch.
 MISSING = {"sm_100a": ["attention fwd/bwd mxfp8: no sm_100a kernel yet (the API runs the reference recipe there)"]}
 
@@ -121,6 +122,9 @@ def run(arch: str, dump_dir: str, out=sys.stdout, ops: tuple[str, ...] | None = 
                 and not any(r.block_scaled for r in reports)):
             failures += 1
             print(f"{label}: FAILED no block-scaled tcgen05.mma in its PTX", file=out, flush=True)
+        if target.needs_mma and arch == "sm_90a" and not any(r.wgmma for r in reports):
+            failures += 1
+            print(f"{label}: FAILED no wgmma in its PTX", file=out, flush=True)
     for note in MISSING.get(arch, []):
         print(f"not built: {note}", file=out, flush=True)
     print(f"compile_check {arch}: {len(targets) - failures} passed, {failures} failed", file=out, flush=True)
