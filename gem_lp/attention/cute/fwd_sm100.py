@@ -30,7 +30,6 @@ the MMA warp, on the MMA issue path; a TMA load of the scales in the load warp i
 from __future__ import annotations
 
 import types
-from functools import partial
 
 import cutlass
 import cutlass.cute as cute
