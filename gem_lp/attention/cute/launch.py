@@ -7,6 +7,7 @@ not launched, which is how `gem_lp.compile_check` builds them on a machine witho
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,7 @@ from flash_attn.cute.testing import is_fake_mode
 from flash_attn.cute.utils import AuxData
 
 from .bwd_sm90 import MXAttentionBackwardSm90
-from .config import SM90_BWD, SM90_FWD, FwdTiles
+from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_FWD, FwdTiles
 from .fwd_sm90 import MXAttentionForwardSm90
 
 _COMPILED: dict[tuple, object] = {}
@@ -49,17 +50,73 @@ def _seq_tensor(t: torch.Tensor | None):
     return None if t is None else to_cute_tensor(t, assumed_align=4, leading_dim=0)
 
 
-def _check_arch(arch: str) -> None:
-    if arch != "sm_90a":
-        raise NotImplementedError(f"the MXFP8 attention kernels are built for sm_90a; {arch} has none yet")
+_ARCHES = {"sm_90a": 9, "sm_100a": 10}
+
+
+def _check_arch(arch: str, direction: str = "fwd", p_quant: str | None = None) -> int:
+    """The compute-capability major of `arch` when it has an MXFP8 kernel for `direction` (and `p_quant`)."""
+    majors = MX_FWD_ARCH_MAJORS if direction == "fwd" else MX_BWD_ARCH_MAJORS
+    major = _ARCHES.get(arch)
+    if major not in majors:
+        built = ", ".join(a for a, m in _ARCHES.items() if m in majors)
+        raise NotImplementedError(f"the MXFP8 attention {direction} kernels are built for {built}; {arch} has none")
+    if p_quant is not None and p_quant not in MX_P_QUANTS[major]:
+        raise NotImplementedError(f"the {arch} MXFP8 attention {direction} kernel has p_quant in "
+                                  f"{MX_P_QUANTS[major]}, got {p_quant!r}")
+    return major
+
+
+@dataclass(frozen=True)
+class MXScales:
+    """The block scales of the sm_100a forward's operands, in the per-sequence 128-padded blocked layout of
+    `gem_lp.jagged.quantize_jagged` (docs/jagged.md): `q`, `k` the `hdim` scales `[H, blocked bytes]` uint8 of Q
+    and K, `v` V's `seq` scales; `q_tiles`, `k_tiles` int32 `[B+1]` on the device: each sequence's first 128-row
+    scale tile (the layout's `scale_offsets // 128`) for the query and the key sequences."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_tiles: torch.Tensor
+    k_tiles: torch.Tensor
+
+
+def check_sm100_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: MXScales | None,
+                         cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
+    """Shapes and dtypes of the sm_100a forward's operands (raises ValueError)."""
+    if scales is None:
+        raise ValueError("the sm_100a MXFP8 forward takes E4M3 payloads and their block scales: pass scales=MXScales")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
+            raise ValueError(f"{name} must be a [T, H, D] float8_e4m3fn payload, got {t.dtype} {tuple(t.shape)}")
+    heads, dim = q.shape[1], q.shape[2]
+    if dim not in SM100_FWD:
+        raise ValueError(f"the sm_100a MXFP8 forward takes head dims {tuple(SM100_FWD)}, got {dim}")
+    if k.shape[1:] != q.shape[1:] or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: heads and head dims differ")
+    for name, sf, tokens in (("q", scales.q, q.shape[0]), ("k", scales.k, k.shape[0]), ("v", scales.v, k.shape[0])):
+        if sf.dtype != torch.uint8 or sf.dim() != 2 or sf.shape[0] != heads or sf.shape[1] % 512:
+            raise ValueError(f"scales.{name} must be [H={heads}, n * 512] uint8 (blocked), got {sf.dtype} "
+                             f"{tuple(sf.shape)}")
+        if sf.shape[1] < (tokens + 127) // 128 * 512:
+            raise ValueError(f"scales.{name} has {sf.shape[1]} bytes per head, fewer than {tokens} tokens need")
+        if not sf.is_contiguous():
+            raise ValueError(f"scales.{name} must be contiguous")
+    for name, tiles, cu in (("q_tiles", scales.q_tiles, cu_q), ("k_tiles", scales.k_tiles, cu_k)):
+        if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
+            raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
+                             f"{tuple(tiles.shape)}")
 
 
 def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-               *, causal: bool, scale: float, p_quant: str, arch: str, tiles: FwdTiles | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O `[Tq, H, D]` BF16 and LSE `[H, Tq]` of the MXFP8 recipe on MX-exact BF16 operands (`fwd_sm90`);
-    `tiles` overrides the launch table (for measurements)."""
-    _check_arch(arch)
+               *, causal: bool, scale: float, p_quant: str, arch: str, tiles: FwdTiles | None = None,
+               scales: MXScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O `[Tq, H, D]` BF16 and LSE `[H, Tq]` of the MXFP8 recipe.
+
+    sm_90a (`fwd_sm90`): q, k, v are MX-exact BF16 operands (the producer pass); `tiles` overrides the launch
+    table (for measurements). sm_100a (`fwd_sm100`, const_p; compiled, never run here): q, k, v are the E4M3
+    payloads and `scales` their block scales."""
+    if _check_arch(arch, "fwd", p_quant) == 10:
+        return _mx_forward_sm100(q, k, v, scales, cu_q, cu_k, causal=causal, scale=scale)
     tq, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(heads, tq, dtype=torch.float32, device=q.device)
@@ -91,12 +148,12 @@ def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
                 lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
                 cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str, arch: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (BF16) of the MXFP8 recipe (`bwd_sm90`).
+    """dQ, dK, dV (BF16) of the MXFP8 recipe (`bwd_sm90`; sm_90a only).
 
     q, k, do: the `square`-quantized operands; v: `hdim`; all MX-exact BF16. `out`, `do` and `dlse` make
     Δ = rowsum(dO ⊙ O) - dLSE (the recipe takes the quantized dO that dP uses); `lse` `[H, Tq]` from the forward.
     """
-    _check_arch(arch)
+    _check_arch(arch, "bwd", p_quant)
     tq, heads, dim = q.shape
     tk = k.shape[0]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -134,3 +191,39 @@ def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
                                  tiles.atom_layout_m_dq, tiles.dq_swap_ab, cu_total_m_blocks=cu_tiles_q,
                                  fake_mode=fake, hdim_multiple_of=32)
     return dq, dk, dv
+
+
+def _mx_forward_sm100(q, k, v, scales: MXScales | None, cu_q, cu_k, *, causal: bool, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mx_forward` on sm_100a: `MXAttentionForwardSm100` on E4M3 payloads and blocked scales."""
+    from .fwd_sm100 import MXAttentionForwardSm100
+
+    check_sm100_operands(q, k, v, scales, cu_q, cu_k)
+    tq, heads, dim = q.shape
+    out = torch.empty(tq, heads, dim, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(heads, tq, dtype=torch.float32, device=q.device)
+    if tq == 0 or k.shape[0] == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    tiles = SM100_FWD[dim]
+    cu_tiles = _cu_tiles(cu_q, tiles.tile_m * tiles.q_stage)
+    # the kernel reads the scales as 32-bit words (16 bytes per lane of the MMA warp)
+    sf = [t.view(torch.int32) for t in (scales.q, scales.k, scales.v)]
+    key = ("mx fwd sm100", dim, causal, tiles, cu_tiles is not None)
+
+    def make():
+        kernel = MXAttentionForwardSm100(dim, is_causal=causal, tile_m=tiles.tile_m, tile_n=tiles.tile_n,
+                                         q_stage=tiles.q_stage)
+        return cute.compile(
+            kernel, *(to_cute_tensor(t) for t in (q, k, v, out)), to_cute_tensor(lse, assumed_align=4), scale,
+            *(to_cute_tensor(t) for t in sf), _seq_tensor(scales.q_tiles), _seq_tensor(scales.k_tiles),
+            _seq_tensor(cu_q), _seq_tensor(cu_k), _seq_tensor(cu_tiles),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+
+    fn = _build(key, make)
+    if not is_fake_mode():
+        # FP8 payloads go to the TVM FFI call as uint8 views, as FA4 passes them
+        fn(*(t.view(torch.uint8) for t in (q, k, v)), out, lse, scale, *sf, scales.q_tiles, scales.k_tiles, cu_q,
+           cu_k, cu_tiles)
+    return out, lse

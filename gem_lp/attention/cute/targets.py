@@ -31,12 +31,26 @@ def _bf16(direction: str, dim: int, causal: bool, batch: int) -> None:
         fa4._flash_attn_bwd(q, k, v, q, q, lse, **kw)
 
 
+def _sm100_operands(dim: int, batch: int):
+    """E4M3 payloads and blocked scales as `quantize_jagged` lays them out (each sequence padded to 128 rows)."""
+    from .launch import MXScales
+
+    q, k, v = (torch.empty(_TOKENS, _HEADS, dim, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(3))
+    padded_tiles = (_TOKENS + batch * 127) // 128
+    sf = [torch.empty(_HEADS, padded_tiles * 512, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    tiles = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
+    return q, k, v, MXScales(*sf, tiles, tiles)
+
+
 def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arch: str) -> None:
     from .launch import mx_backward, mx_forward
 
     q, k, v, cu = _tensors(dim, batch)
     kw = dict(causal=causal, scale=dim**-0.5, p_quant=p_quant, arch=arch)
-    if direction == "fwd":
+    if direction == "fwd" and arch == "sm_100a":
+        q, k, v, scales = _sm100_operands(dim, batch)
+        mx_forward(q, k, v, cu, cu, scales=scales, **kw)
+    elif direction == "fwd":
         mx_forward(q, k, v, cu, cu, **kw)
     else:
         lse = torch.empty(_HEADS, _TOKENS, dtype=torch.float32, device="cuda")
@@ -44,11 +58,14 @@ def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arc
 
 
 def compile_targets(arch: str) -> list[CompileTarget]:
-    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist (sm_90a: the public API
-    runs the reference for mxfp8 on other GPUs)."""
-    from .config import MX_ARCH_MAJORS
+    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist: sm_90a forward and backward
+    (const_p, dynamic), sm_100a the forward with const_p (`gem_lp.compile_check.MISSING` lists the rest; the
+    public API runs the reference for mxfp8 where a direction is missing)."""
+    from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS
 
-    with_mx = int(arch[3:-1]) // 10 in MX_ARCH_MAJORS
+    major = int(arch[3:-1]) // 10
+    with_mx = {"fwd": major in MX_FWD_ARCH_MAJORS, "bwd": major in MX_BWD_ARCH_MAJORS}
+    p_quants = MX_P_QUANTS.get(major, ())
     targets = []
     for dim in HEAD_DIMS:
         for causal in (False, True):
@@ -57,7 +74,7 @@ def compile_targets(arch: str) -> list[CompileTarget]:
                 for direction in ("fwd", "bwd"):
                     targets.append(CompileTarget("attention", direction, "bf16", mode,
                                                  partial(_bf16, direction, dim, causal, batch)))
-                    for p_quant in ("const_p", "dynamic") if with_mx else ():
+                    for p_quant in p_quants if with_mx[direction] else ():
                         targets.append(CompileTarget("attention", direction, "mxfp8", f"{mode} {p_quant}",
                                                      partial(_mxfp8, direction, dim, causal, batch, p_quant, arch)))
     return targets

@@ -1,0 +1,348 @@
+"""MXFP8 jagged attention forward on sm_100a: FlashAttention-4's Blackwell forward on block-scaled tcgen05.mma.
+
+Operands are the MXFP8 tensors themselves, not dequantized copies: Q, K E4M3 payloads `[T, H, D]` with `hdim`
+scales, V the E4M3 payload with `seq` scales, the scales in the per-sequence 128-padded blocked layout of
+`gem_lp.jagged.quantize_jagged` (docs/jagged.md). Every scale operand of one 128-token tile of one head is then
+one contiguous 512-byte tile of that layout (D <= 128: one 128x4 tile per 128 padded token rows, or per 128
+features x 4 token blocks for `seq`), which is the shared-memory scale-factor atom of the block-scaled MMA.
+
+What differs from `FlashAttentionForwardSm100` (its FP8 path: E4M3 Q, K, V, P = exp2(s - m + 8) in E4M3 in tensor
+memory, O divided by the row sum of those P, LSE with the 2^8 taken out):
+
+* S = Q K^T is `tcgen05.mma.kind::mxf8f6f4.block_scale` (`MmaMXF8Op`, UE8M0 scales, 32-element blocks along D):
+  per Q tile and per K tile the MMA warp copies the tile's scales (512 bytes) from global to shared memory and
+  then with `tcgen05.cp` (quack's `copy_utils.s2t_get_copy_fn`) into tensor memory, columns FA4 leaves free after
+  S, P and O (which is why D = 128 runs with one Q stage: two would fill all 512 columns).
+* O = P V is the same block-scaled kind with A = P from tensor memory: its scale factors are the constant byte
+  127 (2^0: FA4's P is already 256 p, the `const_p` payload, and the 2^-8 cancels in the normalization by the
+  row sum of the same P), V's `seq` scales (32 keys x 1 feature) are SFB along the key dim. P's second part is
+  waited for on FA4's `P_full_lastsplit` barrier as in FA4 (`split_P_arrive`).
+* The rest is FA4's: load warp (TMA of payloads), softmax and correction warpgroups, epilogue.
+
+What is compiled and checked (on a machine without a GPU, `python -m gem_lp.compile_check --arch sm_100a`): the
+kernel builds for sm_100a and its PTX holds the block-scaled `tcgen05.mma` for both GEMMs. Numerics on Blackwell
+are UNVERIFIED: no sm_100 GPU was available, nothing here has run. Known differences from the recipe
+(docs/numerics.md 4.1) that remain: FA4's softmax keeps the exact running row max (the recipe snaps it up to an
+integer in the log2 domain) and normalizes O by the row sum of the unrounded P (the recipe: of the rounded P);
+only `const_p` exists (no `dynamic` P). Performance: the scale tiles go global -> registers -> shared memory in
+the MMA warp, on the MMA issue path; a TMA load of the scales in the load warp is the next step.
+"""
+from __future__ import annotations
+
+import types
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils_basic
+import cutlass.utils.blockscaled_layout as blockscaled_utils
+from cutlass import Boolean, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
+from flash_attn.cute.utils import AuxData
+from quack import copy_utils
+
+MX_BLOCK = 32
+# bytes of one 128x4 tile of the blocked scale layout (the scale-factor atom of tcgen05 block-scaled MMA)
+SF_TILE_BYTES = 512
+# the E8M0 byte of 2^0, P's scale factor (FA4's P already holds 2^8 p, the const_p payload)
+P_SF_BYTE = 127
+HEAD_DIMS = (64, 128)
+
+
+def _jit_copy(fn):
+    """A `cute.jit` function running the body of an FA4 `@cute.jit`/`@cute.kernel` method inline.
+
+    FA4's kernel entry point builds everything inside one `@cute.kernel` (`FlashAttentionForwardSm100.kernel`);
+    this kernel runs that body unchanged inside its own entry point, which takes the scale tensors too. The copy is
+    a new function object over the same code, so the DSL's decoration state of FA4's method is left alone.
+    """
+    raw = fn.__wrapped__
+    # same name: the DSL's preprocessor finds the function's source by it
+    copy = types.FunctionType(raw.__code__, raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
+    copy.__kwdefaults__ = raw.__kwdefaults__
+    copy.__qualname__ = raw.__qualname__
+    copy.__module__ = raw.__module__
+    copy.__dict__.update({k: v for k, v in raw.__dict__.items() if not k.startswith("_")})
+    return cute.jit(copy)
+
+
+_fa4_kernel_body = _jit_copy(FlashAttentionForwardSm100.kernel)
+
+
+def sf_stage_count(head_dim: int, q_stage: int, kv_stage_bytes: int, q_o_bytes: int, budget: int = 224 * 1024
+                   ) -> int:
+    """K/V pipeline stages that fit FA4's shared-memory budget with one scale tile per K/V stage, per Q stage and
+    P's constant tile (`_setup_attributes`)."""
+    del head_dim
+    fixed = q_o_bytes + (q_stage + 1) * SF_TILE_BYTES
+    return min((budget - fixed) // (kv_stage_bytes + SF_TILE_BYTES), 32)
+
+
+class MXAttentionForwardSm100(FlashAttentionForwardSm100):
+    """`FlashAttentionForwardSm100` (E4M3 Q, K, V; varlen; no GQA packing, split-KV, paging, 2-CTA or S ping-pong)
+    with both GEMMs on block-scaled MXFP8 MMAs."""
+
+    def __init__(self, head_dim: int, *, is_causal: bool, tile_m: int = 128, tile_n: int = 128, q_stage: int = 1,
+                 p_quant: str = "const_p"):
+        if p_quant != "const_p":
+            raise NotImplementedError(f"the sm_100a forward has p_quant='const_p' only, got {p_quant!r}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        if tile_m != 128 or tile_n != 128:
+            raise ValueError(f"tiles must be 128 x 128 (one scale tile per Q and K/V tile), got {tile_m} x {tile_n}")
+        if q_stage not in (1, 2) or (head_dim == 128 and q_stage != 1):
+            raise ValueError(f"q_stage must be 1 for D = 128 (tensor memory) and 1 or 2 for D = 64, got {q_stage}")
+        super().__init__(head_dim, head_dim, 1, is_causal=is_causal, is_local=False, pack_gqa=False,
+                         m_block_size=tile_m, n_block_size=tile_n, q_stage=q_stage, is_static_persistent=False,
+                         is_varlen_q=True, use_2cta_instrs=False, use_s_ping_pong=False)
+        self.p_quant = p_quant
+        # tensor-memory columns of the scale factors, after FA4's S, P, O
+        self.tmem_sf_offset = self.tmem_total
+
+    def _setup_attributes(self):
+        super()._setup_attributes()
+        q_o = self.q_stage * self.m_block_size * (self.head_dim_padded * self.q_dtype.width
+                                                  + self.epi_head_dim_v * self.o_dtype.width) // 8
+        kv = self.n_block_size * max(self.head_dim_padded, self.head_dim_v_padded) * self.k_dtype.width // 8
+        self.kv_stage = min(self.kv_stage, sf_stage_count(self.head_dim_padded, self.q_stage, kv, q_o))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # host entry: the scale tensors ride along to the kernel
+    # ---------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale: cutlass.Float32, mSFQ: cute.Tensor, mSFK: cute.Tensor, mSFV: cute.Tensor,
+                 mSFTileQ: cute.Tensor, mSFTileK: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                 mCuTotalMBlocks: cute.Tensor | None = None, stream=None):
+        """mSFQ, mSFK `[H, bytes/4]` Int32 views of the `hdim` blocked scales of Q, K; mSFV the same of V's `seq`
+        scales; mSFTileQ, mSFTileK `[B+1]` int32: each sequence's first 128-row scale tile (scale_offsets / 128)."""
+        self._mx_host_args = (mSFQ, mSFK, mSFV, mSFTileQ, mSFTileK)
+        FlashAttentionForwardSm100.__call__(
+            self, mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mCuSeqlensK, None, None, None, None, None,
+            None, None, None, AuxData(), None, None, None, None, mCuTotalMBlocks, None, None, None, stream)
+
+    def kernel(self, *args):
+        """FA4's `__call__` launches `self.kernel(...)`: launch this class's entry point with the scales added."""
+        return self._mx_kernel(*self._mx_host_args, *args)
+
+    @cute.kernel
+    def _mx_kernel(self, mSFQ: cute.Tensor, mSFK: cute.Tensor, mSFV: cute.Tensor, mSFTileQ: cute.Tensor,
+                   mSFTileK: cute.Tensor, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                   mPageTable, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softmax_scale,
+                   window_size_left, window_size_right, learnable_sink, descale_tensors, blocksparse_tensors,
+                   sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, gmem_tiled_copy_Q, gmem_tiled_copy_O,
+                   tiled_mma_qk, tiled_mma_pv, tile_sched_params, num_splits, num_splits_dynamic_ptr,
+                   tile_count_semaphore, virtual_batch_idx_ptr, num_nheads_in_l2_ptr, aux_data, fastdiv_mods,
+                   head_divmod):
+        # the scale buffers (shared memory), allocated at the kernel's top level for every warp
+        mx = self._mx_mmas()
+        smem = cutlass.utils.SmemAllocator()
+        sSFQ = smem.allocate_tensor(cutlass.Float8E8M0FNU, mx["sfq_smem"], byte_alignment=128)
+        sSFKV = smem.allocate_tensor(cutlass.Float8E8M0FNU, mx["sfkv_smem"], byte_alignment=128)
+        sSFP = smem.allocate_tensor(cutlass.Float8E8M0FNU, mx["sfp_smem"], byte_alignment=128)
+        self._mx_dev = dict(mSFQ=mSFQ, mSFK=mSFK, mSFV=mSFV, mSFTileQ=mSFTileQ, mSFTileK=mSFTileK, sSFQ=sSFQ,
+                            sSFKV=sSFKV, sSFP=sSFP)
+        _fa4_kernel_body(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable,
+                         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softmax_scale,
+                         window_size_left, window_size_right, learnable_sink, descale_tensors, blocksparse_tensors,
+                         sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, gmem_tiled_copy_Q,
+                         gmem_tiled_copy_O, tiled_mma_qk, tiled_mma_pv, tile_sched_params, num_splits,
+                         num_splits_dynamic_ptr, tile_count_semaphore, virtual_batch_idx_ptr, num_nheads_in_l2_ptr,
+                         aux_data, fastdiv_mods, head_divmod)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # the block-scaled MMAs and their scale-factor layouts
+    # ---------------------------------------------------------------------------------------------------------
+    def _mx_mmas(self) -> dict:
+        """Tiled MMAs (kind::mxf8f6f4, UE8M0, 32-element blocks) and the shared/tensor-memory layouts of their
+        scale factors, one 512-byte atom per operand tile."""
+        e4m3, e8m0, one = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU, tcgen05.CtaGroup.ONE
+        mma_qk = sm100_utils_basic.make_blockscaled_trivial_tiled_mma(
+            e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, e8m0, MX_BLOCK, one, self.mma_tiler_qk[:2])
+        mma_pv = sm100_utils_basic.make_blockscaled_trivial_tiled_mma(
+            e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.MN, e8m0, MX_BLOCK, one, self.mma_tiler_pv[:2],
+            tcgen05.OperandSource.TMEM)
+        return dict(
+            mma_qk=mma_qk, mma_pv=mma_pv,
+            sfq_smem=blockscaled_utils.make_smem_layout_sfa(mma_qk, self.mma_tiler_qk, MX_BLOCK, self.q_stage),
+            sfkv_smem=blockscaled_utils.make_smem_layout_sfb(mma_qk, self.mma_tiler_qk, MX_BLOCK, self.kv_stage),
+            sfv_smem=blockscaled_utils.make_smem_layout_sfb(mma_pv, self.mma_tiler_pv, MX_BLOCK, self.kv_stage),
+            sfp_smem=blockscaled_utils.make_smem_layout_sfa(mma_pv, self.mma_tiler_pv, MX_BLOCK, 1),
+        )
+
+    @cute.jit
+    def _load_sf(self, mSF: cute.Tensor, head_idx: Int32, tile: Int32, sSF: cute.Tensor, stage: Int32,
+                 stage_words: cutlass.Constexpr[int], cp):
+        """One 512-byte scale tile of head `head_idx`, tile `tile`, global -> shared memory stage `stage` by the 32
+        lanes of the MMA warp (16 bytes each), made visible to the async proxy, then shared -> tensor memory
+        (tcgen05.cp, ordered before the MMAs issued after it)."""
+        words = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32) + stage * stage_words,
+                                 cute.make_layout(SF_TILE_BYTES // 4))
+        lane = cute.arch.lane_idx()
+        base = tile * (SF_TILE_BYTES // 4) + lane * 4
+        for j in cutlass.range_constexpr(4):
+            words[lane * 4 + j] = mSF[head_idx, base + j]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        cp(stage)
+
+    @cute.jit
+    def _gemm_qk(self, mma_qk: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                 tSFQ: cute.Tensor, tSFK: cute.Tensor):
+        """S = Q K^T of one tile: D / 32 block-scaled MMAs, K = 32 each."""
+        mma_qk = cute.make_mma_atom(mma_qk.op)  # a fresh atom: its fields are set per call
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
+            mma_qk.set(tcgen05.Field.SFA, tSFQ[None, None, k].iterator)
+            mma_qk.set(tcgen05.Field.SFB, tSFK[None, None, k].iterator)
+            cute.gemm(mma_qk, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+
+    @cute.jit
+    def _gemm_pv(self, mma_pv: cute.TiledMma, acc: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
+                 tSFP: cute.Tensor, tSFV: cute.Tensor, accumulate: Boolean, mbar_lastsplit, phase: Int32):
+        """O (+)= P V of one tile: tile_n / 32 block-scaled MMAs; before the columns of P past FA4's
+        `split_P_arrive` it waits for the softmax warps' second arrive."""
+        mma_pv = cute.make_mma_atom(mma_pv.op)
+        n_k = const_expr(cute.size(tOrV, mode=[2]))
+        split = const_expr(self.split_P_arrive // MX_BLOCK if self.split_P_arrive > 0 else n_k)
+        for k in cutlass.range_constexpr(n_k):
+            if const_expr(k == split):
+                cute.arch.mbarrier_wait(mbar_lastsplit, phase)
+            if const_expr(k == 0):
+                mma_pv.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                mma_pv.set(tcgen05.Field.ACCUMULATE, True)
+            mma_pv.set(tcgen05.Field.SFA, tSFP[None, None, k].iterator)
+            mma_pv.set(tcgen05.Field.SFB, tSFV[None, None, k].iterator)
+            cute.gemm(mma_pv, acc, tOrP[None, None, k], tOrV[None, None, k], acc)
+
+    @cute.jit
+    def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP, pipeline_q, pipeline_kv,
+            pipeline_s_p_o, pipeline_p_lastsplit, pipeline_o_acc, is_leader_cta, block_info, num_splits,
+            SeqlenInfoCls, blocksparse_tensors, tile_scheduler=None):
+        """FA4's MMA warp (`FlashAttentionForwardSm100.mma`, its schedule without S ping-pong: S0 = Q K0^T; then per
+        K/V block O += P V(i), S = Q K(i+1)^T; O += P V(last)) with block-scaled MMAs and their scale copies."""
+        d = self._mx_dev
+        mx = self._mx_mmas()
+        mma_qk, mma_pv = mx["mma_qk"], mx["mma_pv"]
+        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
+        tSrQ = thr_qk.make_fragment_A(sQ)
+        tSrK = thr_qk.make_fragment_B(sK)
+        tOrV = thr_pv.make_fragment_B(sV)
+        # tensor memory: the scale factors after FA4's S / P / O columns (FA4's allocation starts at column 0)
+        col = self.tmem_sf_offset
+        tmem_layouts = dict(
+            q=blockscaled_utils.make_tmem_layout_sfa(mma_qk, self.mma_tiler_qk, MX_BLOCK,
+                                                     cute.slice_(mx["sfq_smem"], (None, None, None, 0))),
+            k=blockscaled_utils.make_tmem_layout_sfb(mma_qk, self.mma_tiler_qk, MX_BLOCK,
+                                                     cute.slice_(mx["sfkv_smem"], (None, None, None, 0))),
+            p=blockscaled_utils.make_tmem_layout_sfa(mma_pv, self.mma_tiler_pv, MX_BLOCK,
+                                                     cute.slice_(mx["sfp_smem"], (None, None, None, 0))),
+            v=blockscaled_utils.make_tmem_layout_sfb(mma_pv, self.mma_tiler_pv, MX_BLOCK,
+                                                     cute.slice_(mx["sfv_smem"], (None, None, None, 0))),
+        )
+        tmem_sf = {}
+        for name in ("q0", "q1", "k", "p", "v"):
+            if const_expr(name != "q1" or self.q_stage == 2):
+                ptr = cute.recast_ptr(tStS.iterator + col, dtype=cutlass.Float8E8M0FNU)
+                tmem_sf[name] = cute.make_tensor(ptr, tmem_layouts[name[0]])
+                col += tcgen05.find_tmem_tensor_col_offset(tmem_sf[name])
+        assert col <= self.tmem_alloc_cols, f"the scale factors need tensor-memory columns up to {col}"
+        sSFQ, sSFKV, sSFP = d["sSFQ"], d["sSFKV"], d["sSFP"]
+        sSFV = cute.make_tensor(sSFKV.iterator, mx["sfv_smem"])
+        cp_q = [copy_utils.s2t_get_copy_fn(sSFQ, tmem_sf["q0"], tcgen05.CtaGroup.ONE)]
+        if const_expr(self.q_stage == 2):
+            cp_q.append(copy_utils.s2t_get_copy_fn(sSFQ, tmem_sf["q1"], tcgen05.CtaGroup.ONE))
+        cp_k = copy_utils.s2t_get_copy_fn(sSFKV, tmem_sf["k"], tcgen05.CtaGroup.ONE)
+        cp_v = copy_utils.s2t_get_copy_fn(sSFV, tmem_sf["v"], tcgen05.CtaGroup.ONE)
+        cp_p = copy_utils.s2t_get_copy_fn(sSFP, tmem_sf["p"], tcgen05.CtaGroup.ONE)
+        sfkv_stage_words = const_expr(cute.cosize(cute.slice_(mx["sfkv_smem"], (None, None, None, 0))) // 4)
+        sfq_stage_words = const_expr(cute.cosize(cute.slice_(mx["sfq_smem"], (None, None, None, 0))) // 4)
+
+        # P's scale factors: the constant byte, once for the kernel
+        sSFP_words = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=Int32), cute.make_layout(128))
+        lane = cute.arch.lane_idx()
+        p_word = Int32(P_SF_BYTE * 0x01010101)
+        for j in cutlass.range_constexpr(4):
+            sSFP_words[lane * 4 + j] = p_word
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        cp_p(0)
+
+        mSFQ, mSFK, mSFV = d["mSFQ"], d["mSFK"], d["mSFV"]
+        mSFTileQ, mSFTileK = d["mSFTileQ"], d["mSFTileK"]
+        tSFQ = [tmem_sf["q0"]] + ([tmem_sf["q1"]] if const_expr(self.q_stage == 2) else [])
+        tSFK, tSFP, tSFV = tmem_sf["k"], tmem_sf["p"], tmem_sf["v"]
+        mbar_lastsplit = [pipeline_p_lastsplit.sync_object_full.get_barrier(stage) for stage in range(self.q_stage)]
+
+        mma_q_consumer_phase = Int32(0)
+        kv_state = cutlass.pipeline.make_pipeline_state(cutlass.pipeline.PipelineUserType.Consumer, self.kv_stage)
+        P_full_O_rescaled_phase = Int32(0)
+        work_tile = tile_scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            m_block, head_idx, batch_idx, split_idx = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(batch_idx)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block, split_idx=split_idx,
+                                                                      num_splits=num_splits)
+            process_tile = self.process_work_tile(block_info, seqlen, n_block_min, n_block_max)
+            # the first scale tiles of this Q tile and of this sequence's keys
+            tile_q0 = mSFTileQ[batch_idx] + m_block * self.q_stage
+            tile_k0 = mSFTileK[batch_idx]
+            if process_tile and is_leader_cta:
+                # S = Q K(n_max - 1)^T for each Q stage
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    pipeline_q.consumer_wait_w_index_phase(stage, mma_q_consumer_phase)
+                    self._load_sf(mSFQ, head_idx, tile_q0 + stage, sSFQ, stage, sfq_stage_words, cp_q[stage])
+                    if const_expr(stage == 0):
+                        pipeline_kv.consumer_wait(kv_state)
+                        self._load_sf(mSFK, head_idx, tile_k0 + n_block_max - 1, sSFKV, kv_state.index,
+                                      sfkv_stage_words, cp_k)
+                    self._gemm_qk(mma_qk, tStS[None, None, None, stage], tSrQ[None, None, None, stage],
+                                  tSrK[None, None, None, kv_state.index], tSFQ[stage], tSFK)
+                    pipeline_s_p_o.producer_commit_w_index(stage)
+                mma_q_consumer_phase ^= 1
+                pipeline_kv.consumer_release(kv_state)
+                kv_state.advance()
+                O_should_accumulate = Boolean(False)
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    n_block = n_block_max - 1 - i
+                    # O += P V(n_block)
+                    pipeline_kv.consumer_wait(kv_state)
+                    release_state = kv_state.clone()
+                    v_index = kv_state.index
+                    self._load_sf(mSFV, head_idx, tile_k0 + n_block, sSFKV, v_index, sfkv_stage_words, cp_v)
+                    for stage in cutlass.range_constexpr(self.q_stage):
+                        pipeline_s_p_o.producer_acquire_w_index_phase(stage, P_full_O_rescaled_phase)
+                        self._gemm_pv(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
+                                      tOrV[None, None, None, v_index], tSFP, tSFV, O_should_accumulate,
+                                      mbar_lastsplit[stage], P_full_O_rescaled_phase)
+                        if const_expr(stage == self.q_stage - 1):
+                            pipeline_kv.consumer_release(release_state)
+                        # S = Q K(n_block - 1)^T
+                        if const_expr(stage == 0):
+                            kv_state.advance()
+                            pipeline_kv.consumer_wait(kv_state)
+                            self._load_sf(mSFK, head_idx, tile_k0 + n_block - 1, sSFKV, kv_state.index,
+                                          sfkv_stage_words, cp_k)
+                        self._gemm_qk(mma_qk, tStS[None, None, None, stage], tSrQ[None, None, None, stage],
+                                      tSrK[None, None, None, kv_state.index], tSFQ[stage], tSFK)
+                        pipeline_s_p_o.producer_commit_w_index(stage)
+                    pipeline_kv.consumer_release(kv_state)
+                    kv_state.advance()
+                    P_full_O_rescaled_phase ^= 1
+                    O_should_accumulate = Boolean(True)
+                for stage in cutlass.range(self.q_stage):
+                    pipeline_q.consumer_release_w_index(stage)
+                # O += P V(n_min)
+                pipeline_kv.consumer_wait(kv_state)
+                self._load_sf(mSFV, head_idx, tile_k0 + n_block_min, sSFKV, kv_state.index, sfkv_stage_words, cp_v)
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    pipeline_s_p_o.producer_acquire_w_index_phase(stage, P_full_O_rescaled_phase)
+                    self._gemm_pv(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
+                                  tOrV[None, None, None, kv_state.index], tSFP, tSFV, O_should_accumulate,
+                                  mbar_lastsplit[stage], P_full_O_rescaled_phase)
+                    pipeline_o_acc.producer_commit_w_index(stage)
+                P_full_O_rescaled_phase ^= 1
+                pipeline_kv.consumer_release(kv_state)
+                kv_state.advance()
+            work_tile = tile_scheduler.advance_to_next_work()
