@@ -29,36 +29,49 @@ the MMA warp, on the MMA issue path; a TMA load of the scales in the load warp i
 """
 from __future__ import annotations
 
+import math
 import types
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils_basic
 import cutlass.utils.blockscaled_layout as blockscaled_utils
-from cutlass import Boolean, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
+from flash_attn.cute.softmax import SoftmaxSm100
 from flash_attn.cute.utils import AuxData
 from quack import copy_utils
+
+from .mx_device import ceil_f32, e4m3x4_sum, exp2_int
 
 MX_BLOCK = 32
 # bytes of one 128x4 tile of the blocked scale layout (the scale-factor atom of tcgen05 block-scaled MMA)
 SF_TILE_BYTES = 512
 # the E8M0 byte of 2^0, P's scale factor (FA4's P already holds 2^8 p, the const_p payload)
 P_SF_BYTE = 127
+# const_p: FA4's FP8 P is 2^8 p (its `max_offset`), the E4M3 payload of const_p
+CONST_P_LOG2 = 8
 HEAD_DIMS = (64, 128)
 
 
-def _jit_copy(fn):
+def _jit_copy(fn, **globals_override):
     """A `cute.jit` function running the body of an FA4 `@cute.jit`/`@cute.kernel` method inline.
 
     FA4's kernel entry point builds everything inside one `@cute.kernel` (`FlashAttentionForwardSm100.kernel`);
     this kernel runs that body unchanged inside its own entry point, which takes the scale tensors too. The copy is
     a new function object over the same code, so the DSL's decoration state of FA4's method is left alone.
+    `globals_override` rebinds module-level names the body uses (the DSL's preprocessor executes the re-parsed
+    source in the function's globals): `softmax_loop` runs with `SoftmaxSm100` bound to `MXSoftmaxSm100`.
     """
     raw = fn.__wrapped__
+    fn_globals = raw.__globals__
+    if globals_override:
+        fn_globals = dict(fn_globals)
+        fn_globals.update(globals_override)
     # same name: the DSL's preprocessor finds the function's source by it
-    copy = types.FunctionType(raw.__code__, raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
+    copy = types.FunctionType(raw.__code__, fn_globals, raw.__name__, raw.__defaults__, raw.__closure__)
     copy.__kwdefaults__ = raw.__kwdefaults__
     copy.__qualname__ = raw.__qualname__
     copy.__module__ = raw.__module__
@@ -67,6 +80,109 @@ def _jit_copy(fn):
 
 
 _fa4_kernel_body = _jit_copy(FlashAttentionForwardSm100.kernel)
+
+
+@dataclass
+class MXSoftmaxSm100(SoftmaxSm100):
+    """FA4's sm100 online softmax state (one query row per thread) with the recipe's changes (docs/numerics.md
+    4.1): the running row max snapped up to an integer in the log2 domain, m' = ceil(max_j s_j * scale_log2), so
+    O's rescale factors 2^(m'_old - m'_new) are exact powers of two (built from exponent bits, `exp2_int`); P =
+    e4m3(2^(t - m' + 8)) as in FA4's FP8 path (`max_offset` = 8, the const_p payload); O normalized by the row sum
+    of those rounded P and the LSE from the row sum of the unrounded P.
+
+    FA4's softmax steps (`softmax_step`) and its correction warps (`correction_loop`) run unchanged on this state;
+    the state keeps what they read in FA4's meaning:
+    * `row_sum[0]`: the sum of the rounded P (2^8 scale): the correction warps divide O by it;
+    * `row_max[0]`: (m' + log2(l / lq)) / scale_log2, with l the unrounded and lq the rounded sum: the correction
+      warps' LSE, (row_max * scale_log2 + log2(row_sum) - 8) ln 2, is then (m' + log2 l - 8) ln 2, the recipe's
+      (its row_max is FA4's "unscaled" max, which it multiplies by scale_log2);
+    * `max_log2[0]`: m' (-inf before the first visible key), `unrounded_sum[0]`: l.
+    The value `update_row_max` returns (and `scale_subtract_rowmax` takes) is m' itself, 0 for a row without a
+    visible key yet. The rounded sum of a step is taken in `update_row_sum` from the E4M3 P that
+    `apply_exp2_convert` wrote (after FA4 has stored P to tensor memory, off the MMA's path).
+    """
+
+    max_log2: cute.Tensor = None
+    unrounded_sum: cute.Tensor = None
+
+    @staticmethod
+    def create(scale_log2: Float32, rescale_threshold: cutlass.Constexpr[float] = 0.0,
+               softmax_scale: Float32 | None = None, max_offset: cutlass.Constexpr[int] = 0):
+        # FA4's rescale threshold (16-bit inputs) would keep a stale max: P would leave the recipe's grid
+        assert rescale_threshold == 0.0, "the snapped max takes no rescale threshold"
+        assert max_offset == CONST_P_LOG2, "const_p: FA4's FP8 P offset 2^8"
+        new = lambda: cute.make_rmem_tensor(1, Float32)  # noqa: E731
+        return MXSoftmaxSm100(scale_log2, 1, new(), new(), 100, softmax_scale, rescale_threshold=rescale_threshold,
+                              max_offset=max_offset, max_log2=new(), unrounded_sum=new())
+
+    def reset(self) -> None:
+        super().reset()
+        self.max_log2.fill(-Float32.inf)
+        self.unrounded_sum.fill(0.0)
+
+    @cute.jit
+    def _update_snapped_max(self, tile_max: Float32, is_first: cutlass.Constexpr[bool]):
+        """m' = max(m'_old, ceil(tile_max * scale_log2)); returns (m' or 0 when -inf, 2^(m'_old - m'))."""
+        m_new = ceil_f32(tile_max * self.scale_log2)
+        acc_scale = Float32(0.0)
+        if const_expr(not is_first):
+            m_new = cute.arch.fmax(m_new, self.max_log2[0])
+        m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
+        if const_expr(not is_first):
+            acc_scale = exp2_int(self.max_log2[0] - m_safe)  # exact; 0 when m'_old = -inf
+        self.max_log2[0] = m_new
+        return m_safe, acc_scale
+
+    @cute.jit
+    def update_row_max(self, acc_S_row: cute.TensorSSA, is_first: cutlass.Constexpr[bool]):
+        return self._update_snapped_max(self._compute_row_max(acc_S_row), is_first)
+
+    @cute.jit
+    def update_row_max_precomputed(self, hw_row_max: Float32, is_first: cutlass.Constexpr[bool]):
+        return self._update_snapped_max(hw_row_max, is_first)
+
+    @cute.jit
+    def scale_subtract_rowmax(self, acc_S_row: cute.Tensor, row_max: Float32):
+        """t - m' + 8 in place, t = s * scale_log2 (one FMA, as FA4); `row_max` is m' (log2 domain)."""
+        bias = Float32(self.max_offset) - row_max
+        for i in cutlass.range(0, cute.size(acc_S_row.shape), 2, unroll_full=True):
+            acc_S_row[i], acc_S_row[i + 1] = cute.arch.fma_packed_f32x2(
+                (acc_S_row[i], acc_S_row[i + 1]), (self.scale_log2, self.scale_log2), (bias, bias))
+
+    @cute.jit
+    def apply_exp2_convert(self, acc_S_row: cute.Tensor, acc_S_row_converted: cute.Tensor,
+                           ex2_emu_freq: cutlass.Constexpr[int] = 0, ex2_emu_res: cutlass.Constexpr[int] = 4,
+                           ex2_emu_start_frg: cutlass.Constexpr[int] = 0):
+        """FA4's exp2 and E4M3 conversion; remembers the E4M3 tensor for this step's rounded sum."""
+        SoftmaxSm100.apply_exp2_convert(self, acc_S_row, acc_S_row_converted, ex2_emu_freq=ex2_emu_freq,
+                                        ex2_emu_res=ex2_emu_res, ex2_emu_start_frg=ex2_emu_start_frg)
+        # a trace-time reference (same softmax step): read by update_row_sum below
+        self._p_e4m3 = acc_S_row_converted
+
+    @cute.jit
+    def update_row_sum(self, acc_S_row_exp: cute.TensorSSA, row_scale: Float32,
+                       is_first: cutlass.Constexpr[bool] = False) -> None:
+        """l and lq rescaled by 2^(m'_old - m') plus this tile's unrounded / rounded P; then FA4's row_sum, row_max
+        slots as the class docstring says."""
+        # the E4M3 P four to a 32-bit word (the registers FA4 stores to tensor memory), four running partial sums
+        words = cute.recast_tensor(self._p_e4m3, Int32)
+        parts = [Float32(0.0)] * 4
+        for i in cutlass.range_constexpr(cute.size(words)):
+            parts[i % 4] = parts[i % 4] + e4m3x4_sum(words[i])
+        rounded = (parts[0] + parts[1]) + (parts[2] + parts[3])
+        if const_expr(is_first):
+            l = self._compute_row_sum(acc_S_row_exp)
+            lq = rounded
+        else:
+            l = self._compute_row_sum(acc_S_row_exp, init_val=self.unrounded_sum[0] * row_scale)
+            lq = self.row_sum[0] * row_scale + rounded
+        self.unrounded_sum[0] = l
+        self.row_sum[0] = lq
+        lse_max = -Float32.inf
+        if lq > 0.0:
+            lse_max = (self.max_log2[0] + (cute.math.log2(l, fastmath=True) - cute.math.log2(lq, fastmath=True))
+                       ) * (1.0 / self.scale_log2)
+        self.row_max[0] = lse_max
 
 
 def sf_stage_count(head_dim: int, q_stage: int, kv_stage_bytes: int, q_o_bytes: int, budget: int = 224 * 1024
@@ -98,6 +214,9 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
         self.p_quant = p_quant
         # tensor-memory columns of the scale factors, after FA4's S, P, O
         self.tmem_sf_offset = self.tmem_total
+
+    # FA4's softmax warps, with the recipe's softmax state (FA4's `softmax_step` calls its methods)
+    softmax_loop = _jit_copy(FlashAttentionForwardSm100.softmax_loop, SoftmaxSm100=MXSoftmaxSm100)
 
     def _setup_attributes(self):
         super()._setup_attributes()

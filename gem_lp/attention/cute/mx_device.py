@@ -178,3 +178,26 @@ def ceil_f32(x: Float32, *, loc=None, ip=None) -> Float32:
 def rint_f32(x: Float32, *, loc=None, ip=None) -> Float32:
     """x rounded to the nearest integer (ties to even) as FP32."""
     return Float32(_asm(T.f32(), [Float32(x)], "cvt.rni.f32.f32 $0, $1;", "=f,f", loc, ip))
+
+
+@dsl_user_op
+def exp2_int(k: Float32, *, loc=None, ip=None) -> Float32:
+    """2^k for an integer-valued k, exactly, built from the exponent bits: 0 for k < -126 (and for k = -inf), FP32's
+    largest power of two for k > 127; NaN gives 1."""
+    body = ("{\n\t.reg .s32 e;\n\t"
+            "cvt.rni.s32.f32 e, $1;\n\t"  # saturates to the int32 range; NaN -> 0
+            "max.s32 e, e, -127;\n\tmin.s32 e, e, 127;\n\tadd.s32 e, e, 127;\n\t"
+            "shl.b32 e, e, 23;\n\tmov.b32 $0, e;\n\t}")
+    return Float32(_asm(T.f32(), [Float32(k)], body, "=f,f", loc, ip))
+
+
+@dsl_user_op
+def e4m3x4_sum(word: Int32, *, loc=None, ip=None) -> Float32:
+    """The FP32 sum of the four E4M3 values packed in `word` (exact conversions; FP32 adds)."""
+    body = ("{\n\t.reg .b16 lo, hi, a, b, c, d;\n\t.reg .b32 h0, h1;\n\t.reg .f32 fa, fb, fc, fd;\n\t"
+            "mov.b32 {lo, hi}, $1;\n\t"
+            "cvt.rn.f16x2.e4m3x2 h0, lo;\n\tcvt.rn.f16x2.e4m3x2 h1, hi;\n\t"
+            "mov.b32 {a, b}, h0;\n\tmov.b32 {c, d}, h1;\n\t"
+            "cvt.f32.f16 fa, a;\n\tcvt.f32.f16 fb, b;\n\tcvt.f32.f16 fc, c;\n\tcvt.f32.f16 fd, d;\n\t"
+            "add.rn.f32 fa, fa, fb;\n\tadd.rn.f32 fc, fc, fd;\n\tadd.rn.f32 $0, fa, fc;\n\t}")
+    return Float32(_asm(T.f32(), [Int32(word)], body, "=f,r", loc, ip))
