@@ -7,19 +7,21 @@ import math
 import pytest
 import torch
 
-from gem_lp.attention.reference import LOG2E, const_p, normalize, snapped_softmax_parts
+from gem_lp.attention.reference import LOG2E, normalize, quantize_p_forward, snapped_softmax_parts
 
 TILE = 128
-MAX_OFFSET = 8  # FA4's FP8 P is 2^8 p
+FA4_P_OFFSET = 8  # FA4's FP8 P is 2^8 p; its correction warps take the 8 out of the LSE
 
 
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn).to(torch.float32)
 
 
-def _model(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, scale_log2: float, rescaled: list):
+def _model(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, scale_log2: float, p_quant: str, rescaled: list):
     """The kernel's per-row state over key tiles (n tiles, processed last to first); returns O and LSE as the
-    correction warps write them; counts the rows' O rescales below 1 in `rescaled[0]`."""
+    correction warps write them; counts the rows' O rescales below 1 in `rescaled[0]`. const_p: P = e4m3(2^8 p);
+    dynamic: p in MX blocks of 32 keys (the reference's rounding of a block stands for the kernel's)."""
+    offset = FA4_P_OFFSET if p_quant == "const_p" else 0
     rows, keys = s.shape
     scale_log2 = torch.tensor(scale_log2, dtype=torch.float32)
     max_log2 = torch.full((rows,), -math.inf)
@@ -41,24 +43,30 @@ def _model(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, scale_log2: flo
             assert torch.all((acc_scale == 0) | (torch.frexp(acc_scale).mantissa == 0.5))  # powers of two
             rescaled[0] += int((acc_scale < 1).sum())
         max_log2 = m_new
-        p = torch.exp2(st * scale_log2 + (MAX_OFFSET - m_safe)[:, None])  # scale_subtract_rowmax, exp2
-        pq = _e4m3(p)  # FA4's conversion; the P.V operand
+        p = torch.exp2(st * scale_log2 + (offset - m_safe)[:, None])  # scale_subtract_rowmax, exp2
+        if p_quant == "const_p":
+            pq = _e4m3(p)  # FA4's conversion; the P.V operand
+        else:  # blocks of 32 keys from the tile start (tiles start on 128-key boundaries of the sequence)
+            pad = (-p.shape[1]) % 32
+            pq = quantize_p_forward(torch.nn.functional.pad(p, (0, pad)), "dynamic")[:, :p.shape[1]]
         o = (o * acc_scale[:, None] if not first else o) + pq @ v[cols]  # correction rescale, MMA
         l = (l * acc_scale if not first else 0) + p.sum(-1)  # update_row_sum
         lq = (lq * acc_scale if not first else 0) + pq.sum(-1)
-        row_max_slot = torch.where(lq > 0, (max_log2 + (torch.log2(l) - torch.log2(lq))) * (1.0 / scale_log2),
+        row_max_slot = torch.where(lq > 0, (max_log2 + (torch.log2(l) - torch.log2(lq)) + (FA4_P_OFFSET - offset))
+                                   * (1.0 / scale_log2),
                                    torch.full((), -math.inf))
     # correction warps: O / row_sum, LSE = (row_max * scale_log2 + log2(row_sum) - 8) ln 2
     empty = (lq == 0) | torch.isnan(lq)
     o = o / torch.where(empty, torch.ones(()), lq)[:, None]
     lse = torch.where(empty, torch.full((), -math.inf),
-                      (row_max_slot * scale_log2 + (torch.log2(lq) - MAX_OFFSET)) * math.log(2.0))
+                      (row_max_slot * scale_log2 + (torch.log2(lq) - FA4_P_OFFSET)) * math.log(2.0))
     return o, lse
 
 
+@pytest.mark.parametrize("p_quant", ["const_p", "dynamic"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("keys", [100, 128, 300, 512])
-def test_model_matches_reference(causal, keys):
+def test_model_matches_reference(causal, keys, p_quant):
     gen = torch.Generator().manual_seed(keys + causal)
     rows, dim = 128, 64
     scale = dim**-0.5
@@ -73,11 +81,12 @@ def test_model_matches_reference(causal, keys):
     scale_log2 = float(torch.tensor(scale * LOG2E, dtype=torch.float32))
 
     rescaled = [0]
-    o, lse = _model(s, mask, v, scale_log2, rescaled)
+    o, lse = _model(s, mask, v, scale_log2, p_quant, rescaled)
 
     t = s * torch.tensor(scale_log2, dtype=torch.float32)
     p, m, l = snapped_softmax_parts(t, mask)
-    pq = const_p(p)
+    pad = (-keys) % 32
+    pq = quantize_p_forward(torch.nn.functional.pad(p, (0, pad)), p_quant)[:, :keys]
     o_ref, lse_ref = normalize(pq @ v, m, l, weight_sum=pq.sum(-1, keepdim=True))
     assert rescaled[0] > 0 or keys <= TILE
     torch.testing.assert_close(o, o_ref, rtol=2e-6, atol=2e-6)

@@ -29,7 +29,6 @@ the MMA warp, on the MMA issue path; a TMA load of the scales in the load warp i
 """
 from __future__ import annotations
 
-import math
 import types
 from dataclasses import dataclass
 
@@ -39,19 +38,22 @@ import cutlass.utils.blackwell_helpers as sm100_utils_basic
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+from flash_attn.cute import utils
 from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 from flash_attn.cute.softmax import SoftmaxSm100
 from flash_attn.cute.utils import AuxData
 from quack import copy_utils
 
-from .mx_device import ceil_f32, e4m3x4_sum, exp2_int
+from .mx_device import abs_bits_max, ceil_f32, e4m3x4_sum, e8m0_value, exp2_int, rceil_scale
 
 MX_BLOCK = 32
 # bytes of one 128x4 tile of the blocked scale layout (the scale-factor atom of tcgen05 block-scaled MMA)
 SF_TILE_BYTES = 512
 # the E8M0 byte of 2^0, P's scale factor (FA4's P already holds 2^8 p, the const_p payload)
 P_SF_BYTE = 127
-# const_p: FA4's FP8 P is 2^8 p (its `max_offset`), the E4M3 payload of const_p
+# FA4's FP8 P is 2^8 p (its `max_offset`; its correction warps take the 8 out of the LSE)
+FA4_FP8_P_LOG2 = 8
+# const_p keeps it: 2^8 p is the E4M3 payload of const_p
 CONST_P_LOG2 = 8
 HEAD_DIMS = (64, 128)
 
@@ -86,16 +88,24 @@ _fa4_kernel_body = _jit_copy(FlashAttentionForwardSm100.kernel)
 class MXSoftmaxSm100(SoftmaxSm100):
     """FA4's sm100 online softmax state (one query row per thread) with the recipe's changes (docs/numerics.md
     4.1): the running row max snapped up to an integer in the log2 domain, m' = ceil(max_j s_j * scale_log2), so
-    O's rescale factors 2^(m'_old - m'_new) are exact powers of two (built from exponent bits, `exp2_int`); P =
-    e4m3(2^(t - m' + 8)) as in FA4's FP8 path (`max_offset` = 8, the const_p payload); O normalized by the row sum
-    of those rounded P and the LSE from the row sum of the unrounded P.
+    O's rescale factors 2^(m'_old - m'_new) are exact powers of two (built from exponent bits, `exp2_int`); P on
+    its E4M3 grid; O normalized by the row sum of the rounded P and the LSE from the row sum of the unrounded P.
+
+    * `const_p`: P = e4m3(2^(t - m' + 8)) as in FA4's FP8 path (`max_offset` 8: the const_p payload; the P.V MMA
+      takes P's scale byte 127, and the 2^8 cancels in the normalization).
+    * `dynamic`: p = 2^(t - m') and per 32 keys of a row (one MX block) the rceil scale byte of the block max; the
+      payload e4m3(p * 2^(127 - byte)) goes to tensor memory as FA4's P, and the row's 4 bytes (one 32-bit word,
+      tile_n = 128) to shared memory in the 128x4 blocked scale layout (`sSFP`, this stage's 512 bytes), from
+      where the MMA warp copies them to tensor memory as the P.V MMA's SFA. The exp2 is the MUFU one throughout
+      (FA4's partial polynomial emulation of exp2 is not used here).
 
     FA4's softmax steps (`softmax_step`) and its correction warps (`correction_loop`) run unchanged on this state;
     the state keeps what they read in FA4's meaning:
-    * `row_sum[0]`: the sum of the rounded P (2^8 scale): the correction warps divide O by it;
-    * `row_max[0]`: (m' + log2(l / lq)) / scale_log2, with l the unrounded and lq the rounded sum: the correction
-      warps' LSE, (row_max * scale_log2 + log2(row_sum) - 8) ln 2, is then (m' + log2 l - 8) ln 2, the recipe's
-      (its row_max is FA4's "unscaled" max, which it multiplies by scale_log2);
+    * `row_sum[0]`: lq, the sum of the rounded P (times 2^8 for const_p): the correction warps divide O by it;
+    * `row_max[0]`: (m' + log2(l / lq) + 8 - p_log2_offset) / scale_log2, with l the unrounded sum: the correction
+      warps' LSE, (row_max * scale_log2 + log2(row_sum) - 8) ln 2, is then (m' + log2(l 2^-p_log2_offset)) ln 2,
+      the recipe's (FA4's row_max is an "unscaled" max, which it multiplies by scale_log2, and its 8 is the FP8
+      P offset);
     * `max_log2[0]`: m' (-inf before the first visible key), `unrounded_sum[0]`: l.
     The value `update_row_max` returns (and `scale_subtract_rowmax` takes) is m' itself, 0 for a row without a
     visible key yet. The rounded sum of a step is taken in `update_row_sum` from the E4M3 P that
@@ -104,16 +114,32 @@ class MXSoftmaxSm100(SoftmaxSm100):
 
     max_log2: cute.Tensor = None
     unrounded_sum: cute.Tensor = None
+    # dynamic P: this step's scale bytes, and the shared-memory scale words of P (all stages)
+    p_scale_bytes: cute.Tensor = None
+    sSFP_words: cute.Tensor = None
+    p_log2_offset: cutlass.Constexpr[int] = CONST_P_LOG2
+    dynamic_p: cutlass.Constexpr[bool] = False
 
     @staticmethod
     def create(scale_log2: Float32, rescale_threshold: cutlass.Constexpr[float] = 0.0,
-               softmax_scale: Float32 | None = None, max_offset: cutlass.Constexpr[int] = 0):
+               softmax_scale: Float32 | None = None, max_offset: cutlass.Constexpr[int] = 0,
+               sSFP: cute.Tensor | None = None):
+        """`SoftmaxSm100.create`'s arguments as FA4's softmax warps pass them, plus (dynamic P) `sSFP`, P's
+        shared-memory scale buffer."""
         # FA4's rescale threshold (16-bit inputs) would keep a stale max: P would leave the recipe's grid
         assert rescale_threshold == 0.0, "the snapped max takes no rescale threshold"
-        assert max_offset == CONST_P_LOG2, "const_p: FA4's FP8 P offset 2^8"
+        assert max_offset == FA4_FP8_P_LOG2, "FA4's FP8 P offset is 2^8"
+        dynamic_p = sSFP is not None
         new = lambda: cute.make_rmem_tensor(1, Float32)  # noqa: E731
+        words = None
+        if dynamic_p:
+            words = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=Int32), cute.make_layout(cute.cosize(
+                sSFP.layout) // 4))
+        p_log2_offset = 0 if dynamic_p else CONST_P_LOG2
         return MXSoftmaxSm100(scale_log2, 1, new(), new(), 100, softmax_scale, rescale_threshold=rescale_threshold,
-                              max_offset=max_offset, max_log2=new(), unrounded_sum=new())
+                              max_offset=p_log2_offset, max_log2=new(), unrounded_sum=new(),
+                              p_scale_bytes=cute.make_rmem_tensor(4, Int32) if dynamic_p else None,
+                              sSFP_words=words, p_log2_offset=p_log2_offset, dynamic_p=dynamic_p)
 
     def reset(self) -> None:
         super().reset()
@@ -143,8 +169,8 @@ class MXSoftmaxSm100(SoftmaxSm100):
 
     @cute.jit
     def scale_subtract_rowmax(self, acc_S_row: cute.Tensor, row_max: Float32):
-        """t - m' + 8 in place, t = s * scale_log2 (one FMA, as FA4); `row_max` is m' (log2 domain)."""
-        bias = Float32(self.max_offset) - row_max
+        """t - m' + p_log2_offset in place, t = s * scale_log2 (one FMA, as FA4); `row_max` is m' (log2 domain)."""
+        bias = Float32(self.p_log2_offset) - row_max
         for i in cutlass.range(0, cute.size(acc_S_row.shape), 2, unroll_full=True):
             acc_S_row[i], acc_S_row[i + 1] = cute.arch.fma_packed_f32x2(
                 (acc_S_row[i], acc_S_row[i + 1]), (self.scale_log2, self.scale_log2), (bias, bias))
@@ -153,9 +179,33 @@ class MXSoftmaxSm100(SoftmaxSm100):
     def apply_exp2_convert(self, acc_S_row: cute.Tensor, acc_S_row_converted: cute.Tensor,
                            ex2_emu_freq: cutlass.Constexpr[int] = 0, ex2_emu_res: cutlass.Constexpr[int] = 4,
                            ex2_emu_start_frg: cutlass.Constexpr[int] = 0):
-        """FA4's exp2 and E4M3 conversion; remembers the E4M3 tensor for this step's rounded sum."""
-        SoftmaxSm100.apply_exp2_convert(self, acc_S_row, acc_S_row_converted, ex2_emu_freq=ex2_emu_freq,
-                                        ex2_emu_res=ex2_emu_res, ex2_emu_start_frg=ex2_emu_start_frg)
+        """const_p: FA4's exp2 and E4M3 conversion. dynamic: exp2, then per 32 keys the block's scale byte and
+        payload; the row's scale word to shared memory (made visible to the MMA warp's tcgen05.cp before FA4's
+        P-full arrive). Remembers the E4M3 tensor for this step's rounded sum."""
+        if const_expr(not self.dynamic_p):
+            SoftmaxSm100.apply_exp2_convert(self, acc_S_row, acc_S_row_converted, ex2_emu_freq=ex2_emu_freq,
+                                            ex2_emu_res=ex2_emu_res, ex2_emu_start_frg=ex2_emu_start_frg)
+        else:
+            n_blocks = const_expr(cute.size(acc_S_row) // MX_BLOCK)
+            assert n_blocks == 4, "one 32-bit scale word per row: tile_n = 128"
+            frg = cute.logical_divide(acc_S_row, cute.make_layout(MX_BLOCK))
+            frg_out = cute.logical_divide(acc_S_row_converted, cute.make_layout(MX_BLOCK))
+            word = Int32(0)
+            for j in cutlass.range_constexpr(n_blocks):
+                for k in cutlass.range_constexpr(MX_BLOCK):
+                    frg[k, j] = cute.math.exp2(frg[k, j], fastmath=True)
+                block = frg[None, j].load()
+                amax = utils.fmax_reduce(block, arch=100)  # p >= 0
+                inv_scale, byte = rceil_scale(abs_bits_max(Int32(0), amax))
+                frg_out[None, j].store((block * inv_scale).to(acc_S_row_converted.element_type))
+                self.p_scale_bytes[j] = byte
+                word = word | (byte << (8 * j))
+            # row r of this stage's 128: its 4 bytes at byte (r % 32) * 16 + (r // 32) * 4 of the 128x4 atom
+            tidx = cute.arch.thread_idx()[0]
+            row = tidx % 128
+            stage = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+            self.sSFP_words[stage * (SF_TILE_BYTES // 4) + (row % 32) * 4 + row // 32] = word
+            cute.arch.fence_proxy("async.shared", space="cta")
         # a trace-time reference (same softmax step): read by update_row_sum below
         self._p_e4m3 = acc_S_row_converted
 
@@ -166,10 +216,20 @@ class MXSoftmaxSm100(SoftmaxSm100):
         slots as the class docstring says."""
         # the E4M3 P four to a 32-bit word (the registers FA4 stores to tensor memory), four running partial sums
         words = cute.recast_tensor(self._p_e4m3, Int32)
-        parts = [Float32(0.0)] * 4
-        for i in cutlass.range_constexpr(cute.size(words)):
-            parts[i % 4] = parts[i % 4] + e4m3x4_sum(words[i])
-        rounded = (parts[0] + parts[1]) + (parts[2] + parts[3])
+        n_words = const_expr(cute.size(words))
+        if const_expr(not self.dynamic_p):
+            parts = [Float32(0.0)] * 4
+            for i in cutlass.range_constexpr(n_words):
+                parts[i % 4] = parts[i % 4] + e4m3x4_sum(words[i])
+            rounded = (parts[0] + parts[1]) + (parts[2] + parts[3])
+        else:  # per MX block (8 words): payload sum times 2^(byte - 127), exact
+            per_block = const_expr(MX_BLOCK // 4)
+            parts = [Float32(0.0)] * (n_words // per_block)
+            for i in cutlass.range_constexpr(n_words):
+                parts[i // per_block] = parts[i // per_block] + e4m3x4_sum(words[i])
+            for j in cutlass.range_constexpr(len(parts)):
+                parts[j] = parts[j] * e8m0_value(self.p_scale_bytes[j])
+            rounded = (parts[0] + parts[1]) + (parts[2] + parts[3])
         if const_expr(is_first):
             l = self._compute_row_sum(acc_S_row_exp)
             lq = rounded
@@ -181,16 +241,28 @@ class MXSoftmaxSm100(SoftmaxSm100):
         lse_max = -Float32.inf
         if lq > 0.0:
             lse_max = (self.max_log2[0] + (cute.math.log2(l, fastmath=True) - cute.math.log2(lq, fastmath=True))
-                       ) * (1.0 / self.scale_log2)
+                       + Float32(FA4_FP8_P_LOG2 - self.p_log2_offset)) * (1.0 / self.scale_log2)
         self.row_max[0] = lse_max
 
 
-def sf_stage_count(head_dim: int, q_stage: int, kv_stage_bytes: int, q_o_bytes: int, budget: int = 224 * 1024
-                   ) -> int:
+class _MXSoftmaxFactory:
+    """Stands for `SoftmaxSm100` in this kernel's copy of FA4's `softmax_loop` (its only use there is `create`):
+    builds `MXSoftmaxSm100` with the kernel's P quantization (and, for dynamic P, P's scale buffer)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def create(self, *args, **kwargs):
+        sSFP = self.kernel._mx_dev["sSFP"] if self.kernel.p_quant == "dynamic" else None
+        return MXSoftmaxSm100.create(*args, sSFP=sSFP, **kwargs)
+
+
+def sf_stage_count(head_dim: int, q_stage: int, kv_stage_bytes: int, q_o_bytes: int, budget: int = 224 * 1024,
+                   p_tiles: int = 1) -> int:
     """K/V pipeline stages that fit FA4's shared-memory budget with one scale tile per K/V stage, per Q stage and
-    P's constant tile (`_setup_attributes`)."""
+    `p_tiles` for P (`_setup_attributes`: const_p's constant tile, or dynamic P's tile per Q stage)."""
     del head_dim
-    fixed = q_o_bytes + (q_stage + 1) * SF_TILE_BYTES
+    fixed = q_o_bytes + (q_stage + p_tiles) * SF_TILE_BYTES
     return min((budget - fixed) // (kv_stage_bytes + SF_TILE_BYTES), 32)
 
 
@@ -200,8 +272,8 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
 
     def __init__(self, head_dim: int, *, is_causal: bool, tile_m: int = 128, tile_n: int = 128, q_stage: int = 1,
                  p_quant: str = "const_p"):
-        if p_quant != "const_p":
-            raise NotImplementedError(f"the sm_100a forward has p_quant='const_p' only, got {p_quant!r}")
+        if p_quant not in ("const_p", "dynamic"):
+            raise ValueError(f"p_quant must be 'const_p' or 'dynamic', got {p_quant!r}")
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
         if tile_m != 128 or tile_n != 128:
@@ -212,18 +284,22 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                          m_block_size=tile_m, n_block_size=tile_n, q_stage=q_stage, is_static_persistent=False,
                          is_varlen_q=True, use_2cta_instrs=False, use_s_ping_pong=False)
         self.p_quant = p_quant
+        # P's scale tiles: const_p's constant one, or one per Q stage written by the softmax warps (dynamic)
+        self.p_sf_stages = q_stage if p_quant == "dynamic" else 1
         # tensor-memory columns of the scale factors, after FA4's S, P, O
         self.tmem_sf_offset = self.tmem_total
-
-    # FA4's softmax warps, with the recipe's softmax state (FA4's `softmax_step` calls its methods)
-    softmax_loop = _jit_copy(FlashAttentionForwardSm100.softmax_loop, SoftmaxSm100=MXSoftmaxSm100)
+        # FA4's softmax warps with the recipe's softmax state (FA4's `softmax_step` calls its methods): a copy of
+        # FA4's `softmax_loop` per kernel, its `SoftmaxSm100.create` building `MXSoftmaxSm100` for this p_quant
+        self.softmax_loop = types.MethodType(
+            _jit_copy(FlashAttentionForwardSm100.softmax_loop, SoftmaxSm100=_MXSoftmaxFactory(self)), self)
 
     def _setup_attributes(self):
         super()._setup_attributes()
         q_o = self.q_stage * self.m_block_size * (self.head_dim_padded * self.q_dtype.width
                                                   + self.epi_head_dim_v * self.o_dtype.width) // 8
         kv = self.n_block_size * max(self.head_dim_padded, self.head_dim_v_padded) * self.k_dtype.width // 8
-        self.kv_stage = min(self.kv_stage, sf_stage_count(self.head_dim_padded, self.q_stage, kv, q_o))
+        self.kv_stage = min(self.kv_stage, sf_stage_count(self.head_dim_padded, self.q_stage, kv, q_o,
+                                                          p_tiles=self.p_sf_stages))
 
     # ---------------------------------------------------------------------------------------------------------
     # host entry: the scale tensors ride along to the kernel
@@ -286,7 +362,7 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
             sfq_smem=blockscaled_utils.make_smem_layout_sfa(mma_qk, self.mma_tiler_qk, MX_BLOCK, self.q_stage),
             sfkv_smem=blockscaled_utils.make_smem_layout_sfb(mma_qk, self.mma_tiler_qk, MX_BLOCK, self.kv_stage),
             sfv_smem=blockscaled_utils.make_smem_layout_sfb(mma_pv, self.mma_tiler_pv, MX_BLOCK, self.kv_stage),
-            sfp_smem=blockscaled_utils.make_smem_layout_sfa(mma_pv, self.mma_tiler_pv, MX_BLOCK, 1),
+            sfp_smem=blockscaled_utils.make_smem_layout_sfa(mma_pv, self.mma_tiler_pv, MX_BLOCK, self.p_sf_stages),
         )
 
     @cute.jit
@@ -361,8 +437,8 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                                                      cute.slice_(mx["sfv_smem"], (None, None, None, 0))),
         )
         tmem_sf = {}
-        for name in ("q0", "q1", "k", "p", "v"):
-            if const_expr(name != "q1" or self.q_stage == 2):
+        for name in ("q0", "q1", "k", "p0", "p1", "v"):
+            if const_expr((name != "q1" or self.q_stage == 2) and (name != "p1" or self.p_sf_stages == 2)):
                 ptr = cute.recast_ptr(tStS.iterator + col, dtype=cutlass.Float8E8M0FNU)
                 tmem_sf[name] = cute.make_tensor(ptr, tmem_layouts[name[0]])
                 col += tcgen05.find_tmem_tensor_col_offset(tmem_sf[name])
@@ -374,24 +450,28 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
             cp_q.append(copy_utils.s2t_get_copy_fn(sSFQ, tmem_sf["q1"], tcgen05.CtaGroup.ONE))
         cp_k = copy_utils.s2t_get_copy_fn(sSFKV, tmem_sf["k"], tcgen05.CtaGroup.ONE)
         cp_v = copy_utils.s2t_get_copy_fn(sSFV, tmem_sf["v"], tcgen05.CtaGroup.ONE)
-        cp_p = copy_utils.s2t_get_copy_fn(sSFP, tmem_sf["p"], tcgen05.CtaGroup.ONE)
+        cp_p = [copy_utils.s2t_get_copy_fn(sSFP, tmem_sf[f"p{stage}"], tcgen05.CtaGroup.ONE)
+                for stage in range(self.p_sf_stages)]
         sfkv_stage_words = const_expr(cute.cosize(cute.slice_(mx["sfkv_smem"], (None, None, None, 0))) // 4)
         sfq_stage_words = const_expr(cute.cosize(cute.slice_(mx["sfq_smem"], (None, None, None, 0))) // 4)
 
-        # P's scale factors: the constant byte, once for the kernel
-        sSFP_words = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=Int32), cute.make_layout(128))
-        lane = cute.arch.lane_idx()
-        p_word = Int32(P_SF_BYTE * 0x01010101)
-        for j in cutlass.range_constexpr(4):
-            sSFP_words[lane * 4 + j] = p_word
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
-        cp_p(0)
+        # const_p: P's scale factors are the constant byte, once for the kernel (dynamic: the softmax warps write
+        # them to shared memory per K/V tile and they are copied below before each P.V)
+        if const_expr(self.p_quant == "const_p"):
+            sSFP_words = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=Int32), cute.make_layout(128))
+            lane = cute.arch.lane_idx()
+            p_word = Int32(P_SF_BYTE * 0x01010101)
+            for j in cutlass.range_constexpr(4):
+                sSFP_words[lane * 4 + j] = p_word
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            cp_p[0](0)
 
         mSFQ, mSFK, mSFV = d["mSFQ"], d["mSFK"], d["mSFV"]
         mSFTileQ, mSFTileK = d["mSFTileQ"], d["mSFTileK"]
         tSFQ = [tmem_sf["q0"]] + ([tmem_sf["q1"]] if const_expr(self.q_stage == 2) else [])
-        tSFK, tSFP, tSFV = tmem_sf["k"], tmem_sf["p"], tmem_sf["v"]
+        tSFK, tSFV = tmem_sf["k"], tmem_sf["v"]
+        tSFP = [tmem_sf[f"p{stage}"] for stage in range(self.p_sf_stages)]
         mbar_lastsplit = [pipeline_p_lastsplit.sync_object_full.get_barrier(stage) for stage in range(self.q_stage)]
 
         mma_q_consumer_phase = Int32(0)
@@ -432,8 +512,11 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                     self._load_sf(mSFV, head_idx, tile_k0 + n_block, sSFKV, v_index, sfkv_stage_words, cp_v)
                     for stage in cutlass.range_constexpr(self.q_stage):
                         pipeline_s_p_o.producer_acquire_w_index_phase(stage, P_full_O_rescaled_phase)
+                        if const_expr(self.p_quant == "dynamic"):
+                            cp_p[stage](stage)  # P's scales, written with P (before the P-full arrive)
                         self._gemm_pv(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
-                                      tOrV[None, None, None, v_index], tSFP, tSFV, O_should_accumulate,
+                                      tOrV[None, None, None, v_index], tSFP[stage % self.p_sf_stages], tSFV,
+                                      O_should_accumulate,
                                       mbar_lastsplit[stage], P_full_O_rescaled_phase)
                         if const_expr(stage == self.q_stage - 1):
                             pipeline_kv.consumer_release(release_state)
@@ -457,8 +540,11 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                 self._load_sf(mSFV, head_idx, tile_k0 + n_block_min, sSFKV, kv_state.index, sfkv_stage_words, cp_v)
                 for stage in cutlass.range_constexpr(self.q_stage):
                     pipeline_s_p_o.producer_acquire_w_index_phase(stage, P_full_O_rescaled_phase)
+                    if const_expr(self.p_quant == "dynamic"):
+                        cp_p[stage](stage)
                     self._gemm_pv(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
-                                  tOrV[None, None, None, kv_state.index], tSFP, tSFV, O_should_accumulate,
+                                  tOrV[None, None, None, kv_state.index], tSFP[stage % self.p_sf_stages], tSFV,
+                                  O_should_accumulate,
                                   mbar_lastsplit[stage], P_full_O_rescaled_phase)
                     pipeline_o_acc.producer_commit_w_index(stage)
                 P_full_O_rescaled_phase ^= 1
