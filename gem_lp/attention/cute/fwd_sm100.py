@@ -7,25 +7,34 @@ one contiguous 512-byte tile of that layout (D <= 128: one 128x4 tile per 128 pa
 features x 4 token blocks for `seq`), which is the shared-memory scale-factor atom of the block-scaled MMA.
 
 What differs from `FlashAttentionForwardSm100` (its FP8 path: E4M3 Q, K, V, P = exp2(s - m + 8) in E4M3 in tensor
-memory, O divided by the row sum of those P, LSE with the 2^8 taken out):
+memory, O divided by the row sum of the unrounded P, LSE with the 2^8 taken out):
 
 * S = Q K^T is `tcgen05.mma.kind::mxf8f6f4.block_scale` (`MmaMXF8Op`, UE8M0 scales, 32-element blocks along D):
   per Q tile and per K tile the MMA warp copies the tile's scales (512 bytes) from global to shared memory and
   then with `tcgen05.cp` (quack's `copy_utils.s2t_get_copy_fn`) into tensor memory, columns FA4 leaves free after
   S, P and O (which is why D = 128 runs with one Q stage: two would fill all 512 columns).
-* O = P V is the same block-scaled kind with A = P from tensor memory: its scale factors are the constant byte
-  127 (2^0: FA4's P is already 256 p, the `const_p` payload, and the 2^-8 cancels in the normalization by the
-  row sum of the same P), V's `seq` scales (32 keys x 1 feature) are SFB along the key dim. P's second part is
-  waited for on FA4's `P_full_lastsplit` barrier as in FA4 (`split_P_arrive`).
-* The rest is FA4's: load warp (TMA of payloads), softmax and correction warpgroups, epilogue.
+* The softmax is the recipe's (docs/numerics.md 4.1; `MXSoftmaxSm100`, a state FA4's softmax and correction warps
+  run unchanged): the running row max snapped up to an integer in the log2 domain, m' = ceil(max s * scale_log2),
+  so O's rescale factors are exact powers of two; P = exp2(t - m') rounded to E4M3 (`const_p`: FA4's 2^8 p,
+  `dynamic`: 32-key MX blocks, rceil); O divided by the row sum of the rounded P (summed from the E4M3 values the
+  MMA reads); LSE = (m' + log2 l) ln 2 from the unrounded row sum l, passed through FA4's row-max slot so that
+  FA4's correction warps write it.
+* O = P V is the same block-scaled kind with A = P from tensor memory. `const_p`: P's scale factors are the
+  constant byte 127 (2^0: P is 256 p, the `const_p` payload, and the 2^-8 cancels in the normalization by the row
+  sum of the same P), written once. `dynamic`: the softmax warps write each row's 4 scale bytes (one 32-bit word)
+  to shared memory in the 128x4 blocked layout before FA4's P-full arrive, and the MMA warp copies them to tensor
+  memory (`tcgen05.cp`) before each P V. V's `seq` scales (32 keys x 1 feature) are SFB along the key dim. P's
+  second part is waited for on FA4's `P_full_lastsplit` barrier as in FA4 (`split_P_arrive`).
+* The rest is FA4's: load warp (TMA of payloads), correction warpgroup, epilogue.
 
 What is compiled and checked (on a machine without a GPU, `python -m gem_lp.compile_check --arch sm_100a`): the
-kernel builds for sm_100a and its PTX holds the block-scaled `tcgen05.mma` for both GEMMs. Numerics on Blackwell
-are UNVERIFIED: no sm_100 GPU was available, nothing here has run. Known differences from the recipe
-(docs/numerics.md 4.1) that remain: FA4's softmax keeps the exact running row max (the recipe snaps it up to an
-integer in the log2 domain) and normalizes O by the row sum of the unrounded P (the recipe: of the rounded P);
-only `const_p` exists (no `dynamic` P). Performance: the scale tiles go global -> registers -> shared memory in
-the MMA warp, on the MMA issue path; a TMA load of the scales in the load warp is the next step.
+kernel builds for sm_100a, const_p and dynamic, and its PTX holds the block-scaled `tcgen05.mma` for both GEMMs
+and no other MMA. The softmax state's algebra is checked on the CPU against the reference by a model
+(tests/attention/test_sm100_softmax_model.py), not the device code. Numerics on Blackwell are UNVERIFIED: no
+sm_100 GPU was available, nothing here has run. Left: `dynamic` uses the MUFU exp2 for every element (FA4's
+partial polynomial exp2 emulation is kept for const_p only); the scale tiles of Q, K, V go global -> registers
+-> shared memory in the MMA warp, on the MMA issue path (a TMA load in the load warp is the next step); no
+backward.
 """
 from __future__ import annotations
 
