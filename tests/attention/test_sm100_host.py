@@ -101,3 +101,13 @@ def test_scale_tiles_and_stage_count():
     assert sf_stage_count(64, 1, 8 * 1024, 24 * 1024) == 23
     # dynamic P: one P scale tile per Q stage
     assert sf_stage_count(64, 2, 8 * 1024, 48 * 1024, p_tiles=2) == (224 * 1024 - 48 * 1024 - 4 * 512) // (8 * 1024 + 512)
+
+
+def test_softmax_registers_with_one_q_stage():
+    from gem_lp.attention.cute.fwd_sm100 import OTHER_REGS, softmax_regs
+
+    # FA4's FP8 D = 64 budget (168 softmax, 96 correction): the idle second softmax warpgroup's share goes to the first
+    assert softmax_regs(168, 96, OTHER_REGS) == 256
+    # D = 128 causal (192, 72): capped at 256; the four warpgroups stay within setmaxnreg's 512
+    assert softmax_regs(192, 72, OTHER_REGS) == 256 and 256 + 72 + 2 * OTHER_REGS <= 512
+    assert softmax_regs(200, 200, 120) == 200  # never below FA4's

@@ -25,6 +25,9 @@ memory, O divided by the row sum of the unrounded P, LSE with the 2^8 taken out)
   to shared memory in the 128x4 blocked layout before FA4's P-full arrive, and the MMA warp copies them to tensor
   memory (`tcgen05.cp`) before each P V. V's `seq` scales (32 keys x 1 feature) are SFB along the key dim. P's
   second part is waited for on FA4's `P_full_lastsplit` barrier as in FA4 (`split_P_arrive`).
+* Registers (`_setup_attributes`): with one Q stage FA4's second softmax warpgroup is idle, so the softmax
+  warpgroup takes its share (setmaxnreg 256, the MMA / load / epilogue warps 80, the correction warps FA4's):
+  with FA4's budgets the recipe's softmax spilled.
 * The rest is FA4's: load warp (TMA of payloads), correction warpgroup, epilogue.
 
 What is compiled and checked (on a machine without a GPU, `python -m gem_lp.compile_check --arch sm_100a`): the
@@ -117,14 +120,14 @@ class MXSoftmaxSm100(SoftmaxSm100):
       P offset);
     * `max_log2[0]`: m' (-inf before the first visible key), `unrounded_sum[0]`: l.
     The value `update_row_max` returns (and `scale_subtract_rowmax` takes) is m' itself, 0 for a row without a
-    visible key yet. The rounded sum of a step is taken in `update_row_sum` from the E4M3 P that
-    `apply_exp2_convert` wrote (after FA4 has stored P to tensor memory, off the MMA's path).
+    visible key yet. The rounded sum of a step is taken in `apply_exp2_convert` from the E4M3 P it wrote (summing
+    there, while those registers are live anyway for FA4's store of P, keeps the softmax warps free of spills;
+    deferring it past the store spilled) and added in `update_row_sum`.
     """
 
     max_log2: cute.Tensor = None
     unrounded_sum: cute.Tensor = None
-    # dynamic P: this step's scale bytes, and the shared-memory scale words of P (all stages)
-    p_scale_bytes: cute.Tensor = None
+    # dynamic P: the shared-memory scale words of P (all stages)
     sSFP_words: cute.Tensor = None
     p_log2_offset: cutlass.Constexpr[int] = CONST_P_LOG2
     dynamic_p: cutlass.Constexpr[bool] = False
@@ -147,7 +150,6 @@ class MXSoftmaxSm100(SoftmaxSm100):
         p_log2_offset = 0 if dynamic_p else CONST_P_LOG2
         return MXSoftmaxSm100(scale_log2, 1, new(), new(), 100, softmax_scale, rescale_threshold=rescale_threshold,
                               max_offset=p_log2_offset, max_log2=new(), unrounded_sum=new(),
-                              p_scale_bytes=cute.make_rmem_tensor(4, Int32) if dynamic_p else None,
                               sSFP_words=words, p_log2_offset=p_log2_offset, dynamic_p=dynamic_p)
 
     def reset(self) -> None:
@@ -190,16 +192,23 @@ class MXSoftmaxSm100(SoftmaxSm100):
                            ex2_emu_start_frg: cutlass.Constexpr[int] = 0):
         """const_p: FA4's exp2 and E4M3 conversion. dynamic: exp2, then per 32 keys the block's scale byte and
         payload; the row's scale word to shared memory (made visible to the MMA warp's tcgen05.cp before FA4's
-        P-full arrive). Remembers the E4M3 tensor for this step's rounded sum."""
+        P-full arrive). Both: this step's sum of the rounded P."""
+        words = cute.recast_tensor(acc_S_row_converted, Int32)  # the E4M3 P four to a 32-bit word
         if const_expr(not self.dynamic_p):
             SoftmaxSm100.apply_exp2_convert(self, acc_S_row, acc_S_row_converted, ex2_emu_freq=ex2_emu_freq,
                                             ex2_emu_res=ex2_emu_res, ex2_emu_start_frg=ex2_emu_start_frg)
+            parts = [Float32(0.0)] * 4  # four running partial sums
+            for i in cutlass.range_constexpr(cute.size(words)):
+                parts[i % 4] = parts[i % 4] + e4m3x4_sum(words[i])
+            rounded = (parts[0] + parts[1]) + (parts[2] + parts[3])
         else:
             n_blocks = const_expr(cute.size(acc_S_row) // MX_BLOCK)
             assert n_blocks == 4, "one 32-bit scale word per row: tile_n = 128"
+            words_per_block = const_expr(MX_BLOCK // 4)
             frg = cute.logical_divide(acc_S_row, cute.make_layout(MX_BLOCK))
             frg_out = cute.logical_divide(acc_S_row_converted, cute.make_layout(MX_BLOCK))
-            word = Int32(0)
+            sf_word = Int32(0)
+            block_sums = [Float32(0.0)] * n_blocks
             for j in cutlass.range_constexpr(n_blocks):
                 for k in cutlass.range_constexpr(MX_BLOCK):
                     frg[k, j] = cute.math.exp2(frg[k, j], fastmath=True)
@@ -207,38 +216,28 @@ class MXSoftmaxSm100(SoftmaxSm100):
                 amax = utils.fmax_reduce(block, arch=100)  # p >= 0
                 inv_scale, byte = rceil_scale(abs_bits_max(Int32(0), amax))
                 frg_out[None, j].store((block * inv_scale).to(acc_S_row_converted.element_type))
-                self.p_scale_bytes[j] = byte
-                word = word | (byte << (8 * j))
+                sf_word = sf_word | (byte << (8 * j))
+                # the block's rounded sum: payload sum times 2^(byte - 127), exact
+                payload_sum = Float32(0.0)
+                for i in cutlass.range_constexpr(words_per_block):
+                    payload_sum = payload_sum + e4m3x4_sum(words[j * words_per_block + i])
+                block_sums[j] = payload_sum * e8m0_value(byte)
+            rounded = (block_sums[0] + block_sums[1]) + (block_sums[2] + block_sums[3])
             # row r of this stage's 128: its 4 bytes at byte (r % 32) * 16 + (r // 32) * 4 of the 128x4 atom
             tidx = cute.arch.thread_idx()[0]
             row = tidx % 128
             stage = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-            self.sSFP_words[stage * (SF_TILE_BYTES // 4) + (row % 32) * 4 + row // 32] = word
+            self.sSFP_words[stage * (SF_TILE_BYTES // 4) + (row % 32) * 4 + row // 32] = sf_word
             cute.arch.fence_proxy("async.shared", space="cta")
-        # a trace-time reference (same softmax step): read by update_row_sum below
-        self._p_e4m3 = acc_S_row_converted
+        # this step's rounded sum, a trace-time value read by update_row_sum (same softmax step)
+        self._tile_rounded_sum = rounded
 
     @cute.jit
     def update_row_sum(self, acc_S_row_exp: cute.TensorSSA, row_scale: Float32,
                        is_first: cutlass.Constexpr[bool] = False) -> None:
         """l and lq rescaled by 2^(m'_old - m') plus this tile's unrounded / rounded P; then FA4's row_sum, row_max
         slots as the class docstring says."""
-        # the E4M3 P four to a 32-bit word (the registers FA4 stores to tensor memory), four running partial sums
-        words = cute.recast_tensor(self._p_e4m3, Int32)
-        n_words = const_expr(cute.size(words))
-        if const_expr(not self.dynamic_p):
-            parts = [Float32(0.0)] * 4
-            for i in cutlass.range_constexpr(n_words):
-                parts[i % 4] = parts[i % 4] + e4m3x4_sum(words[i])
-            rounded = (parts[0] + parts[1]) + (parts[2] + parts[3])
-        else:  # per MX block (8 words): payload sum times 2^(byte - 127), exact
-            per_block = const_expr(MX_BLOCK // 4)
-            parts = [Float32(0.0)] * (n_words // per_block)
-            for i in cutlass.range_constexpr(n_words):
-                parts[i // per_block] = parts[i // per_block] + e4m3x4_sum(words[i])
-            for j in cutlass.range_constexpr(len(parts)):
-                parts[j] = parts[j] * e8m0_value(self.p_scale_bytes[j])
-            rounded = (parts[0] + parts[1]) + (parts[2] + parts[3])
+        rounded = self._tile_rounded_sum
         if const_expr(is_first):
             l = self._compute_row_sum(acc_S_row_exp)
             lq = rounded
@@ -275,6 +274,18 @@ def sf_stage_count(head_dim: int, q_stage: int, kv_stage_bytes: int, q_o_bytes: 
     return min((budget - fixed) // (kv_stage_bytes + SF_TILE_BYTES), 32)
 
 
+# registers per thread of the MMA, load and epilogue warps (and idle warps) with one Q stage: FA4's FP8 D = 64
+# choice (its D = 128 budget, 120, is what its two softmax warpgroups leave)
+OTHER_REGS = 80
+
+
+def softmax_regs(fa4_softmax: int, correction: int, other: int) -> int:
+    """Registers per thread of the one softmax warpgroup with one Q stage: the rest of setmaxnreg's 512 per
+    thread-of-a-warpgroup after the correction warpgroup and two warpgroups at `other` (FA4's idle second softmax
+    warpgroup, and the MMA / load / epilogue one), a multiple of 8, at most 256, never below FA4's."""
+    return max(fa4_softmax, min(256, (512 - correction - 2 * other) // 8 * 8))
+
+
 class MXAttentionForwardSm100(FlashAttentionForwardSm100):
     """`FlashAttentionForwardSm100` (E4M3 Q, K, V; varlen; no GQA packing, split-KV, paging, 2-CTA or S ping-pong)
     with both GEMMs on block-scaled MXFP8 MMAs."""
@@ -309,6 +320,14 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
         kv = self.n_block_size * max(self.head_dim_padded, self.head_dim_v_padded) * self.k_dtype.width // 8
         self.kv_stage = min(self.kv_stage, sf_stage_count(self.head_dim_padded, self.q_stage, kv, q_o,
                                                           p_tiles=self.p_sf_stages))
+        # FA4 runs (__call__, just before this) with registers per thread set for its usual two softmax
+        # warpgroups; with one Q stage the second is idle at num_regs_other (`softmax1_warp_ids` become empty
+        # warps), so the softmax warpgroup takes what the four warpgroups leave of the 512 (setmaxnreg's budget
+        # with 512 threads), up to 256: the recipe's softmax keeps more live than FA4's (D = 64: 168 -> 256).
+        if self.q_stage == 1:
+            self.num_regs_other = min(self.num_regs_other, OTHER_REGS)
+            self.num_regs_softmax = softmax_regs(self.num_regs_softmax, self.num_regs_correction,
+                                                 self.num_regs_other)
 
     # ---------------------------------------------------------------------------------------------------------
     # host entry: the scale tensors ride along to the kernel
