@@ -29,7 +29,6 @@ TARGET_MODULES = ("gem_lp.attention.cute.targets", "gem_lp.norm.cute.targets", "
 # What the API runs without a CuTe kernel on an arch, said on every run for that arch.
 MISSING = {"sm_100a": [
     "attention bwd mxfp8: no sm_100a kernel yet (the API runs the reference recipe for mxfp8 there)",
-    "attention fwd mxfp8 p_quant='dynamic': no sm_100a kernel yet (the sm_100a forward has const_p)",
 ]}
 
 

@@ -51,5 +51,5 @@ MX_BWD_ARCH_MAJORS = (9,)
 # Majors where the public API runs mxfp8 on these kernels: a training call needs both directions, so sm_100 keeps
 # the reference recipe until its backward exists.
 MX_ARCH_MAJORS = tuple(m for m in MX_FWD_ARCH_MAJORS if m in MX_BWD_ARCH_MAJORS)
-# p_quant modes per arch (sm_100a: const_p only so far)
-MX_P_QUANTS = {9: ("const_p", "dynamic"), 10: ("const_p",)}
+# p_quant modes per arch
+MX_P_QUANTS = {9: ("const_p", "dynamic"), 10: ("const_p", "dynamic")}

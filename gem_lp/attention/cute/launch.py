@@ -113,10 +113,10 @@ def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
     """O `[Tq, H, D]` BF16 and LSE `[H, Tq]` of the MXFP8 recipe.
 
     sm_90a (`fwd_sm90`): q, k, v are MX-exact BF16 operands (the producer pass); `tiles` overrides the launch
-    table (for measurements). sm_100a (`fwd_sm100`, const_p; compiled, never run here): q, k, v are the E4M3
-    payloads and `scales` their block scales."""
+    table (for measurements). sm_100a (`fwd_sm100`; compiled, never run here): q, k, v are the E4M3 payloads and
+    `scales` their block scales."""
     if _check_arch(arch, "fwd", p_quant) == 10:
-        return _mx_forward_sm100(q, k, v, scales, cu_q, cu_k, causal=causal, scale=scale)
+        return _mx_forward_sm100(q, k, v, scales, cu_q, cu_k, causal=causal, scale=scale, p_quant=p_quant)
     tq, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(heads, tq, dtype=torch.float32, device=q.device)
@@ -193,8 +193,8 @@ def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     return dq, dk, dv
 
 
-def _mx_forward_sm100(q, k, v, scales: MXScales | None, cu_q, cu_k, *, causal: bool, scale: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _mx_forward_sm100(q, k, v, scales: MXScales | None, cu_q, cu_k, *, causal: bool, scale: float,
+                      p_quant: str = "const_p") -> tuple[torch.Tensor, torch.Tensor]:
     """`mx_forward` on sm_100a: `MXAttentionForwardSm100` on E4M3 payloads and blocked scales."""
     from .fwd_sm100 import MXAttentionForwardSm100
 
@@ -210,11 +210,11 @@ def _mx_forward_sm100(q, k, v, scales: MXScales | None, cu_q, cu_k, *, causal: b
     cu_tiles = _cu_tiles(cu_q, tiles.tile_m * tiles.q_stage)
     # the kernel reads the scales as 32-bit words (16 bytes per lane of the MMA warp)
     sf = [t.view(torch.int32) for t in (scales.q, scales.k, scales.v)]
-    key = ("mx fwd sm100", dim, causal, tiles, cu_tiles is not None)
+    key = ("mx fwd sm100", dim, causal, p_quant, tiles, cu_tiles is not None)
 
     def make():
         kernel = MXAttentionForwardSm100(dim, is_causal=causal, tile_m=tiles.tile_m, tile_n=tiles.tile_n,
-                                         q_stage=tiles.q_stage)
+                                         q_stage=tiles.q_stage, p_quant=p_quant)
         return cute.compile(
             kernel, *(to_cute_tensor(t) for t in (q, k, v, out)), to_cute_tensor(lse, assumed_align=4), scale,
             *(to_cute_tensor(t) for t in sf), _seq_tensor(scales.q_tiles), _seq_tensor(scales.k_tiles),

@@ -178,3 +178,45 @@ def ceil_f32(x: Float32, *, loc=None, ip=None) -> Float32:
 def rint_f32(x: Float32, *, loc=None, ip=None) -> Float32:
     """x rounded to the nearest integer (ties to even) as FP32."""
     return Float32(_asm(T.f32(), [Float32(x)], "cvt.rni.f32.f32 $0, $1;", "=f,f", loc, ip))
+
+
+@dsl_user_op
+def exp2_int(k: Float32, *, loc=None, ip=None) -> Float32:
+    """2^k for an integer-valued k, exactly, built from the exponent bits: 0 for k < -126 (and for k = -inf), FP32's
+    largest power of two for k > 127; NaN gives 1."""
+    body = ("{\n\t.reg .s32 e;\n\t"
+            "cvt.rni.s32.f32 e, $1;\n\t"  # saturates to the int32 range; NaN -> 0
+            "max.s32 e, e, -127;\n\tmin.s32 e, e, 127;\n\tadd.s32 e, e, 127;\n\t"
+            "shl.b32 e, e, 23;\n\tmov.b32 $0, e;\n\t}")
+    return Float32(_asm(T.f32(), [Float32(k)], body, "=f,f", loc, ip))
+
+
+@dsl_user_op
+def e4m3x4_sum(word: Int32, *, loc=None, ip=None) -> Float32:
+    """The FP32 sum of the four E4M3 values packed in `word` (exact conversions; FP32 adds)."""
+    body = ("{\n\t.reg .b16 lo, hi, a, b, c, d;\n\t.reg .b32 h0, h1;\n\t.reg .f32 fa, fb, fc, fd;\n\t"
+            "mov.b32 {lo, hi}, $1;\n\t"
+            "cvt.rn.f16x2.e4m3x2 h0, lo;\n\tcvt.rn.f16x2.e4m3x2 h1, hi;\n\t"
+            "mov.b32 {a, b}, h0;\n\tmov.b32 {c, d}, h1;\n\t"
+            "cvt.f32.f16 fa, a;\n\tcvt.f32.f16 fb, b;\n\tcvt.f32.f16 fc, c;\n\tcvt.f32.f16 fd, d;\n\t"
+            "add.rn.f32 fa, fa, fb;\n\tadd.rn.f32 fc, fc, fd;\n\tadd.rn.f32 $0, fa, fc;\n\t}")
+    return Float32(_asm(T.f32(), [Int32(word)], body, "=f,r", loc, ip))
+
+
+@dsl_user_op
+def rceil_scale(amax_bits: Int32, *, loc=None, ip=None) -> tuple[Float32, Int32]:
+    """(2^(127 - byte), byte): the E8M0 scale byte of a block whose |max| bits are `amax_bits` by the rceil rule,
+    and the factor that takes the block's values to their E4M3 payload range (NaN for byte 255)."""
+    body = ("{\n\t" + _rceil_byte("$2") +
+            "sub.u32 t, 254, byte;\n\tshl.b32 t, t, 23;\n\tselp.b32 $0, 0x7FC00000, t, pnan;\n\t"
+            "mov.b32 $1, byte;\n\t}")
+    out = _asm(llvm.StructType.get_literal([T.f32(), T.i32()]), [Int32(amax_bits)], body, "=f,=r,r", loc, ip)
+    return (Float32(llvm.extractvalue(T.f32(), out, [0], loc=loc, ip=ip)),
+            Int32(llvm.extractvalue(T.i32(), out, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def e8m0_value(byte: Int32, *, loc=None, ip=None) -> Float32:
+    """2^(byte - 127) as FP32 (byte 0 -> 0 rather than the subnormal 2^-127; 255 -> inf)."""
+    return Float32(_asm(T.f32(), [Int32(byte)], "{\n\t.reg .b32 t;\n\tshl.b32 t, $1, 23;\n\tmov.b32 $0, t;\n\t}",
+                        "=f,r", loc, ip))

@@ -58,9 +58,9 @@ def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arc
 
 
 def compile_targets(arch: str) -> list[CompileTarget]:
-    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist: sm_90a forward and backward
-    (const_p, dynamic), sm_100a the forward with const_p (`gem_lp.compile_check.MISSING` lists the rest; the
-    public API runs the reference for mxfp8 where a direction is missing)."""
+    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist: sm_90a forward and backward,
+    sm_100a the forward, each with const_p and dynamic (`gem_lp.compile_check.MISSING` lists the rest; the public
+    API runs the reference for mxfp8 where a direction is missing)."""
     from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS
 
     major = int(arch[3:-1]) // 10
