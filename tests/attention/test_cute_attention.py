@@ -6,21 +6,13 @@ import pytest
 import torch
 
 from gem_lp.attention import jagged_attention
-from gem_lp.backend import cute_unavailable
 from gem_lp.mx import dequantize, quantize_reference
 from gem_lp.numerics import sqnr_db
 
+from cute_gpu import require_cute_gpu
+
 pytestmark = pytest.mark.gpu
-
-
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    return cute_unavailable(torch.device("cuda"))
-
-
-if _skip_reason() is not None:
-    pytest.skip(_skip_reason() or "", allow_module_level=True)
+require_cute_gpu()
 
 DEV = "cuda"
 # odd lengths around the 32-token MX blocks and the kernels' 64/128-row tiles, an empty one, a long one

@@ -10,23 +10,13 @@ NaN scale bytes (255) must give NaN in every column of their rows.
 import pytest
 import torch
 
-from gem_lp.backend import cute_unavailable
 from gem_lp.gemm.reference import dequantize_a, mx_gemm_reference
 from gem_lp.mx.layout import to_blocked
 
+from cute_gpu import require_cute_gpu
+
 pytestmark = pytest.mark.gpu
-
-
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return "needs sm_90"
-    return cute_unavailable(torch.device("cuda"))
-
-
-if _skip_reason() is not None:
-    pytest.skip(_skip_reason() or "", allow_module_level=True)
+require_cute_gpu(9)
 
 from gem_lp.gemm.cute import mx_gemm_sm90  # noqa: E402
 from gem_lp.gemm.cute.launch import LAUNCH_CANDIDATES  # noqa: E402

@@ -14,21 +14,13 @@ import pytest
 import torch
 from byte_checks import assert_same_bytes
 
-from gem_lp.backend import cute_unavailable
 from gem_lp.mx import dequantize, quantize_dual, quantize_reference, to_blocked
 from gem_lp.norm_gemm import rms_norm_quantize
 
+from cute_gpu import require_cute_gpu
+
 pytestmark = pytest.mark.gpu
-
-
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    return cute_unavailable(torch.device("cuda"))
-
-
-if _skip_reason() is not None:
-    pytest.skip(_skip_reason() or "", allow_module_level=True)
+require_cute_gpu()
 
 from gem_lp.norm.cute import launch as cute_launch  # noqa: E402
 from gem_lp.norm.cute.config import NormLaunch  # noqa: E402
