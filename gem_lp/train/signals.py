@@ -1,11 +1,9 @@
 """SIGINT / SIGTERM as a request to stop at the next step boundary, with a checkpoint."""
 from __future__ import annotations
 
-import logging
+import os
 import signal
 import threading
-
-log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -36,8 +34,14 @@ class StopRequests:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = signum
-        log.warning("%s received: stopping after the current step, with a checkpoint (Ctrl-C again to stop at once, "
-                    "without one)", signal.Signals(signum).name)
+        # Not through logging: the signal may arrive while the main thread is inside a write to the same stream,
+        # and a buffered stream refuses the reentrant write ("--- Logging error ---"). One unbuffered write to
+        # stderr instead; the stop itself is logged at the step boundary.
+        try:
+            os.write(2, f"{signal.Signals(signum).name} received: stopping after the current step, with a checkpoint "
+                        f"(Ctrl-C again to stop at once, without one)\n".encode())
+        except OSError:  # no stderr to write to
+            pass
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():
