@@ -7,10 +7,16 @@ launch: the first launch of each (device, dtypes and 16-byte alignment of the te
 which finds or compiles the kernel; later ones call that compiled kernel's launcher directly with the same
 arguments, as the JIT itself does (Triton 3.6's `CompiledKernel.run`). The interpreter, the JIT's debug mode and
 instrumentation always go through the JIT.
+
+The compiled kernels found are shared by every `KernelLaunch` of the same kernel and keyword arguments, keyed as the
+JIT specializes: tensors by dtype and 16-byte alignment, integers by being 1, divisible by 16 and their integer
+type, constexpr parameters passed by position by their value. A plan made for a new token count (a new grid and M) then launches the build an earlier count of the same
+class found, instead of going through the JIT again.
 """
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from triton import knobs as _knobs
@@ -43,32 +49,39 @@ class KernelLaunch:
     non-tensor arguments fixed: calls differ only in their tensors. Holds the compiled kernel of each
     (device, tensor dtypes and alignment) it met, for direct relaunch."""
 
-    __slots__ = ("kernel", "grid", "kwargs", "constexprs", "compiled")
+    __slots__ = ("kernel", "grid", "kwargs", "constexprs", "compiled", "by_value")
 
     def __init__(self, kernel, grid: tuple[int, ...], n_args: int, kwargs: dict):
         self.kernel, self.grid, self.kwargs = kernel, tuple(grid), kwargs
         self.constexprs = constexpr_values(kernel, n_args, kwargs)
-        self.compiled: dict = {}
+        self.compiled = _shared_builds(kernel, n_args, kwargs)
+        self.by_value = positional_constexprs(kernel, n_args)
 
     def __call__(self, args: tuple, on_gpu: bool) -> None:
         """Launch on `args` (positional; their non-tensor values and which of them are None must be the ones this
         launch was planned for). `on_gpu`: a compiled kernel runs (CUDA tensors, not the interpreter)."""
-        relaunch(self.kernel, self.grid, args, self.kwargs, self.constexprs, self.compiled, on_gpu)
+        relaunch(self.kernel, self.grid, args, self.kwargs, self.constexprs, self.compiled, on_gpu, self.by_value)
+
+
+def positional_constexprs(kernel, n_args: int) -> tuple[int, ...]:
+    """Positions among the first `n_args` parameters of `kernel` that are `tl.constexpr`: a build is made for each
+    of their values."""
+    params = getattr(kernel, "params", None) or ()
+    return tuple(i for i, p in enumerate(params[:n_args]) if getattr(p, "is_constexpr", False))
 
 
 def relaunch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, constexprs: tuple, compiled: dict,
-             on_gpu: bool) -> None:
+             on_gpu: bool, by_value: tuple[int, ...] = ()) -> None:
     """Launch `kernel[grid](*args, **kwargs)`, directly through the compiled kernel recorded in `compiled` when
-    there is one for this device and these tensors (see the module's docs). `constexprs`: `constexpr_values` of
-    `kwargs`; `compiled`: the caller's cache, keyed here; the caller guarantees that everything in `args` but the
-    tensors is the same on every call with the same `compiled`."""
+    there is one for the build these arguments select (see the module's docs). `constexprs`: `constexpr_values` of
+    `kwargs`; `compiled`: the cache of the launches of `kernel` with these `kwargs`, keyed here; `by_value`:
+    `positional_constexprs` of the kernel (their values select builds)."""
     if (not DIRECT_RELAUNCH or not on_gpu or _knobs.runtime.debug or _knobs.compilation.instrumentation_mode
             or getattr(kernel, "debug", False)):  # the JIT's business
         kernel[grid](*args, **kwargs)
         return
     device = _driver.active.get_current_device()
-    # a tensor's dtype and 16-byte alignment select the build; positions keep None and tensors apart
-    key = (device, *((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else None for a in args))
+    key = (device, *map(_specialization, args), *(args[i] for i in by_value))
     compiled_kernel = compiled.get(key)
     if compiled_kernel is None:
         compiled_kernel = kernel[grid](*args, **kwargs)
@@ -83,6 +96,33 @@ def relaunch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, constexpr
     n = len(grid)
     compiled_kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled_kernel.function,
                         compiled_kernel.packed_metadata, metadata, enter, leave, *args, *constexprs)
+
+
+def _specialization(a) -> object:
+    """What of an argument selects the JIT's build: a tensor's dtype and 16-byte alignment; an integer's being 1,
+    being divisible by 16 and its type (i32, u64 or i64); nothing else (floats and bools are not specialized).
+    Positions keep None, tensors and numbers apart."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if type(a) is int:
+        return a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a >= (1 << 63)
+    return None
+
+
+# kernel -> {(n_args, keyword arguments): {relaunch key: compiled kernel}}; weak on the kernel
+_BUILDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _shared_builds(kernel, n_args: int, kwargs: dict) -> dict:
+    """The compiled-kernel cache shared by the launches of `kernel` with these keyword arguments (a private one
+    when a keyword value cannot be hashed or the kernel cannot be weakly referenced)."""
+    try:
+        per_kernel = _BUILDS.get(kernel)
+        if per_kernel is None:
+            per_kernel = _BUILDS[kernel] = {}
+        return per_kernel.setdefault((n_args, tuple(sorted(kwargs.items()))), {})
+    except TypeError:
+        return {}
 
 
 def _relaunchable(kernel) -> bool:

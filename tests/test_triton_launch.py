@@ -66,3 +66,27 @@ def test_the_jit_every_time_off_the_gpu_in_debug_mode_or_when_switched_off(jit, 
     monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
     launch(args, True)
     assert len(jit.compiled[2].runs) == 1
+
+
+def test_launches_of_the_same_kernel_and_keywords_share_builds_keyed_as_the_jit_specializes(jit):
+    a, b = torch.zeros(64), torch.zeros(64)
+    KernelLaunch(jit, (3,), 3, dict(BLOCK=64))((a, 4096, b), True)
+    other_m = KernelLaunch(jit, (5,), 3, dict(BLOCK=64))  # another plan (grid, M) of the same class
+    other_m((a, 4112, b), True)  # divisible by 16 too: the build found above, launched directly on its own grid
+    assert len(jit.launches) == 1 and jit.compiled[0].runs[0][:2] == (5, 1)
+    for m in (4097, 1, 1 << 40):  # not divisible by 16, the constant 1, an int64: other builds, through the JIT
+        other_m((a, m, b), True)
+    KernelLaunch(jit, (5,), 3, dict(BLOCK=32))((a, 4096, b), True)  # other keywords: another build
+    assert len(jit.launches) == 5
+    other_m((a, 4099, b), True)
+    assert len(jit.launches) == 5 and len(jit.compiled[1].runs) == 1
+
+
+def test_constexprs_passed_by_position_select_builds_by_value(jit):
+    jit.params[1].is_constexpr = True  # k(a, n: tl.constexpr, b, ...)
+    launch = KernelLaunch(jit, (1,), 3, dict(BLOCK=64))
+    a, b = torch.zeros(64), torch.zeros(64)
+    for n in (256, 1024, 256, 1024):
+        launch((a, n, b), True)
+    assert len(jit.launches) == 2 and [len(c.runs) for c in jit.compiled] == [1, 1]
+    assert jit.compiled[0].runs[0][10] == 256 and jit.compiled[1].runs[0][10] == 1024
