@@ -18,30 +18,20 @@ converted by `to_blocked` first (a pass over the scales only, 1/32 of the payloa
 Shapes: any M >= 0 (jagged token counts; rows past M are TMA zero fill and not stored), K a multiple of 32 (a last
 k-tile past K is zero fill), N a multiple of 8 (D's rows 16-byte aligned for the TMA store; quack's tile N).
 
-Not wired into MXLinear yet: it is compiled for sm_90a on CPU (`python -m gem_lp.compile_check --arch sm_90a --op
-gemm`), not yet run on a GPU. How it would be wired, in `gem_lp/norm_gemm/triton_gemm.py`'s `cublas` route:
+Measured on the H200 (`python -m benchmarks.bench_mx_gemm`, docs/PERF.md): exact (the same 55.6 dB against the FP32
+product as cuBLAS on deq(A), byte-0 scale rows included: `tests/gemm/test_cute_gemm.py` passes on the device), but at
+0.65-0.78x of the best BF16 GEMM (quack / cuBLAS on an A already in BF16): the decode does not hide under the
+WGMMAs. Against the current route (a dequantize pass, then cuBLAS) it is slower at four of the model shapes (0.65-0.76x
+against 0.73-0.95x of the best peer) and faster at K = 256 -> N = 768, the GPU model's QKV projection (0.034 ms
+against 0.054-0.067 ms), where the pass costs as much as the GEMM.
 
-* forward (`MXLinearTritonFunction.forward`, and `RMSNormMXLinearTritonFunction.forward` the same way): today the
-  producer `rms_norm_mx(x2, ..., rowwise=mx_ops, row_operand=not mx_ops, ...)` writes X's exact BF16 values (the
-  dequantized operand, 2 bytes per element, which cuBLAS reads back); it would write X's rowwise MX payload + blocked
-  scales instead (`rowwise=True`, `row_operand=False`: 1 byte + 1/32), and
-  `_gemm_nt(out.row_operand, w_ops.row, "cublas", x2.dtype, bias)` -- cuBLAS `torch.mm` / `torch.addmm` -- becomes
-  `mx_gemm_sm90(out.rowwise.data, out.rowwise.scale, w_ops.row, bias, x2.dtype)`. `w_ops.row` (the MX-exact BF16
-  weight `[N, K]`, made by `weight_operands` once per optimizer step) is B as it is. M is no longer bucketed
-  (`gemm_rows`): the kernel is built once per (N, K) with M dynamic.
-* backward dX (`_linear_backward`, `need_in`): `_gemm_nt(dy_row, w_ops.col.t(), ...)` likewise, with dY's rowwise MX
-  cast (`_dy_operands` writing `rowwise=True`) as A; B = `w_ops.col.t()` (`[K_in, N]`) must then be contiguous along
-  N, so `weight_operands` would keep W^T's BF16 values contiguous (one transpose per optimizer step) instead of the
-  transposed view it returns today.
-* dW stays on the dequantize + cuBLAS route: both of its operands are MX (dY^T and X^T along M), and this kernel
-  takes one MX operand.
-
-Unmeasured (no GPU run yet): correctness on the device (`tests/gemm/test_cute_gemm.py`), the speed against the
-dequantize pass + cuBLAS and against cuBLAS / quack BF16 alone (`python -m benchmarks.bench_mx_gemm`), the launch
-table (tile 128x128 by default; 128x256, 128x192 and cluster 2 are the candidates the benchmark times), whether the
-decode hides under the WGMMAs (about 20 instructions per thread per k16 block and m64 atom, half of them converts),
-and whether `mul.rn.bf16x2` keeps BF16 subnormals on the H200 (scale byte 0 is the subnormal 2^-127; the tests'
-byte-0 rows check it).
+Not wired into MXLinear: the route it would replace is faster at most shapes. Where it would go, in
+`gem_lp/norm_gemm/triton_gemm.py`'s `cublas` route: the forward's producer would write X's rowwise MX payload and
+blocked scales (`rowwise=True`, `row_operand=False`) instead of X's exact BF16 values, and `_gemm_nt(out.row_operand,
+w_ops.row, "cublas", ...)` would become `mx_gemm_sm90(out.rowwise.data, out.rowwise.scale, w_ops.row, bias,
+x2.dtype)` (`w_ops.row`, the MX-exact BF16 weight made once per optimizer step, is B as it is; M dynamic, no
+`gemm_rows` bucketing); the backward's dX likewise with dY's rowwise cast as A and W^T's BF16 values kept contiguous
+along N. dW stays on the dequantize + cuBLAS route (both of its operands are MX).
 
 sm_100 (compiled, not launched): Blackwell has the block-scaled MMA, so its MX GEMM is quack's own `GemmDefaultSm100`
 with MXFP8 A and B and E8M0 scale factors per 32 k (`quack/blockscaled`; the same 512-byte 128x4 tiles as

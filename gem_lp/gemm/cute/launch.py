@@ -31,10 +31,16 @@ class GemmLaunch:
     cluster_n: int = 1
 
 
-# Per-arch launch tables: (N, K) -> launch; shapes not listed take the arch's default. Unmeasured: 128x128 keeps four
-# pipeline stages at tile_K = 128 (A 16 KiB + B 32 KiB per stage); `benchmarks.bench_mx_gemm` times the candidates.
+# Per-arch launch tables: (N, K) -> launch; shapes not listed take the arch's default. The fastest candidate of
+# `benchmarks.bench_mx_gemm` on the H200 at M = 32767 and 32768 (docs/PERF.md, MX GEMM on the CuTe DSL); 128x128 was
+# the fastest at K = 4096 -> N = 1024.
 SM90_DEFAULT = GemmLaunch(128, 128, 1)
-SM90: dict[tuple[int, int], GemmLaunch] = {}
+SM90: dict[tuple[int, int], GemmLaunch] = {
+    (3072, 1024): GemmLaunch(128, 192, 1),
+    (4096, 1024): GemmLaunch(128, 192, 1),
+    (1536, 512): GemmLaunch(128, 192, 1),
+    (768, 256): GemmLaunch(128, 256, 1),
+}
 LAUNCH_CANDIDATES = (GemmLaunch(128, 128, 1), GemmLaunch(128, 256, 1), GemmLaunch(128, 192, 1),
                      GemmLaunch(128, 128, 2))
 TABLES = {"sm_90a": (SM90, SM90_DEFAULT)}
@@ -190,7 +196,8 @@ def mx_gemm_sm90(a_payload: torch.Tensor, a_scale: torch.Tensor, b_bf16: torch.T
     s_view = scale.view(torch.int32).as_strided((SCALE_TILE_WORDS, row_tiles, col_tiles),
                                                 (1, SCALE_TILE_WORDS * col_tiles, SCALE_TILE_WORDS))
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
-    epi = GemmDefaultSm90.EpilogueArguments(mRowVecBroadcast=bias32)
+    # the build's Constexpr fields (add_to_output, rounding_mode) are not call arguments: None at run time
+    epi = GemmDefaultSm90.EpilogueArguments(mRowVecBroadcast=bias32, add_to_output=None, rounding_mode=None)
     index = torch.cuda.current_device() if dev.index is None else dev.index
     sched = make_scheduler_args(_max_active_clusters(launch.cluster_n, index), 8, None)
     fn(TransformAOperand(a_view, s_view), b, y, None, epi, sched, None, None, None)
