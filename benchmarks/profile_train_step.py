@@ -1,16 +1,21 @@
 """Where a training step's time goes: host (Python, dispatch, launches) against GPU (kernels), by torch.profiler.
 
     python -m benchmarks.profile_train_step trainer=gpu model=gem_mxfp8 [overrides ...] [--steps 20] [--trace t.json]
+    python -m benchmarks.profile_train_step trainer=gpu model=gem_mxfp8 --python   # cProfile of the host instead
 
 Builds the trainer from the same Hydra configs as `train.py` (a temporary run directory), runs warm-up steps
 (every kernel built), then profiles `--steps` steps and prints per step: the wall time, the GPU's kernel time, the
 host time (wall less the time the host waits in synchronizing calls), and the kernels and host ops that cost the
-most. When host time is above GPU time, the GPU waits for the host.
+most. When host time is above GPU time, the GPU waits for the host. `--python` runs the same steps under cProfile
+instead (no torch.profiler) and prints the Python functions that take the host's time.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import os
 import tempfile
 import time
@@ -31,6 +36,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30, help="steps before profiling (builds, allocator)")
     parser.add_argument("--steps", type=int, default=20, help="profiled steps")
     parser.add_argument("--trace", help="also write a Chrome trace here (must not exist)")
+    parser.add_argument("--python", action="store_true", help="profile the host's Python (cProfile) instead")
     args = parser.parse_args()
     if args.trace and os.path.exists(args.trace):
         parser.error(f"--trace {args.trace} exists; give a new path")
@@ -43,10 +49,14 @@ def main() -> None:
         if trainer.device.type != "cuda":
             parser.error("profiles a CUDA run: add trainer=gpu")
         loader = iter(trainer._train_loader())
-        batches = [next(loader) for _ in range(args.warmup + args.steps)]  # data loading stays out of the profile
+        # data loading stays out of the profile; every step gets a batch of its own (new token counts, as in a run)
+        batches = [next(loader) for _ in range(args.warmup + args.steps * (2 if args.python else 1))]
         for i, batch in enumerate(batches[:args.warmup]):
             trainer.train_step(batch, i + 1)
         torch.cuda.synchronize()
+        if args.python:
+            python_profile(trainer, batches[args.warmup:], args.warmup, args.steps)
+            return
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             for i, batch in enumerate(batches[args.warmup:]):
@@ -71,6 +81,30 @@ def main() -> None:
     (out / f"{name[:150]}.json").write_text(json.dumps(result, indent=1))
     print(f"per step: wall {wall_ms:.2f} ms, GPU kernels {gpu_ms:.2f} ms, host {host_ms:.2f} ms "
           f"(waiting in syncs {waits_ms:.2f} ms), {result['samples_per_s']:,.0f} samples/s")
+
+
+def python_profile(trainer, batches: list, first_step: int, steps: int) -> None:
+    """The host's time per step by Python function (cProfile), with the unprofiled step time for scale: `steps`
+    steps without the profiler, then `steps` under it, each on batches of its own."""
+    start = time.perf_counter()
+    for i, batch in enumerate(batches[:steps]):
+        trainer.train_step(batch, first_step + i + 1)
+    torch.cuda.synchronize()
+    plain_ms = (time.perf_counter() - start) * 1e3 / steps
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for i, batch in enumerate(batches[steps:]):
+        trainer.train_step(batch, first_step + steps + i + 1)
+    torch.cuda.synchronize()
+    profiler.disable()
+    profiled_ms = (time.perf_counter() - start) * 1e3 / steps
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+        print(text.getvalue())
+    print(f"per step: {plain_ms:.2f} ms unprofiled, {profiled_ms:.2f} ms under cProfile ({steps} steps; the "
+          f"table's times are totals over them)")
 
 
 if __name__ == "__main__":
