@@ -13,7 +13,14 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 class OpSettings:
     """What every op of the model is told: precision recipe, backend, and attention's P quantization mode and
-    Q/K rotation."""
+    Q/K rotation.
+
+    `qk_rotation="hadamard"` is folded into the projections that make Q and K (`qk_linear`, `qk_norm_linear`:
+    their Q and K output features rotated per head by the Hadamard matrix, through the weight), so the attention
+    ops get rotated Q and K straight from the GEMMs and are called with `qk_rotation=None`: the same attention in
+    exact arithmetic as rotating inside `jagged_attention`, without its passes over Q and K (two matmuls and a copy
+    each way per call) and without keeping rotated copies of them for the backward.
+    """
 
     def __init__(self, recipe: str, backend: str, p_quant: str, eps: float, qk_rotation: str | None = None):
         self.recipe = recipe
@@ -28,10 +35,27 @@ class OpSettings:
     def norm_linear(self, in_features: int, out_features: int, bias: bool = True) -> RMSNormMXLinear:
         return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend)
 
+    def _rotation(self, qk_features: int, head_dim: int) -> dict:
+        rows = qk_features if self.qk_rotation == "hadamard" else 0
+        return dict(rotated_rows=rows, rotation_block=head_dim)
+
+    def qk_linear(self, in_features: int, out_features: int, qk_features: int, head_dim: int,
+                  bias: bool = True) -> MXLinear:
+        """A projection whose first `qk_features` outputs are attention's Q and/or K heads of `head_dim` features
+        (rotated per head by `qk_rotation`)."""
+        return MXLinear(in_features, out_features, bias, recipe=self.recipe, backend=self.backend,
+                        **self._rotation(qk_features, head_dim))
+
+    def qk_norm_linear(self, in_features: int, out_features: int, qk_features: int, head_dim: int,
+                       bias: bool = True) -> RMSNormMXLinear:
+        """`norm_linear` whose first `qk_features` outputs are attention's Q and/or K heads (see `qk_linear`)."""
+        return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend,
+                               **self._rotation(qk_features, head_dim))
+
     def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, broadcast_q=False):
+        """Jagged attention on Q and K from `qk_linear` / `qk_norm_linear` (already rotated)."""
         return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
-                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant,
-                                qk_rotation=self.qk_rotation)
+                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant)
 
 
 class FeedForward(nn.Module):
@@ -61,7 +85,7 @@ class JaggedSelfAttentionBlock(nn.Module):
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.causal = causal
-        self.qkv = ops.norm_linear(d_model, 3 * num_heads * head_dim)
+        self.qkv = ops.qk_norm_linear(d_model, 3 * num_heads * head_dim, 2 * num_heads * head_dim, head_dim)
         self.out = ops.linear(num_heads * head_dim, d_model)
         self.mlp = FeedForward(ops, d_model, mlp_hidden, activation)
 
@@ -95,9 +119,9 @@ class SequenceReadout(nn.Module):
         self.head_dim = head_dim
         width = num_heads * head_dim
         self.query_tokens = nn.Parameter(torch.randn(num_query_tokens, d_model) * d_model**-0.5)
-        self.query_proj = ops.linear(d_model, width)
-        self.target_proj = ops.norm_linear(d_target, width)
-        self.kv = ops.norm_linear(d_model, 2 * width)
+        self.query_proj = ops.qk_linear(d_model, width, width, head_dim)
+        self.target_proj = ops.qk_norm_linear(d_target, width, width, head_dim)
+        self.kv = ops.qk_norm_linear(d_model, 2 * width, width, head_dim)
         self.query_out = ops.linear(width, d_model)
         self.target_out = ops.linear(width, d_model)
         self._target_offsets: dict[tuple[int, torch.device], torch.Tensor] = {}

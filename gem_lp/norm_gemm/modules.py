@@ -34,15 +34,57 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 
-class _LinearParams(nn.Module):
-    """weight `[out, in]` and optional bias `[out]`, initialized as `nn.Linear` does."""
+def _check_rotation(rotated_rows: int, rotation_block: int, out_features: int) -> None:
+    if rotated_rows == 0:
+        return
+    b = rotation_block
+    if b < 1 or b & (b - 1) or not 0 < rotated_rows <= out_features or rotated_rows % b:
+        raise ValueError(f"rotated_rows must be 0 or a multiple of rotation_block (a power of two) up to out_features="
+                         f"{out_features}, got rotated_rows={rotated_rows}, rotation_block={rotation_block}")
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+
+def rotate_output_rows(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, block: int):
+    """(weight, bias) of the layer whose output features `[0, rows)` are those of `(weight, bias)` times the
+    orthonormal Hadamard matrix H `[block, block]`, block by block: `y[:, blk] H = x (H W_blk)^T + b_blk H` (H is
+    symmetric). Differentiable; computed in FP32 (as `hadamard_transform`), rounded once to the parameters' dtype."""
+    from ..attention.rotation import hadamard_transform
+
+    if rows == 0:
+        return weight, bias
+    head = weight[:rows].reshape(rows // block, block, -1).transpose(1, 2)  # [blocks, in, block]: W_blk^T
+    rotated = hadamard_transform(head).transpose(1, 2).reshape(rows, -1)
+    weight = rotated if rows == weight.shape[0] else torch.cat([rotated, weight[rows:]])
+    if bias is not None:
+        b = hadamard_transform(bias[:rows].reshape(-1, block)).reshape(rows)
+        bias = b if rows == bias.shape[0] else torch.cat([b, bias[rows:]])
+    return weight, bias
+
+
+class _LinearParams(nn.Module):
+    """weight `[out, in]` and optional bias `[out]`, initialized as `nn.Linear` does.
+
+    `rotated_rows` > 0: the layer's first `rotated_rows` outputs are multiplied by the orthonormal Hadamard matrix
+    over blocks of `rotation_block` features (`rotate_output_rows`, applied to the weight and bias in every forward;
+    the parameters stay unrotated). An attention's `qk_rotation` folded into the projections that make Q and K:
+    the rotated Q and K come out of the GEMM itself, with no pass over them.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rotated_rows: int = 0,
+                 rotation_block: int = 1):
         super().__init__()
+        _check_rotation(rotated_rows, rotation_block, out_features)
         self.in_features, self.out_features = in_features, out_features
+        self.rotated_rows, self.rotation_block = rotated_rows, rotation_block
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.reset_linear_parameters()
+
+    def effective_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) the forward uses: the parameters, with the output rotation applied."""
+        return rotate_output_rows(self.weight, self.bias, self.rotated_rows, self.rotation_block)
+
+    def _rotation_repr(self) -> str:
+        return f", rotated_rows={self.rotated_rows}, rotation_block={self.rotation_block}" if self.rotated_rows else ""
 
     def reset_linear_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -55,21 +97,22 @@ class MXLinear(_LinearParams):
     """Linear layer `y = x W^T + b` with `x [..., in_features]`, output in x's dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: str = "mxfp8",
-                 backend: str = "auto"):
+                 backend: str = "auto", rotated_rows: int = 0, rotation_block: int = 1):
         _check_recipe(recipe, backend, in_features, out_features)
-        super().__init__(in_features, out_features, bias)
+        super().__init__(in_features, out_features, bias, rotated_rows, rotation_block)
         self.recipe, self.backend = recipe, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.effective_parameters()
         if self.recipe == "mxfp8":
-            return mx_linear(x, self.weight, self.bias, backend=self.backend)
+            return mx_linear(x, weight, bias, backend=self.backend)
         if self.recipe == "fp32":
-            return F.linear(x.float(), self.weight.float(), _cast(self.bias, torch.float32)).to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype), _cast(self.bias, x.dtype))
+            return F.linear(x.float(), weight.float(), _cast(bias, torch.float32)).to(x.dtype)
+        return F.linear(x, weight.to(x.dtype), _cast(bias, x.dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe={self.recipe!r}, backend={self.backend!r}")
+                f"recipe={self.recipe!r}, backend={self.backend!r}{self._rotation_repr()}")
 
 
 class RMSNormMXLinear(_LinearParams):
@@ -80,22 +123,23 @@ class RMSNormMXLinear(_LinearParams):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = 1e-6, *,
-                 recipe: str = "mxfp8", backend: str = "auto"):
+                 recipe: str = "mxfp8", backend: str = "auto", rotated_rows: int = 0, rotation_block: int = 1):
         _check_recipe(recipe, backend, in_features, out_features)
-        super().__init__(in_features, out_features, bias)
+        super().__init__(in_features, out_features, bias, rotated_rows, rotation_block)
         self.norm_weight = nn.Parameter(torch.ones(in_features))
         self.eps, self.recipe, self.backend = eps, recipe, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.effective_parameters()
         if self.recipe == "mxfp8":
-            return rms_norm_mx_linear(x, self.norm_weight, self.weight, self.bias, self.eps, backend=self.backend)
+            return rms_norm_mx_linear(x, self.norm_weight, weight, bias, self.eps, backend=self.backend)
         dtype = torch.float32 if self.recipe == "fp32" else x.dtype
         h = F.rms_norm(x.to(dtype), (self.in_features,), self.norm_weight.to(dtype), self.eps)
-        return F.linear(h, self.weight.to(dtype), _cast(self.bias, dtype)).to(x.dtype)
+        return F.linear(h, weight.to(dtype), _cast(bias, dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"eps={self.eps}, recipe={self.recipe!r}, backend={self.backend!r}")
+                f"eps={self.eps}, recipe={self.recipe!r}, backend={self.backend!r}{self._rotation_repr()}")
 
 
 class RMSNorm(nn.Module):

@@ -113,22 +113,46 @@ def test_attention_calls_are_jagged_and_broadcast(batch, monkeypatch):
     assert bq_kw["broadcast_q"] is True and bq_q[0] == 4 and torch.equal(bq_kvo, seq_offsets)
     assert t_q[0] == DATA.batch_size and torch.equal(t_qo, torch.arange(DATA.batch_size + 1))
     assert torch.equal(t_kvo, seq_offsets)
-    assert enc_kw["qk_rotation"] is bq_kw["qk_rotation"] is t_kw["qk_rotation"] is None
+    assert enc_kw.get("qk_rotation") is bq_kw.get("qk_rotation") is t_kw.get("qk_rotation") is None
 
 
-@pytest.mark.parametrize("rotation", [None, "hadamard"])
-def test_qk_rotation_reaches_every_attention(batch, monkeypatch, rotation):
-    calls = []
+def test_qk_rotation_folded_into_the_projections_is_rotation_inside_attention(batch, monkeypatch):
+    """`qk_rotation=hadamard` rotates Q and K through the projections' weights; the attention ops get them rotated
+    (and no qk_rotation). In FP32 that is the model that rotates inside every attention op instead."""
     import gem_lp.models.blocks as blocks
 
+    calls = []
+
     def spy(*args, **kw):
-        calls.append(kw["qk_rotation"])
+        calls.append(kw.get("qk_rotation"))
         return jagged_attention(*args, **kw)
 
     monkeypatch.setattr(blocks, "jagged_attention", spy)
-    logits = GemRanker(GemModelConfig(precision="mxfp8", qk_rotation=rotation, **SMALL), DATA.feature_spec())(batch)
+    torch.manual_seed(0)
+    folded = GemRanker(GemModelConfig(precision="fp32", qk_rotation="hadamard", **SMALL), DATA.feature_spec())
+    plain = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA.feature_spec())
+    plain.load_state_dict(folded.state_dict())  # the parameters stay unrotated: one state dict for both
+    logits = folded(batch)
     logits.sum().backward()
-    assert calls == [rotation] * (SMALL["num_blocks"] + 2) and torch.isfinite(logits).all()
+    assert calls == [None] * (SMALL["num_blocks"] + 2)
+    monkeypatch.setattr(blocks, "jagged_attention",
+                        lambda *args, **kw: jagged_attention(*args, **{**kw, "qk_rotation": "hadamard"}))
+    expected = plain(batch)
+    expected.sum().backward()
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    grads = dict(plain.named_parameters())
+    for name, p in folded.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert folded.encoder[0].qkv.rotated_rows == 2 * SMALL["num_heads"] * SMALL["head_dim"]
+    assert plain.encoder[0].qkv.rotated_rows == 0
+
+
+def test_mxfp8_with_qk_rotation_trains(batch):
+    model = GemRanker(GemModelConfig(precision="mxfp8", qk_rotation="hadamard", **SMALL), DATA.feature_spec())
+    logits = model(batch)
+    logits.sum().backward()
+    assert torch.isfinite(logits).all() and torch.isfinite(model.encoder[0].qkv.weight.grad).all()
 
 
 def test_candidate_shares_the_item_table():

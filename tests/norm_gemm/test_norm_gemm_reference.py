@@ -266,3 +266,27 @@ def test_mx_recipe_ignores_autocast():
         grads2 = torch.autograd.grad(y2.sum(), (x, w))
     assert y2.dtype == torch.float32 and torch.equal(y, y2)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+@pytest.mark.parametrize("cls", [MXLinear, RMSNormMXLinear])
+@pytest.mark.parametrize("rows", [64, 96])
+def test_rotated_output_rows_are_the_outputs_times_the_hadamard_matrix(cls, rows):
+    from gem_lp.attention.rotation import hadamard_matrix
+
+    torch.manual_seed(0)
+    rotated = cls(64, 96, recipe="fp32", rotated_rows=rows, rotation_block=32)
+    plain = cls(64, 96, recipe="fp32")
+    plain.load_state_dict(rotated.state_dict())
+    x = torch.randn(5, 64)
+    y, y0 = rotated(x), plain(x)
+    expected = torch.cat([(y0[:, :rows].reshape(5, -1, 32) @ hadamard_matrix(32)).reshape(5, rows), y0[:, rows:]], 1)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    assert rotated.weight.grad is not None and rotated.bias.grad is not None
+    assert "rotated_rows=" in repr(rotated) and "rotated_rows" not in repr(plain)
+
+
+@pytest.mark.parametrize("rows,block", [(48, 32), (96, 24), (128, 32)])
+def test_rotated_output_rows_errors(rows, block):
+    with pytest.raises(ValueError, match="rotated_rows must be"):
+        MXLinear(64, 96, recipe="fp32", rotated_rows=rows, rotation_block=block)
