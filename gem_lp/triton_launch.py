@@ -10,8 +10,8 @@ instrumentation always go through the JIT.
 
 The compiled kernels found are shared by every `KernelLaunch` of the same kernel and keyword arguments, keyed as the
 JIT specializes: tensors by dtype and 16-byte alignment, integers by being 1, divisible by 16 and their integer
-type, constexpr parameters passed by position by their value. A plan made for a new token count (a new grid and M) then launches the build an earlier count of the same
-class found, instead of going through the JIT again.
+type, constexpr parameters passed by position by their value. A plan made for a new token count (a new grid and M)
+then launches the build an earlier count of the same class found, instead of going through the JIT again.
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def constexpr_values(kernel, n_args: int, kwargs: dict) -> tuple:
 
 class KernelLaunch:
     """A launch of `kernel` with its grid, keyword arguments (constexprs and launch options) and positional
-    non-tensor arguments fixed: calls differ only in their tensors. Holds the compiled kernel of each
-    (device, tensor dtypes and alignment) it met, for direct relaunch."""
+    non-tensor arguments fixed: calls differ only in their tensors. Its compiled kernels (one per build the
+    arguments select) are shared with the other launches of the same kernel and keywords, for direct relaunch."""
 
     __slots__ = ("kernel", "grid", "kwargs", "constexprs", "compiled", "by_value")
 
