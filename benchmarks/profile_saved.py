@@ -1,0 +1,114 @@
+"""What a training step keeps for the backward, by layer: the tensors autograd saves in the forward, in bytes.
+
+    python -m benchmarks.profile_saved [trainer=gpu] model=gem_mxfp8 [overrides ...] [--top 25]
+
+Builds the model and a batch from the same Hydra configs as `train.py` (on the config's device), runs one forward
+under `torch.autograd.graph.saved_tensors_hooks` and attributes every saved tensor to the innermost module whose
+forward was running (or to the op outside any module). A storage saved by several ops, or viewed by several saved
+tensors, counts once, for the first to save it; parameters and buffers do not count (they are held anyway; a cast
+copy of one does). Prints per module type and per module the bytes saved, their share,
+and bytes per token of the batch (T tokens over the jagged sequences); the MXFP8 recipe is meant to keep MX payloads
+and scales (about 1.03 bytes per element) where BF16 keeps 2 bytes per element. On the GPU the peak memory of a whole
+step is also printed (saved tensors are a part of it: the backward's own buffers and the weights and optimizer state
+add to them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+
+
+def saved_by_module(model: torch.nn.Module, run) -> tuple[dict[str, int], dict[str, str], int]:
+    """({module path: bytes saved}, {module path: module type}, total bytes) of `run()`'s saves, storages
+    counted once."""
+    stack: list[str] = []
+    names = {m: n or "<model>" for n, m in model.named_modules()}
+    kinds = {n or "<model>": type(m).__name__ for n, m in model.named_modules()}
+    def enter(module, _inputs) -> None:
+        stack.append(names[module])
+
+    def leave(_module, _inputs, _output) -> None:  # returns None: the output stays the module's
+        stack.pop()
+
+    hooks = []
+    for module in model.modules():
+        hooks.append(module.register_forward_pre_hook(enter))
+        hooks.append(module.register_forward_hook(leave))
+    # the parameters and buffers are held anyway: a saved parameter costs nothing more (a saved cast copy does)
+    seen = {(t.device, t.untyped_storage().data_ptr()) for t in (*model.parameters(), *model.buffers())}
+    saved: dict[str, int] = defaultdict(int)
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if key not in seen and storage.nbytes():
+            seen.add(key)
+            saved[stack[-1] if stack else "<outside modules>"] += storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    kinds["<outside modules>"] = "-"
+    return dict(saved), kinds, sum(saved.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    parser.add_argument("--top", type=int, default=25, help="modules listed, largest first")
+    args = parser.parse_args()
+    from gem_lp.train.trainer import Trainer
+
+    with initialize_config_module(config_module="gem_lp.configs", version_base=None):
+        cfg = compose(config_name="config", overrides=args.overrides)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(cfg, run_dir)
+        batch = next(iter(trainer._train_loader())).to(trainer.device)
+        tokens = int(batch.sequence_features.lengths().sum())
+        model = trainer.model
+        model.train()
+        if trainer.device.type == "cuda":
+            trainer.train_step(batch, 1)  # kernels built, optimizer state made
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+            trainer.train_step(batch, 2)
+            peak = torch.cuda.max_memory_allocated(trainer.device)
+        else:
+            peak = None
+        per_module, kinds, total = saved_by_module(model, lambda: model(batch))
+        precision = trainer.mcfg.precision
+        trainer.close()
+    by_kind: dict[str, int] = defaultdict(int)
+    for name, nbytes in per_module.items():
+        by_kind[kinds.get(name, "?")] += nbytes
+    result = {"config": args.overrides, "precision": precision, "history_tokens": tokens,
+              "saved_bytes": total, "saved_bytes_per_history_token": total / max(tokens, 1),
+              "peak_step_bytes": peak, "by_module_type": dict(by_kind), "by_module": per_module}
+    out = Path(os.environ.get("OUT", ".bench_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    name = "profile_saved_" + "_".join(o.replace("=", "-").replace("/", "-") for o in args.overrides)
+    (out / f"{name[:150]}.json").write_text(json.dumps(result, indent=1))
+    print(f"{'module type':28} {'saved MB':>10} {'share':>7} {'B/token':>9}")
+    for kind, nbytes in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"{kind:28} {nbytes / 1e6:10.2f} {nbytes / total:7.1%} {nbytes / max(tokens, 1):9.1f}")
+    print()
+    print(f"{'module':52} {'saved MB':>10} {'B/token':>9}")
+    for mod, nbytes in sorted(per_module.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"{mod:52} {nbytes / 1e6:10.2f} {nbytes / max(tokens, 1):9.1f}")
+    print(f"\n{precision}: {total / 1e6:.2f} MB saved for the backward, {total / max(tokens, 1):.1f} bytes per history "
+          f"token ({tokens} tokens)" + ("" if peak is None else f"; peak of a training step {peak / 1e9:.2f} GB"))
+
+
+if __name__ == "__main__":
+    main()
