@@ -1,0 +1,28 @@
+"""`benchmarks.profile_saved.saved_by_module`: attribution of saved tensors to modules, on the CPU."""
+import torch
+from torch import nn
+
+from benchmarks.profile_saved import saved_by_module
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Sequential(nn.Linear(16, 4))
+
+    def forward(self, x):
+        h = torch.sigmoid(self.a(x))  # the sigmoid's output is saved outside any submodule: the model's
+        return self.b(h).exp()
+
+
+def test_saved_bytes_by_module_storages_once_parameters_not_counted():
+    net = Net()
+    x = torch.randn(5, 8, requires_grad=True)
+    per_module, kinds, total = saved_by_module(net, lambda: net(x))
+    # a saves its input x (5x8 fp32); the model saves the sigmoid's output h (5x16) and exp's output (5x4); b.0's
+    # save of h is the same storage, counted once, for the sigmoid, which saved it first; weights do not count
+    assert per_module["a"] == 5 * 8 * 4
+    assert per_module["<model>"] == 5 * 16 * 4 + 5 * 4 * 4
+    assert "b.0" not in per_module  # h was saved first by the sigmoid: one storage, counted once
+    assert total == sum(per_module.values()) and kinds["b.0"] == "Linear" and kinds["<model>"] == "Net"
