@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreter_enabled
-from ..triton_launch import KernelLaunch
 from ..mx.triton_numerics import abs_bits, e4m3_bits, inv_scale, scale_byte
 from ..mx.triton_quantize import max_cols_of_blocks, max_rows_of_blocks, tile_axes
+from ..triton_launch import KernelLaunch
 from .plan import cached_plan
 
 MX_BLOCK = 32
