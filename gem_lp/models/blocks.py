@@ -1,14 +1,14 @@
 """Transformer pieces over jagged sequences, built only from gem_lp ops (recipe and backend passed in)."""
 from __future__ import annotations
 
-import functools
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gem_lp.attention import jagged_attention
 from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear
-from gem_lp.norm_gemm.activation import ACTIVATIONS, mx_activation
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 class OpSettings:
@@ -52,13 +52,6 @@ class OpSettings:
         return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend,
                                **self._rotation(qk_features, head_dim))
 
-    def activation(self, name: str):
-        """The elementwise activation `name` of a layer's `[N, hidden]` activations: under `mxfp8` its input is kept
-        for the backward as MX (`mx_activation`), as the linears around it keep theirs."""
-        if self.recipe != "mxfp8":
-            return ACTIVATIONS[name]
-        return functools.partial(mx_activation, activation=name, backend=self.backend)
-
     def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, broadcast_q=False):
         """Jagged attention on Q and K from `qk_linear` / `qk_norm_linear` (already rotated)."""
         return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
@@ -71,7 +64,7 @@ class FeedForward(nn.Module):
     def __init__(self, ops: OpSettings, dim: int, hidden: int, activation: str):
         super().__init__()
         self.up = ops.norm_linear(dim, hidden)
-        self.act = ops.activation(activation)
+        self.act = _ACTIVATIONS[activation]
         self.down = ops.linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

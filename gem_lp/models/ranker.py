@@ -34,7 +34,7 @@ from gem_lp.data.batch import RecBatch
 from gem_lp.data.spec import ITEM_TABLE, FeatureSpec
 from gem_lp.norm_gemm import RMSNorm
 
-from .blocks import ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
+from .blocks import _ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
 from .config import GemModelConfig
 from .packing import prefix_rows, prepend_tokens
 
@@ -69,7 +69,7 @@ class GemRanker(nn.Module):
         )
         self.num_dense = features.num_dense
         self.dense_input = nn.Linear(features.num_dense, cfg.dense_hidden)  # float32: raw inputs, no MX blocks
-        self.dense_act = ACTIVATIONS[cfg.activation]
+        self.dense_act = _ACTIVATIONS[cfg.activation]
         self.dense_mlp = ops.linear(cfg.dense_hidden, cfg.dense_hidden)
 
         non_sequence = len(features.pooled_features) * e + cfg.dense_hidden
@@ -88,7 +88,7 @@ class GemRanker(nn.Module):
         self.interaction_norm = RMSNorm(width, eps=cfg.norm_eps)
         self.cross = CrossNetwork(ops, width, cfg.num_cross_layers)
         self.head_in = ops.norm_linear(width, cfg.head_hidden)
-        self.head_act = ACTIVATIONS[cfg.activation]
+        self.head_act = _ACTIVATIONS[cfg.activation]
         self.head_mid = ops.linear(cfg.head_hidden, cfg.head_hidden)
         self.logit = nn.Linear(cfg.head_hidden, 1)  # float32 output layer
 
