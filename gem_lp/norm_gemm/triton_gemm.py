@@ -36,6 +36,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..backend import interpreter_enabled
 from ..triton_launch import KernelLaunch
@@ -627,6 +628,19 @@ class _PerTensorCache:
 
 _WEIGHT_CACHE = _PerTensorCache()  # weight -> {(scaling, MX GEMM, operand dtype): WeightOperands}
 _BIAS_CACHE = _PerTensorCache()  # bias -> (version, data_ptr, the bias in Y's dtype)
+
+
+def _bump_versions_after_fused_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """The caches above trust `_version` to change when a parameter is written. The fused optimizer kernels (AdamW,
+    Adam, SGD, Adagrad with `fused=True`) write parameters in place without bumping it, so every later call would
+    reuse the quantization of the weights before the step: after such a step, bump the version of its parameters."""
+    if any(group.get("fused") for group in optimizer.param_groups):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if params:
+            torch.autograd.graph.increment_version(params)
+
+
+register_optimizer_step_post_hook(_bump_versions_after_fused_step)
 
 
 def clear_weight_cache() -> None:

@@ -433,6 +433,29 @@ def test_bias_cast_is_cached_until_the_bias_changes():
     _close(y, MXLinearFunction.apply(x, w, b.detach(), "rceil"), "Y after the bias update", 2.0**-7)
 
 
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=0.5, fused=True),
+    lambda params: torch.optim.SGD(params, lr=0.5, fused=True),
+    lambda params: torch.optim.AdamW(params, lr=0.5),
+], ids=["adamw_fused", "sgd_fused", "adamw_foreach"])
+def test_cached_operands_are_remade_after_any_optimizer_step(make_optimizer):
+    """Fused optimizers write the parameters without bumping their version: the next call must still see the new
+    weight and bias (a stale quantization would keep the layer at its first weights, with no error)."""
+    tg.clear_weight_cache()
+    M, K, N = 33, 64, 32
+    g = _gen(22)
+    x = torch.randn(M, K, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEVICE).requires_grad_()
+    b = torch.randn(N, generator=g).to(DEVICE).requires_grad_()
+    optimizer = make_optimizer([w, b])
+    for step in range(3):
+        y = mx_linear_triton(x, w, b)
+        _close(y, MXLinearFunction.apply(x, w.detach(), b.detach(), "rceil"), f"Y at step {step}", 2.0**-7)
+        y.float().square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_cache_entries_leave_with_their_tensors():
     tg.clear_weight_cache()
     x = torch.randn(40, 64, device=DEVICE, dtype=torch.bfloat16)
