@@ -650,7 +650,9 @@ def clear_weight_cache() -> None:
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    """A CUDA graph is being captured: what is made now belongs to its memory pool, so it is not cached."""
+    """A CUDA graph is being captured: the cache is neither read nor written. A graph that read a cached entry would
+    replay that entry's quantization of the weight forever (and read freed memory once the entry is remade); one made
+    now belongs to the graph's memory pool."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -658,7 +660,8 @@ def weight_operands(weight: torch.Tensor, scaling: str, gemm: str, operand_dtype
                     need_col: bool) -> WeightOperands:
     """W's cached quantizations, remade when the weight changed (`_version` or storage) since they were made."""
     key = (scaling, gemm in _MX_GEMMS, operand_dtype)
-    per_weight = _WEIGHT_CACHE.get(weight)
+    capturing = _capturing(weight)
+    per_weight = None if capturing else _WEIGHT_CACHE.get(weight)
     entry = None if per_weight is None else per_weight.get(key)
     if (entry is not None and entry.version == weight._version and entry.data_ptr == weight.data_ptr()
             and (entry.col is not None or not need_col)):
@@ -673,7 +676,7 @@ def weight_operands(weight: torch.Tensor, scaling: str, gemm: str, operand_dtype
                           col_operand=need_col, operand_dtype=operand_dtype)
         row, col = out.row_operand, out.col_operand
     entry = WeightOperands(weight._version, weight.data_ptr(), row, col)
-    if not _capturing(weight):
+    if not capturing:
         if per_weight is None:
             per_weight = {}
             _WEIGHT_CACHE.put(weight, per_weight)
@@ -685,12 +688,13 @@ def _bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`bias` in `dtype` (for cuBLAS's addmm), cast once per version of the bias instead of once per call."""
     if bias.dtype == dtype:
         return bias
+    if _capturing(bias):
+        return bias.detach().to(dtype)
     entry = _BIAS_CACHE.get(bias)
     if entry is not None and entry[0] == bias._version and entry[1] == bias.data_ptr() and entry[2].dtype == dtype:
         return entry[2]
     cast = bias.detach().to(dtype)
-    if not _capturing(bias):
-        _BIAS_CACHE.put(bias, (bias._version, bias.data_ptr(), cast))
+    _BIAS_CACHE.put(bias, (bias._version, bias.data_ptr(), cast))
     return cast
 
 

@@ -456,6 +456,26 @@ def test_cached_operands_are_remade_after_any_optimizer_step(make_optimizer):
         optimizer.zero_grad()
 
 
+def test_caches_are_neither_read_nor_written_while_a_graph_is_captured(monkeypatch):
+    """A captured call must quantize the weight inside the graph: a graph that read the cached quantization would
+    replay it after every later update of the weight."""
+    tg.clear_weight_cache()
+    g = _gen(23)
+    x = torch.randn(33, 64, generator=g).bfloat16().to(DEVICE)
+    w, b = (torch.randn(32, 64, generator=g) * 0.1).to(DEVICE), torch.randn(32, generator=g).to(DEVICE)
+    mx_linear_triton(x, w, b)
+    (cached,) = tg._WEIGHT_CACHE.get(w).values()
+    cached_bias = tg._BIAS_CACHE.get(b)[2]
+    monkeypatch.setattr(tg, "_capturing", lambda t: True)
+    (scaling, mx_gemm, operand_dtype), = tg._WEIGHT_CACHE.get(w)
+    entry = tg.weight_operands(w, scaling, "fp8" if mx_gemm else "cublas", operand_dtype, need_col=False)
+    assert entry is not cached
+    assert_same_values(entry.row, cached.row, "the weight quantized again")
+    cast = tg._bias_as(b, torch.bfloat16)
+    assert cast is not cached_bias and torch.equal(cast, cached_bias)
+    assert tuple(tg._WEIGHT_CACHE.get(w).values()) == (cached,) and tg._BIAS_CACHE.get(b)[2] is cached_bias
+
+
 def test_cache_entries_leave_with_their_tensors():
     tg.clear_weight_cache()
     x = torch.randn(40, 64, device=DEVICE, dtype=torch.bfloat16)
