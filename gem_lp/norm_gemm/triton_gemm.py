@@ -526,7 +526,9 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, variant: str = "fp8", bias: torch.Tenso
 #
 # Saved for the backward: X's colwise MX tensor (payload `[K, M]` + scales, half of a BF16 X). W's two
 # quantizations (along K for Y, along N for dX) are cached per weight until `weight._version` (or its
-# storage) changes, i.e. once per optimizer step. dY is quantized once, in both layouts, by one dual pass.
+# storage) changes, i.e. once per optimizer step (fused optimizers, which do not bump it, get it bumped by a step
+# hook; nothing is cached or read from the cache while a CUDA graph is captured). dY is quantized once, in both
+# layouts, by one dual pass.
 #
 # Host work per call: at small and mid shapes the GPU waits for the host, so a call does little besides its
 # launches. The entry points (`mx_linear_triton`, `rms_norm_mx_linear_triton`, and `ops.mx_linear`) check the
