@@ -25,6 +25,8 @@ as low-precision training recipes keep the first and last layers in high precisi
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
@@ -91,6 +93,7 @@ class GemRanker(nn.Module):
         self.head_act = _ACTIVATIONS[cfg.activation]
         self.head_mid = ops.linear(cfg.head_hidden, cfg.head_hidden)
         self.logit = nn.Linear(cfg.head_hidden, 1)  # float32 output layer
+        self._graphs: _CapturedTowers | None = None  # see capture_cuda_graphs
 
     @staticmethod
     def embedding_tables(features: FeatureSpec) -> dict[str, list[str]]:
@@ -138,12 +141,8 @@ class GemRanker(nn.Module):
         # in the spec's order.
         pooled = pooled.values() if pooled.keys() == keys else torch.cat([pooled[k] for k in keys], dim=1)
         pooled = pooled.to(dtype)  # [B, F_sparse * e]
-        dense = self.dense_act(self.dense_input(batch.dense_features.float())).to(dtype)
-        dense = self.dense_act(self.dense_mlp(dense))
-        non_sequence = torch.cat([pooled, dense], dim=1)
-
         k_sum = cfg.num_summary_tokens
-        summary = self.summary_proj(non_sequence).view(b, k_sum, cfg.d_model) + self.summary_base.to(dtype)
+        non_sequence, summary = self._tower("dense", pooled, batch.dense_features.float())
         if self.history_proj is not None:
             history = self.history_proj(history)
         tokens, offsets, _ = prepend_tokens(summary, history, lengths)
@@ -154,6 +153,92 @@ class GemRanker(nn.Module):
         query_summary, target_summary = self.readout(tokens, offsets, candidate)
         features = torch.cat([encoded_summary.reshape(b, -1), query_summary.reshape(b, -1), target_summary,
                               non_sequence, candidate], dim=1)
+        return self._tower("interaction", features)
+
+    def dense_tower(self, pooled: torch.Tensor, dense_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pooled `[B, F_sparse * e]` (compute dtype), dense features `[B, num_dense]` float32 -> (non-sequence
+        features `[B, F_sparse * e + dense_hidden]`, summary tokens `[B, K_sum, d_model]`)."""
+        cfg = self.cfg
+        dense = self.dense_act(self.dense_input(dense_features)).to(pooled.dtype)
+        dense = self.dense_act(self.dense_mlp(dense))
+        non_sequence = torch.cat([pooled, dense], dim=1)
+        summary = self.summary_proj(non_sequence).view(pooled.shape[0], cfg.num_summary_tokens, cfg.d_model)
+        return non_sequence, summary + self.summary_base.to(pooled.dtype)
+
+    def interaction_tower(self, features: torch.Tensor) -> torch.Tensor:
+        """features `[B, interaction_width]` -> float32 logits `[B]`."""
         x = self.cross(self.interaction_norm(features))
         x = self.head_act(self.head_mid(self.head_act(self.head_in(x))))
         return self.logit(x.float()).squeeze(1)
+
+    def _tower(self, name: str, *inputs: torch.Tensor):
+        """The tower run from its CUDA graph when one was captured for these input shapes and the model trains with
+        autograd on; eagerly otherwise (evaluation, another batch size)."""
+        graphs = self._graphs
+        if graphs is not None and self.training and torch.is_grad_enabled() and graphs.shapes[name] == tuple(
+                tuple(t.shape) for t in inputs):
+            return graphs.towers[name](*inputs)
+        return getattr(self, f"{name}_tower")(*inputs)
+
+    def capture_cuda_graphs(self, batch_size: int) -> None:
+        """Capture the dense and interaction towers' forward and backward as CUDA graphs for batches of
+        `batch_size` samples (`torch.cuda.make_graphed_callables`); training steps of that batch size then replay
+        them instead of issuing their ~20 small layers' kernels one by one from the host.
+
+        Every shape in these towers is fixed by the batch size (the sequence part between them is jagged and stays
+        eager). The model must be on a CUDA device and in training mode; parameters must be updated in place (as
+        torch's optimizers do) and not replaced afterwards. Captures after the kernels were built (a training step
+        before this call), so that no kernel compiles inside the capture.
+        """
+        device = next(self.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"capture_cuda_graphs needs the model on a CUDA device, got {device}")
+        if not self.training:
+            raise ValueError("capture_cuda_graphs needs the model in training mode (model.train())")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        dtype = self.cfg.compute_dtype
+        pooled_width = len(self.features.pooled_features) * self.cfg.embedding_dim
+        gen = torch.Generator(device=device).manual_seed(0)
+        pooled = torch.randn(batch_size, pooled_width, device=device, generator=gen).to(dtype).requires_grad_()
+        dense = torch.randn(batch_size, self.num_dense, device=device, generator=gen)
+        features = torch.randn(batch_size, self.interaction_width, device=device, generator=gen)
+        features = features.to(dtype).requires_grad_()
+        dense_tower = _Tower(self.dense_tower, dict(dense_input=self.dense_input, dense_mlp=self.dense_mlp,
+                                                    summary_proj=self.summary_proj, summary_base=self.summary_base))
+        interaction_tower = _Tower(self.interaction_tower, dict(
+            interaction_norm=self.interaction_norm, cross=self.cross, head_in=self.head_in, head_mid=self.head_mid,
+            logit=self.logit))
+        graphed = torch.cuda.make_graphed_callables((dense_tower, interaction_tower), ((pooled, dense), (features,)))
+        self._graphs = _CapturedTowers(
+            towers={"dense": graphed[0], "interaction": graphed[1]},
+            shapes={"dense": (tuple(pooled.shape), tuple(dense.shape)), "interaction": (tuple(features.shape),)})
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs (and their memory pool): every tower runs eagerly again."""
+        self._graphs = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_graphs"] = None  # CUDA graphs neither pickle nor deep-copy
+        return state
+
+
+class _Tower(nn.Module):
+    """One of the ranker's fixed-shape towers as a module of its own, for `make_graphed_callables` (which graphs a
+    module with respect to its parameters): `parts` are the ranker's layers and parameters the tower uses (shared,
+    not copied); `forward` the ranker's tower method. The ranker's own module tree and state dict do not change."""
+
+    def __init__(self, forward, parts: dict):
+        super().__init__()
+        for name, part in parts.items():
+            setattr(self, name, part)
+        object.__setattr__(self, "_tower_forward", forward)
+
+    def forward(self, *inputs):
+        return self._tower_forward(*inputs)
+
+
+class _CapturedTowers(NamedTuple):
+    towers: dict
+    shapes: dict

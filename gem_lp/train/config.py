@@ -27,7 +27,7 @@ DECAYS = ("cosine", "linear", "none")
 # Any other trainer setting (lr, weight_decay, warm-up, ...) changed on resume needs `resume=force`.
 # The sharding settings may change too: a sharded checkpoint is refused unless the plan they give is the checkpoint's.
 RESUME_MAY_CHANGE = ("max_steps", "stop_after", "eval_every", "eval_batches", "log_every", "checkpoint_every",
-                     "checkpoint_path", "device", "num_threads", "num_workers", "progress", "tensorboard",
+                     "checkpoint_path", "device", "num_threads", "num_workers", "progress", "tensorboard", "cuda_graphs",
                      "sharding", "table_sharding", "dist_timeout_s")
 SHARDINGS = ("auto", "table_wise", "row_wise", "column_wise", "data_parallel")
 
@@ -64,6 +64,9 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float | None = 1.0  # max global norm of the dense gradients (None: no clipping)
     progress: bool = True  # a progress bar when stderr is a terminal; otherwise a log line every log_every steps
+    # CUDA graphs of the model's fixed-shape towers (GemRanker.capture_cuda_graphs), captured after the first step;
+    # one process on a CUDA device only
+    cuda_graphs: bool = False
     tensorboard: bool = True
     # Under torchrun (several processes; see gem_lp.train.sharding): how the embedding tables are spread over the
     # ranks, per-table overrides ({table: table_wise | row_wise | column_wise}), and how long a collective waits

@@ -122,6 +122,9 @@ class Trainer:
         self.device = resolve_device(t.device)
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
+        if t.cuda_graphs and (self.device.type != "cuda" or self.launch is not None):
+            raise ConfigError(f"trainer.cuda_graphs=true needs one process on a CUDA device, got device "
+                              f"{self.device}{' under a multi-process launch' if self.launch is not None else ''}")
         self.group: ProcessGroup | None = None
         if self.launch is not None:
             self.device = rank_device(self.device, self.launch)
@@ -477,6 +480,9 @@ class Trainer:
         backward, with the LR that the previous step's `zero_grad` handed it (this step's scheduled LR).
         """
         batch = batch.to(self.device, non_blocking=True)
+        if self.tcfg.cuda_graphs and step > 1 and self.model._graphs is None and \
+                batch.batch_size == getattr(self.dcfg, "batch_size", None):  # after a step has built every kernel
+            self.model.capture_cuda_graphs(batch.batch_size)
         logits = self.network(batch)
         if self.group is None:
             loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
@@ -623,6 +629,7 @@ class Trainer:
             "samples_per_s": self.stopwatch.rate,
             "samples_per_s_median_step": self.stopwatch.median_rate,
             "kernel_builds_after_warmup": self.kernel_builds_after_warmup,
+            "cuda_graphs": self.model._graphs is not None,
             "peak_mem_bytes": peak_mem,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__,

@@ -234,3 +234,80 @@ def test_pooled_features_are_read_by_key_not_by_position(batch):
     model.pooled_embeddings = ReversedKeys()
     assert model.pooled_embeddings(batch.sparse_features).keys() == ["b", "a"]
     assert torch.equal(model(batch), expected)
+
+
+def test_towers_run_from_captured_graphs_only_when_training_with_their_shapes(batch):
+    """`_tower` dispatch (no GPU here: the captured callables are stand-ins that record their calls)."""
+    from gem_lp.models.ranker import _CapturedTowers
+
+    torch.manual_seed(0)
+    model = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA.feature_spec())
+    expected = model(batch)
+    calls = []
+
+    def recording(name):
+        def run(*inputs):
+            calls.append(name)
+            return getattr(model, f"{name}_tower")(*inputs)
+        return run
+
+    pooled_width = len(DATA.feature_spec().pooled_features) * SMALL["embedding_dim"]
+    b = DATA.batch_size
+    model._graphs = _CapturedTowers(towers={n: recording(n) for n in ("dense", "interaction")},
+                                    shapes={"dense": ((b, pooled_width), (b, model.num_dense)),
+                                            "interaction": ((b, model.interaction_width),)})
+    torch.testing.assert_close(model(batch), expected)
+    assert calls == ["dense", "interaction"]
+    with torch.no_grad():
+        model(batch)
+    model.eval()
+    model(batch)
+    model.train()
+    model._graphs.shapes["interaction"] = ((b + 1, model.interaction_width),)  # another batch size
+    model(batch)
+    assert calls == ["dense", "interaction", "dense"]
+    model.release_cuda_graphs()
+    assert model._graphs is None
+
+
+def test_capture_needs_a_cuda_model_in_training_mode():
+    model = GemRanker(GemModelConfig(**SMALL), DATA.feature_spec())
+    with pytest.raises(ValueError, match="needs the model on a CUDA device"):
+        model.capture_cuda_graphs(8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_training_steps_with_captured_towers_match_eager_ones(precision):
+    """Three optimizer steps on new batches with the towers replayed from CUDA graphs give the eager model's
+    parameters (the same kernels run; only who issues them changes)."""
+    import copy
+
+    data = dataclasses.replace(DATA, batch_size=64, history_mean=30.0, history_max=120)
+    teacher = PlantedTeacher(data)
+    torch.manual_seed(0)
+    eager = GemRanker(GemModelConfig(precision=precision, **SMALL), data.feature_spec()).cuda()
+    graphed = copy.deepcopy(eager)
+    batches = [make_batch(data, teacher, 0, "train", i).to("cuda") for i in range(4)]
+    results = []
+    for model, capture in ((eager, False), (graphed, True)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        F.binary_cross_entropy_with_logits(model(batches[0]), batches[0].labels).backward()  # builds the kernels
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if capture:
+            model.capture_cuda_graphs(data.batch_size)
+        losses = []
+        for b in batches[1:]:
+            loss = F.binary_cross_entropy_with_logits(model(b), b.labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        results.append((losses, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    assert graphed._graphs is not None
+    # equal up to the order of float32 atomics (the bias gradients' column sums)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-6)
+    for name, value in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], value, rtol=1e-4, atol=1e-5, msg=name)

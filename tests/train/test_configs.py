@@ -148,3 +148,11 @@ def test_bad_config_from_the_command_line_leaves_no_run_directory(tmp_path):
     last = sweep.stderr.strip().splitlines()[-1]
     assert "trainer.lr=abc" in last and "could not be converted to Float" in last
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_graphs_need_one_process_on_a_cuda_device(tiny_config, tmp_path):
+    from gem_lp.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="trainer.cuda_graphs=true needs one process on a CUDA device, got device "
+                                          "cpu"):
+        Trainer(tiny_config("trainer.cuda_graphs=true"), tmp_path)
