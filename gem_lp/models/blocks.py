@@ -144,22 +144,34 @@ class SequenceReadout(nn.Module):
 
     def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor):
         """tokens `[T, d_model]`, offsets int64 `[B + 1]`, target `[B, d_target]` ->
-        (`[B, K, d_model]`, `[B, d_model]`) in the compute dtype."""
-        t, b = tokens.shape[0], target.shape[0]
+        (`[B, K, d_model]`, `[B, d_model]`) in the compute dtype. The three stages (`queries`, `reads`,
+        `summaries`) can also be called one by one: the first and last have shapes fixed by the batch size."""
+        q_query, q_target = self.queries(target)
+        return self.summaries(*self.reads(tokens, offsets, q_query, q_target))
+
+    def queries(self, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """target `[B, d_target]` -> the learned queries `[K, h, d]` and the target queries `[B, h, d]`, in target's
+        dtype."""
+        h, d = self.num_heads, self.head_dim
+        q_query = self.query_proj(self.query_tokens.to(target.dtype)).view(self.query_tokens.shape[0], h, d)
+        return q_query, self.target_proj(target).view(target.shape[0], h, d)
+
+    def reads(self, tokens: torch.Tensor, offsets: torch.Tensor, q_query: torch.Tensor,
+              q_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the queries read from the encoded tokens: `[B * K, h * d]` and `[B, h * d]`."""
+        t, b = tokens.shape[0], q_target.shape[0]
         h, d = self.num_heads, self.head_dim
         kv = self.kv(tokens).view(t, 2, h, d)
         k, v = kv.unbind(1)  # see JaggedSelfAttentionBlock.forward
+        # q_offsets=None: one shared query sequence of K rows, nothing to build or validate each step
+        read_query = self.ops.attention(q_query, k, v, None, offsets, broadcast_q=True)  # [B*K, h, d]
+        read_target = self.ops.attention(q_target, k, v, self.target_offsets(b, tokens.device), offsets)  # [B, h, d]
+        return read_query.reshape(-1, h * d), read_target.reshape(b, h * d)
 
-        n_query = self.query_tokens.shape[0]
-        q = self.query_proj(self.query_tokens.to(tokens.dtype)).view(n_query, h, d)
-        # q_offsets=None: one shared query sequence of n_query rows, nothing to build or validate each step
-        read = self.ops.attention(q, k, v, None, offsets, broadcast_q=True)  # [B*K, h, d]
-        query_summary = self.query_out(read.reshape(b * n_query, h * d)).view(b, n_query, -1)
-
-        q_target = self.target_proj(target).view(b, h, d)
-        read = self.ops.attention(q_target, k, v, self.target_offsets(b, tokens.device), offsets)  # [B, h, d]
-        target_summary = self.target_out(read.reshape(b, h * d))
-        return query_summary, target_summary
+    def summaries(self, read_query: torch.Tensor, read_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reads projected back: `[B, K, d_model]` and `[B, d_model]`."""
+        b = read_target.shape[0]
+        return self.query_out(read_query).view(b, self.query_tokens.shape[0], -1), self.target_out(read_target)
 
 
 class CrossNetwork(nn.Module):

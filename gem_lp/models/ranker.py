@@ -149,11 +149,10 @@ class GemRanker(nn.Module):
         for block in self.encoder:
             tokens = block(tokens, offsets)
 
-        encoded_summary = tokens[prefix_rows(offsets, k_sum)]  # [B, K_sum, d]
-        query_summary, target_summary = self.readout(tokens, offsets, candidate)
-        features = torch.cat([encoded_summary.reshape(b, -1), query_summary.reshape(b, -1), target_summary,
-                              non_sequence, candidate], dim=1)
-        return self._tower("interaction", features)
+        encoded_summary = tokens[prefix_rows(offsets, k_sum)].reshape(b, -1)  # [B, K_sum * d]
+        q_query, q_target = self._tower("queries", candidate)
+        read_query, read_target = self.readout.reads(tokens, offsets, q_query, q_target)
+        return self._tower("interaction", encoded_summary, read_query, read_target, non_sequence, candidate)
 
     def dense_tower(self, pooled: torch.Tensor, dense_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pooled `[B, F_sparse * e]` (compute dtype), dense features `[B, num_dense]` float32 -> (non-sequence
@@ -165,8 +164,17 @@ class GemRanker(nn.Module):
         summary = self.summary_proj(non_sequence).view(pooled.shape[0], cfg.num_summary_tokens, cfg.d_model)
         return non_sequence, summary + self.summary_base.to(pooled.dtype)
 
-    def interaction_tower(self, features: torch.Tensor) -> torch.Tensor:
-        """features `[B, interaction_width]` -> float32 logits `[B]`."""
+    def queries_tower(self, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """candidate `[B, e]` -> the readout's learned queries `[K, h, d]` and target queries `[B, h, d]`."""
+        return self.readout.queries(candidate)
+
+    def interaction_tower(self, encoded_summary: torch.Tensor, read_query: torch.Tensor, read_target: torch.Tensor,
+                          non_sequence: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+        """The encoded summary tokens `[B, K_sum * d]`, the readout's reads `[B * K, h * d]` and `[B, h * d]`, the
+        non-sequence features and the candidate `[B, e]` -> float32 logits `[B]`."""
+        query_summary, target_summary = self.readout.summaries(read_query, read_target)
+        features = torch.cat([encoded_summary, query_summary.reshape(encoded_summary.shape[0], -1), target_summary,
+                              non_sequence, candidate], dim=1)
         x = self.cross(self.interaction_norm(features))
         x = self.head_act(self.head_mid(self.head_act(self.head_in(x))))
         return self.logit(x.float()).squeeze(1)
@@ -181,9 +189,10 @@ class GemRanker(nn.Module):
         return getattr(self, f"{name}_tower")(*inputs)
 
     def capture_cuda_graphs(self, batch_size: int) -> None:
-        """Capture the dense and interaction towers' forward and backward as CUDA graphs for batches of
-        `batch_size` samples (`torch.cuda.make_graphed_callables`); training steps of that batch size then replay
-        them instead of issuing their ~20 small layers' kernels one by one from the host.
+        """Capture the dense tower, the readout's queries and the interaction tower (the readout's output
+        projections, cross layers, head, logit), forward and backward, as CUDA graphs for batches of `batch_size`
+        samples (`torch.cuda.make_graphed_callables`); training steps of that batch size then replay them instead
+        of issuing their kernels (11 of the model's linear layers) one by one from the host.
 
         Every shape in these towers is fixed by the batch size (the sequence part between them is jagged and stays
         eager). The model must be on a CUDA device and in training mode; parameters must be updated in place (as
@@ -197,22 +206,34 @@ class GemRanker(nn.Module):
             raise ValueError("capture_cuda_graphs needs the model in training mode (model.train())")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        dtype = self.cfg.compute_dtype
-        pooled_width = len(self.features.pooled_features) * self.cfg.embedding_dim
+        cfg, dtype = self.cfg, self.cfg.compute_dtype
         gen = torch.Generator(device=device).manual_seed(0)
-        pooled = torch.randn(batch_size, pooled_width, device=device, generator=gen).to(dtype).requires_grad_()
-        dense = torch.randn(batch_size, self.num_dense, device=device, generator=gen)
-        features = torch.randn(batch_size, self.interaction_width, device=device, generator=gen)
-        features = features.to(dtype).requires_grad_()
-        dense_tower = _Tower(self.dense_tower, dict(dense_input=self.dense_input, dense_mlp=self.dense_mlp,
-                                                    summary_proj=self.summary_proj, summary_base=self.summary_base))
-        interaction_tower = _Tower(self.interaction_tower, dict(
-            interaction_norm=self.interaction_norm, cross=self.cross, head_in=self.head_in, head_mid=self.head_mid,
-            logit=self.logit))
-        graphed = torch.cuda.make_graphed_callables((dense_tower, interaction_tower), ((pooled, dense), (features,)))
-        self._graphs = _CapturedTowers(
-            towers={"dense": graphed[0], "interaction": graphed[1]},
-            shapes={"dense": (tuple(pooled.shape), tuple(dense.shape)), "interaction": (tuple(features.shape),)})
+
+        def sample(*shape, grad=True, dt=dtype):
+            t = torch.randn(*shape, device=device, generator=gen).to(dt)
+            return t.requires_grad_() if grad else t
+
+        b, width = batch_size, cfg.attention_dim
+        pooled_width = len(self.features.pooled_features) * cfg.embedding_dim
+        args = {"dense": (sample(b, pooled_width), sample(b, self.num_dense, grad=False, dt=torch.float32)),
+                "queries": (sample(b, cfg.embedding_dim),),
+                "interaction": (sample(b, cfg.num_summary_tokens * cfg.d_model), sample(b * cfg.num_query_tokens, width),
+                                sample(b, width), sample(b, pooled_width + cfg.dense_hidden),
+                                sample(b, cfg.embedding_dim))}
+        readout = self.readout
+        towers = {
+            "dense": _Tower(self.dense_tower, dict(dense_input=self.dense_input, dense_mlp=self.dense_mlp,
+                                                   summary_proj=self.summary_proj, summary_base=self.summary_base)),
+            "queries": _Tower(self.queries_tower, dict(query_tokens=readout.query_tokens,
+                                                       query_proj=readout.query_proj, target_proj=readout.target_proj)),
+            "interaction": _Tower(self.interaction_tower, dict(
+                query_out=readout.query_out, target_out=readout.target_out, interaction_norm=self.interaction_norm,
+                cross=self.cross, head_in=self.head_in, head_mid=self.head_mid, logit=self.logit)),
+        }
+        # in the order the forward calls them (their backward runs in the reverse order, as the captures assume)
+        graphed = torch.cuda.make_graphed_callables(tuple(towers.values()), tuple(args.values()))
+        self._graphs = _CapturedTowers(towers=dict(zip(towers, graphed)),
+                                       shapes={n: tuple(tuple(t.shape) for t in a) for n, a in args.items()})
 
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs (and their memory pool): every tower runs eagerly again."""

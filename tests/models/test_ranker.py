@@ -251,21 +251,24 @@ def test_towers_run_from_captured_graphs_only_when_training_with_their_shapes(ba
             return getattr(model, f"{name}_tower")(*inputs)
         return run
 
-    pooled_width = len(DATA.feature_spec().pooled_features) * SMALL["embedding_dim"]
-    b = DATA.batch_size
-    model._graphs = _CapturedTowers(towers={n: recording(n) for n in ("dense", "interaction")},
-                                    shapes={"dense": ((b, pooled_width), (b, model.num_dense)),
-                                            "interaction": ((b, model.interaction_width),)})
+    cfg = model.cfg
+    pooled_width = len(DATA.feature_spec().pooled_features) * cfg.embedding_dim
+    b, width = DATA.batch_size, cfg.attention_dim
+    names = ("dense", "queries", "interaction")
+    model._graphs = _CapturedTowers(towers={n: recording(n) for n in names}, shapes={
+        "dense": ((b, pooled_width), (b, model.num_dense)), "queries": ((b, cfg.embedding_dim),),
+        "interaction": ((b, cfg.num_summary_tokens * cfg.d_model), (b * cfg.num_query_tokens, width), (b, width),
+                        (b, pooled_width + cfg.dense_hidden), (b, cfg.embedding_dim))})
     torch.testing.assert_close(model(batch), expected)
-    assert calls == ["dense", "interaction"]
+    assert calls == list(names)
     with torch.no_grad():
         model(batch)
     model.eval()
     model(batch)
     model.train()
-    model._graphs.shapes["interaction"] = ((b + 1, model.interaction_width),)  # another batch size
+    model._graphs.shapes["interaction"] = ((b + 1, width),)  # another batch size
     model(batch)
-    assert calls == ["dense", "interaction", "dense"]
+    assert calls == [*names, "dense", "queries"]
     model.release_cuda_graphs()
     assert model._graphs is None
 
