@@ -44,31 +44,47 @@ class VarlenBatch:
     broadcast_q: bool
 
 
-def _device_offsets(key_tensor: torch.Tensor, offs: torch.Tensor, device: torch.device, tag: tuple):
-    """(int32, int64) copies of validated CPU offsets on `device`, once per offsets tensor (and version)."""
+def _device_offsets(key_tensor: torch.Tensor, make, device: torch.device, tag: tuple):
+    """(int32, int64) offsets on `device` from `make()` (a tensor on `device` or on the CPU), once per offsets tensor
+    (and version). Made without a host sync: from a tensor on the device by device ops, from one on the CPU by an
+    asynchronous copy out of pinned memory (a plain `.to(device)` of pageable memory waits for the stream)."""
     def build():
-        d64 = offs.to(device=device, dtype=torch.int64)
+        offs = make()
+        if offs.device == device:
+            d64 = offs.to(torch.int64, copy=True)  # a copy: the caller's tensor may be written later
+        elif device.type == "cuda":
+            d64 = offs.to(torch.int64).pin_memory().to(device, non_blocking=True)
+        else:
+            d64 = offs.to(device=device, dtype=torch.int64)
         return d64.to(torch.int32), d64
     return cached_plan(key_tensor, ("cute offsets", device, tag), build)
 
 
+def _max_length(offs: torch.Tensor) -> int:
+    """The longest sequence of validated CPU offsets (cached with them: the same CPU tensor comes back for the same
+    offsets tensor)."""
+    return cached_plan(offs, ("max length",), lambda: int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 0)
+
+
 def varlen_batch(q_offsets_arg, kv_offsets_arg, q_offs: torch.Tensor | None, kv_offs: torch.Tensor,
                  *, broadcast_q: bool, q_rows: int, device: torch.device) -> VarlenBatch:
-    """The call's layout. `*_arg`: the offsets tensors the caller passed (cache keys); `q_offs`, `kv_offs`: their
-    validated CPU int64 values (q_offs None with broadcast_q)."""
+    """The call's layout. `*_arg`: the offsets tensors the caller passed (cache keys, and the device offsets when
+    they are on the device); `q_offs`, `kv_offs`: their validated CPU int64 values (q_offs None with broadcast_q)."""
     key_kv = kv_offsets_arg if kv_offsets_arg is not None else q_offsets_arg
-    cu_k, kv64 = _device_offsets(key_kv, kv_offs, device, ("kv",))
+    cu_k, kv64 = _device_offsets(key_kv, lambda: key_kv, device, ("kv",))
     batch = kv_offs.numel() - 1
-    max_k = int((kv_offs[1:] - kv_offs[:-1]).max()) if batch else 0
+    max_k = _max_length(kv_offs)
     if broadcast_q:
-        out_cpu = torch.arange(batch + 1, dtype=torch.int64) * q_rows
-        cu_q, out64 = _device_offsets(key_kv, out_cpu, device, ("broadcast out", q_rows))
-        _, q64 = _device_offsets(key_kv, torch.tensor([0, q_rows]), device, ("broadcast q", q_rows))
+        cu_q, out64 = _device_offsets(
+            key_kv, lambda: torch.arange(batch + 1, dtype=torch.int64, device=device) * q_rows, device,
+            ("broadcast out", q_rows))
+        _, q64 = _device_offsets(key_kv, lambda: torch.arange(2, dtype=torch.int64, device=device) * q_rows, device,
+                                 ("broadcast q", q_rows))
         max_q = q_rows if batch else 0
     else:
-        cu_q, q64 = _device_offsets(q_offsets_arg, q_offs, device, ("q",))
+        cu_q, q64 = _device_offsets(q_offsets_arg, lambda: q_offsets_arg, device, ("q",))
         out64 = q64
-        max_q = int((q_offs[1:] - q_offs[:-1]).max()) if batch else 0
+        max_q = _max_length(q_offs)
     return VarlenBatch(cu_q, cu_k, q64, out64, kv64, max_q, max_k, batch, broadcast_q)
 
 
