@@ -206,6 +206,16 @@ class GemRanker(nn.Module):
             raise ValueError("capture_cuda_graphs needs the model in training mode (model.train())")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        towers, args = self.graph_towers(batch_size, device)
+        # in the order the forward calls them (their backward runs in the reverse order, as the captures assume)
+        graphed = torch.cuda.make_graphed_callables(tuple(towers.values()), tuple(args.values()))
+        self._graphs = _CapturedTowers(towers=dict(zip(towers, graphed)),
+                                       shapes={n: tuple(tuple(t.shape) for t in a) for n, a in args.items()})
+
+    def graph_towers(self, batch_size: int, device: torch.device) -> tuple[dict, dict]:
+        """The fixed-shape towers as modules of their own ({name: module}, in the order the forward calls them) and
+        random sample inputs of the shapes, dtypes and requires-grad states the forward gives them at `batch_size`
+        ({name: inputs}): what `capture_cuda_graphs` hands to `make_graphed_callables`."""
         cfg, dtype = self.cfg, self.cfg.compute_dtype
         gen = torch.Generator(device=device).manual_seed(0)
 
@@ -230,10 +240,7 @@ class GemRanker(nn.Module):
                 query_out=readout.query_out, target_out=readout.target_out, interaction_norm=self.interaction_norm,
                 cross=self.cross, head_in=self.head_in, head_mid=self.head_mid, logit=self.logit)),
         }
-        # in the order the forward calls them (their backward runs in the reverse order, as the captures assume)
-        graphed = torch.cuda.make_graphed_callables(tuple(towers.values()), tuple(args.values()))
-        self._graphs = _CapturedTowers(towers=dict(zip(towers, graphed)),
-                                       shapes={n: tuple(tuple(t.shape) for t in a) for n, a in args.items()})
+        return towers, args
 
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs (and their memory pool): every tower runs eagerly again."""

@@ -314,3 +314,44 @@ def test_training_steps_with_captured_towers_match_eager_ones(precision):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-6)
     for name, value in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mxfp8"])
+def test_graph_towers_match_what_the_forward_passes_and_own_their_parameters(batch, precision, monkeypatch):
+    """What `capture_cuda_graphs` hands to `make_graphed_callables`, checked on the CPU: each tower's sample inputs
+    have the shapes, dtypes and requires-grad states of the forward's inputs at this batch size, each tower module
+    holds exactly the parameters its computation uses (disjoint across towers), and it computes the forward's
+    outputs."""
+    from gem_lp.models import ranker as ranker_module
+
+    torch.manual_seed(0)
+    model = GemRanker(GemModelConfig(precision=precision, **SMALL), DATA.feature_spec())
+    seen = {}
+    tower = ranker_module.GemRanker._tower
+
+    def recording(self, name, *inputs):
+        seen[name] = inputs
+        return tower(self, name, *inputs)
+
+    monkeypatch.setattr(ranker_module.GemRanker, "_tower", recording)
+    model(batch)
+    towers, args = model.graph_towers(DATA.batch_size, torch.device("cpu"))
+    assert list(towers) == list(args) == ["dense", "queries", "interaction"]  # the order the forward calls them
+    owners = {}
+    for name, module in towers.items():
+        assert [(t.shape, t.dtype, t.requires_grad) for t in args[name]] == \
+            [(t.shape, t.dtype, t.requires_grad) for t in seen[name]], name
+        out = module(*seen[name])
+        expected = getattr(model, f"{name}_tower")(*seen[name])
+        for o, e in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+            torch.testing.assert_close(o, e)
+        params = {id(p) for p in module.parameters()}
+        outputs = out if isinstance(out, tuple) else (out,)
+        grads = torch.autograd.grad([o.float().sum() for o in outputs], list(module.parameters()), allow_unused=True)
+        used = {id(p) for p, g in zip(module.parameters(), grads) if g is not None}
+        assert used == params, f"{name}: parameters held but unused, or the reverse"
+        for pid in params:
+            assert pid not in owners, f"a parameter of {name} is also in {owners[pid]}"
+            owners[pid] = name
+    state_keys = set(model.state_dict())
+    assert not any(k.startswith("_") for k in state_keys)  # the towers are not in the model's tree
