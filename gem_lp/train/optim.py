@@ -20,8 +20,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     Per row r with gradient g_r (`[D]`): `state_r += mean(g_r^2)`;
     `w_r -= lr * g_r / (sqrt(state_r) + eps)`; rows with an all-zero gradient are left untouched
     (weight decay, when set, is applied to touched rows only, as an L2 term added to g_r).
-    Dense or sparse (`torch.sparse_coo`) gradients are accepted.
+    Dense or sparse (`torch.sparse_coo`) gradients are accepted. `found_inf` (an attribute, as torch's fused
+    optimizers take it from a grad scaler): a 0-dim float tensor on the tables' device, or None; a step
+    with `found_inf` nonzero changes no row and no accumulator (decided on the device: no host sync).
     """
+
+    found_inf: torch.Tensor | None = None
 
     def __init__(self, params, lr: float = 0.05, eps: float = ROWWISE_ADAGRAD_EPS, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0):
@@ -57,10 +61,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                 state["step"] += 1
                 touched = (grad != 0).any(dim=1)
+                if self.found_inf is not None:
+                    touched &= self.found_inf.to(p.device).reshape(()) == 0
                 g = grad.float()
                 if group["weight_decay"]:
                     g = torch.where(touched[:, None], g + group["weight_decay"] * p.float(), g)
-                state["sum"] += g.square().mean(dim=1)
+                state["sum"] += torch.where(touched, g.square().mean(dim=1), 0.0)
                 denom = state["sum"].sqrt().add_(group["eps"])
                 update = g / denom[:, None] * group["lr"]
                 p.sub_(torch.where(touched[:, None], update, torch.zeros_like(update)).to(p.dtype))

@@ -150,8 +150,10 @@ class Trainer:
                                   self.group)
             self.network, self.sharding_plan, self.fused_tables = sharded.module, sharded.plan, sharded.fused
             self.model = sharded.module.module  # the GemRanker inside, its embedding modules sharded
+        # fused: its step takes `found_inf`, so that a step with a non-finite loss or gradient is skipped on the
+        # device and the host reads the check only after the step is queued (see train_step)
         self.dense_optimizer = torch.optim.AdamW(self.model.dense_parameters(), lr=t.lr, betas=t.betas,
-                                                 weight_decay=t.weight_decay)
+                                                 weight_decay=t.weight_decay, fused=True)
         if self.fused_tables:
             self.embedding_optimizer = self.network.fused_optimizer
         else:
@@ -397,12 +399,11 @@ class Trainer:
                           pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers > 0 else None,
                           persistent_workers=False, worker_init_fn=ignore_sigint_in_worker if workers else None)
 
-    def _checked_loss(self, loss: torch.Tensor, names: list[str], grads: list[torch.Tensor],
-                      norms: torch.Tensor, dense_norm: torch.Tensor, step: int) -> float:
+    def _checked_loss(self, checks: torch.Tensor, names: list[str], grads: list[torch.Tensor], step: int) -> float:
         """The loss as a float, after checking it, every gradient's norm and the dense gradients' global norm
-        finite: one device-to-host copy per step, after the backward is queued (a read of the loss before it
-        would leave the GPU idle while the host queues the backward). Raises `NonFiniteError` otherwise."""
-        values = torch.cat([loss.detach().float().reshape(1), norms.float(), dense_norm.float().reshape(1)]).cpu()
+        (`checks`: `[loss, norms..., dense norm]`) finite: one device-to-host copy per step, after the optimizer
+        step is queued (which skipped the update when they were not finite). Raises `NonFiniteError` otherwise."""
+        values = checks.cpu()
         value = float(values[0])
         if not math.isfinite(value):
             raise NonFiniteError(f"step {step}: training loss is {value} (non-finite); stopping before the "
@@ -501,13 +502,20 @@ class Trainer:
         norms = torch.stack(torch._foreach_norm(grads))  # per tensor, in the gradients' dtype as clipping does
         dense_norm = torch.linalg.vector_norm(norms[num_tables:])  # what gradient clipping scales by
         if self.group is None:
-            value = self._checked_loss(loss, names, grads, norms, dense_norm, step)
+            # checked on the device first: a non-finite loss or norm makes the optimizers skip the step (found_inf),
+            # so the host reads the check only once the step is queued, while the GPU finishes the backward
+            checks = torch.cat([loss.detach().float().reshape(1), norms.float(), dense_norm.float().reshape(1)])
+            found_inf = (~torch.isfinite(checks).all()).float()  # 0-dim, as a grad scaler makes it
+            self.dense_optimizer.found_inf = self.embedding_optimizer.found_inf = found_inf
         else:
             value = self._agreed_loss(loss_sum, global_batch_size, names, grads, norms, dense_norm, step)
         if self.tcfg.grad_clip is not None:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in named[num_tables:]], self.tcfg.grad_clip, dense_norm)
         self.dense_optimizer.step()
         self.embedding_optimizer.step()
+        if self.group is None:
+            self.dense_optimizer.found_inf = self.embedding_optimizer.found_inf = None
+            value = self._checked_loss(checks, names, grads, step)
         self.dense_scheduler.step()
         self.embedding_scheduler.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
