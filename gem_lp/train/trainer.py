@@ -510,7 +510,9 @@ class Trainer:
         else:
             value = self._agreed_loss(loss_sum, global_batch_size, names, grads, norms, dense_norm, step)
         if self.tcfg.grad_clip is not None:
-            torch.nn.utils.clip_grads_with_norm_([p for _, p in named[num_tables:]], self.tcfg.grad_clip, dense_norm)
+            # a skipped step's gradients stay as they are (a norm of 0 scales them by 1): the error names them
+            clip_norm = dense_norm if self.group is not None else torch.where(found_inf > 0, 0.0, dense_norm)
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in named[num_tables:]], self.tcfg.grad_clip, clip_norm)
         self.dense_optimizer.step()
         self.embedding_optimizer.step()
         if self.group is None:
