@@ -295,7 +295,7 @@ def test_training_steps_with_captured_towers_match_eager_ones(precision):
     batches = [make_batch(data, teacher, 0, "train", i).to("cuda") for i in range(4)]
     results = []
     for model, capture in ((eager, False), (graphed, True)):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)  # as the trainer, a fused optimizer
         F.binary_cross_entropy_with_logits(model(batches[0]), batches[0].labels).backward()  # builds the kernels
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -313,7 +313,7 @@ def test_training_steps_with_captured_towers_match_eager_ones(precision):
     # equal up to the order of float32 atomics (the bias gradients' column sums)
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-6)
     for name, value in results[0][1].items():
-        torch.testing.assert_close(results[1][1][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(results[1][1][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mxfp8"])
