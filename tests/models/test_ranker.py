@@ -308,6 +308,10 @@ def test_training_steps_with_captured_towers_match_eager_ones(precision):
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
+        with torch.no_grad():  # a large update: the replays must quantize the new weights, not replay old ones
+            for p in model.parameters():
+                p.mul_(1.5)
+        losses.append(F.binary_cross_entropy_with_logits(model(batches[-1]), batches[-1].labels).item())
         results.append((losses, {k: v.detach().clone() for k, v in model.state_dict().items()}))
     assert graphed._graphs is not None
     # equal up to the order of float32 atomics (the bias gradients' column sums)
