@@ -91,3 +91,87 @@ def test_empty_inputs_with_any_strides():
     empty = torch.zeros(1, 2, 64, device=DEV).expand(0, 2, 64)
     (out,) = mx_operands([(empty, offs, ORIENT_SQUARE)])
     assert out.shape == (0, 2, 64)
+
+
+_NAMES = {ORIENT_HDIM: "hdim", ORIENT_SEQ: "seq", ORIENT_SQUARE: "square"}
+
+
+@pytest.mark.parametrize("dim,packs", [(64, (ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM)),
+                                       (128, (ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM)),
+                                       (64, (ORIENT_SEQ, ORIENT_HDIM, ORIENT_SQUARE))])
+def test_packed_tensors_decode_to_the_operands_and_hold_the_mx_payload(dim, packs):
+    """What the forward packs for the backward: the same pass writes each orientation's payload (the reference
+    quantization's bytes at the packed positions) and scales; a later pass decodes the operand bit for bit as if it
+    had quantized x itself. Odd lengths, an empty sequence, a strided view, NaN and all-zero blocks."""
+    from gem_lp.jagged import quantize_jagged
+
+    offs = offsets_of([31, 0, 1, 33, 127, 128, 129, 5])
+    t = int(offs[-1])
+    qkv = randn(t, 3 * 2, dim, outliers=True).view(t, 3, 2, dim)
+    q, k, v = qkv.unbind(1)  # token stride 3 * H * D, as the attention reads a fused projection's output
+    q[40, 1, 7] = float("nan")
+    k[100:132].zero_()
+    specs = [(q, offs, ORIENT_HDIM), (k, offs, ORIENT_HDIM), (v, offs, ORIENT_SEQ)]
+    ops, packed = mx_operands(specs, pack=list(packs))
+    for got, want in zip(ops, mx_operands(specs)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # packing leaves the operands alone
+    for x, p in zip((q, k, v), packed):
+        assert p.payload.dtype == torch.uint8 and p.payload.shape == x.shape
+        ref = quantize_jagged(x.contiguous(), offs, (_NAMES[p.orient],), backend="reference").payload(_NAMES[p.orient])
+        assert torch.equal(p.payload.cpu(), ref.view(torch.uint8).cpu())
+        (decoded,) = mx_operands([(p, offs, p.orient)])
+        (direct,) = mx_operands([(x, offs, p.orient)])
+        assert torch.equal(decoded.view(torch.int16), direct.view(torch.int16))
+    nan_block = {ORIENT_SQUARE: (slice(32, 64), 1, slice(0, 32)), ORIENT_SEQ: (slice(32, 64), 1, 7),
+                 ORIENT_HDIM: (40, 1, slice(0, 32))}[packs[0]]
+    assert torch.isnan(mx_operands([(packed[0], offs, packs[0])])[0][nan_block]).all()
+
+
+def test_packed_spec_errors():
+    offs = offsets_of([40])
+    _, (p,) = mx_operands([(randn(40, 1, 64), offs, ORIENT_HDIM)], pack=[ORIENT_SQUARE])
+    with pytest.raises(ValueError, match="decodes its own orientation"):
+        mx_operands([(p, offs, ORIENT_HDIM)])
+    with pytest.raises(ValueError, match="one entry per spec"):
+        mx_operands([(randn(40, 1, 64), offs, ORIENT_HDIM)], pack=[])
+    with pytest.raises(ValueError, match="pack None or one of them"):
+        mx_operands([(randn(40, 1, 64), offs, ORIENT_HDIM)], pack=[9])
+
+
+_HOPPER_COMPILE = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gem_lp.attention import producer as pr
+sig, consts = {}, {}
+for i, (x, pack, from_pack) in enumerate((("*bf16", 3, False), ("*bf16", 3, False), ("*fp32", 1, False),
+                                          ("*u8", 0, True))):
+    sig.update({f"x{i}": x, f"rs{i}": "i64", f"out{i}": "*bf16", f"seq{i}": "*i32", f"offs{i}": "*i64",
+                f"coffs{i}": "*i64", f"pk{i}": "*u8", f"ps{i}": "*u8"})
+    consts.update({f"ORIENT{i}": (1, 1, 2, 3)[i], f"PACK{i}": pack, f"FROM_PACK{i}": from_pack})
+sig["H"] = "i32"
+rows, thread_rows, blocks_in_thread, warps = pr.STRIPS_LAUNCH
+consts.update(D=128, ROWS=rows, THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=blocks_in_thread, HW_CAST=True,
+              INTERPRET=False)
+sig.update({n: "constexpr" for n in consts})
+k = triton.compile(ASTSource(pr._producer_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=warps))
+print("RESULT", json.dumps(dict(cvt=k.asm["ptx"].count("e4m3x2"))))
+"""
+
+
+def test_producer_compiles_for_hopper():
+    """sm_90 build (no GPU needed) of a launch that quantizes and packs, and decodes a packed tensor: the hardware
+    E4M3 conversions are used."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(re.search(r"RESULT (.*)", done.stdout).group(1))["cvt"] > 0

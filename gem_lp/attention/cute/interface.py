@@ -7,8 +7,10 @@ inside (FA4's layout) and handed out as a `[T, H]` view.
 
 `mxfp8` operands: the producer pass (`gem_lp.attention.producer`, memory-bound, one launch) writes the MX-exact
 BF16 operands: forward Q, K `hdim` and V `seq`; backward Q, K, dO `square` and V `hdim`, blocks aligned to each
-sequence's first token. The kernels' outputs are BF16 (O, dQ, dK, dV), cast to the input
-dtype.
+sequence's first token. The forward's pass also packs the backward's Q, K and V as MX (E4M3 payload + scales, about
+1 byte per element), and that is what the op keeps for its backward instead of q, k, v: the backward's pass decodes
+them into the same operands it would have quantized, bit for bit. The kernels' outputs are BF16 (O, dQ, dK, dV), cast
+to the input dtype.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import math
 import torch
 
 from ..plan import cached_plan
-from ..producer import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, mx_operands
+from ..producer import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, PackedMX, mx_operands
 
 
 # FA4's backward compiles another kernel when the longest sequence fits in one tile (a compile-key flag that guards
@@ -124,12 +126,17 @@ class CuteAttention(torch.autograd.Function):
             out, lse = fa4._flash_attn_fwd(
                 _repeat_q(q_, vb), k_, v_, cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q,
                 max_seqlen_k=vb.max_k, softmax_scale=scale, causal=causal, return_lse=True)[:2]
+            ctx.save_for_backward(q, k, v, out, lse)
         else:
-            qd, kd, vd = mx_operands([(_rows(q), vb.q_offsets, ORIENT_HDIM), (_rows(k), vb.kv_offsets, ORIENT_HDIM),
-                                      (_rows(v), vb.kv_offsets, ORIENT_SEQ)])
+            # the same pass packs what the backward quantizes (Q, K square, V hdim) as MX: kept instead of q, k, v
+            (qd, kd, vd), packed = mx_operands(
+                [(_rows(q), vb.q_offsets, ORIENT_HDIM), (_rows(k), vb.kv_offsets, ORIENT_HDIM),
+                 (_rows(v), vb.kv_offsets, ORIENT_SEQ)], pack=[ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM])
             out, lse = mx_forward(_repeat_q(qd, vb), kd, vd, vb.cu_q, vb.cu_k, causal=causal, scale=scale,
                                   p_quant=p_quant, arch=device_arch(q.device))
-        ctx.save_for_backward(q, k, v, out, lse)
+            ctx.save_for_backward(*(t for p in packed for t in (p.payload, p.scales)), out, lse)
+            ctx.chunk_rows = packed[0].chunk_rows
+        ctx.q_rows, ctx.dtypes = q.shape[0], (q.dtype, k.dtype, v.dtype)
         ctx.vb, ctx.causal, ctx.precision, ctx.scale, ctx.p_quant = vb, causal, precision, scale, p_quant
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse.t()
@@ -140,13 +147,15 @@ class CuteAttention(torch.autograd.Function):
 
         from .launch import device_arch, mx_backward
 
-        q, k, v, out, lse = ctx.saved_tensors
+        *inputs, out, lse = ctx.saved_tensors
         vb = ctx.vb
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
         if d_out is None:
-            d_out = torch.zeros(out.shape, dtype=q.dtype, device=out.device)
+            d_out = torch.zeros(out.shape, dtype=q_dtype, device=out.device)
         d_out = d_out.contiguous()
         dlse = None if d_lse is None else d_lse.t().contiguous()
         if ctx.precision == "bf16":
+            q, k, v = inputs
             dt = _kernel_dtype(q)
             q_, k_, v_ = (t.to(dt).contiguous() for t in (q, k, v))
             dq, dk, dv = fa4._flash_attn_bwd(
@@ -154,15 +163,15 @@ class CuteAttention(torch.autograd.Function):
                 cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=max(vb.max_q, _BWD_MAX_SEQLEN_FLOOR),
                 max_seqlen_k=max(vb.max_k, _BWD_MAX_SEQLEN_FLOOR), dlse=dlse)
         else:
-            qs, ks, vh, dos = mx_operands([(_rows(q), vb.q_offsets, ORIENT_SQUARE),
-                                           (_rows(k), vb.kv_offsets, ORIENT_SQUARE),
-                                           (_rows(v), vb.kv_offsets, ORIENT_HDIM),
-                                           (d_out, vb.out_offsets, ORIENT_SQUARE)])
+            qp, kp, vp = (PackedMX(inputs[2 * i], inputs[2 * i + 1], orient, ctx.chunk_rows)
+                          for i, orient in enumerate((ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM)))
+            qs, ks, vh, dos = mx_operands([(qp, vb.q_offsets, ORIENT_SQUARE), (kp, vb.kv_offsets, ORIENT_SQUARE),
+                                           (vp, vb.kv_offsets, ORIENT_HDIM), (d_out, vb.out_offsets, ORIENT_SQUARE)])
             dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, lse, dlse, vb.cu_q, vb.cu_k,
                                      causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
-                                     arch=device_arch(q.device))
-        dq = _sum_q(dq, vb, q.shape[0])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+                                     arch=device_arch(out.device))
+        dq = _sum_q(dq, vb, ctx.q_rows)
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
 
 
 def jagged_attention_cute(q, k, v, vb: VarlenBatch, *, causal: bool, precision: str, scale: float, p_quant: str
