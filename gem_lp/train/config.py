@@ -64,9 +64,9 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float | None = 1.0  # max global norm of the dense gradients (None: no clipping)
     progress: bool = True  # a progress bar when stderr is a terminal; otherwise a log line every log_every steps
-    # CUDA graphs of the model's fixed-shape towers (GemRanker.capture_cuda_graphs), captured after the first step;
-    # one process on a CUDA device only
-    cuda_graphs: bool = False
+    # CUDA graphs of the model's fixed-shape towers (GemRanker.capture_cuda_graphs), captured after the first step:
+    # true needs one process on a CUDA device; None (default) uses them there and not elsewhere
+    cuda_graphs: bool | None = None
     tensorboard: bool = True
     # Under torchrun (several processes; see gem_lp.train.sharding): how the embedding tables are spread over the
     # ranks, per-table overrides ({table: table_wise | row_wise | column_wise}), and how long a collective waits

@@ -122,7 +122,9 @@ class Trainer:
         self.device = resolve_device(t.device)
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
-        if t.cuda_graphs and (self.device.type != "cuda" or self.launch is not None):
+        one_cuda_process = self.device.type == "cuda" and self.launch is None
+        self.cuda_graphs = one_cuda_process if t.cuda_graphs is None else t.cuda_graphs
+        if t.cuda_graphs and not one_cuda_process:
             raise ConfigError(f"trainer.cuda_graphs=true needs one process on a CUDA device, got device "
                               f"{self.device}{' under a multi-process launch' if self.launch is not None else ''}")
         self.group: ProcessGroup | None = None
@@ -481,7 +483,7 @@ class Trainer:
         backward, with the LR that the previous step's `zero_grad` handed it (this step's scheduled LR).
         """
         batch = batch.to(self.device, non_blocking=True)
-        if self.tcfg.cuda_graphs and step > 1 and self.model._graphs is None and \
+        if self.cuda_graphs and step > 1 and self.model._graphs is None and \
                 batch.batch_size == getattr(self.dcfg, "batch_size", None):  # after a step has built every kernel
             self.model.capture_cuda_graphs(batch.batch_size)
         logits = self.network(batch)

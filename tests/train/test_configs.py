@@ -156,3 +156,10 @@ def test_cuda_graphs_need_one_process_on_a_cuda_device(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match="trainer.cuda_graphs=true needs one process on a CUDA device, got device "
                                           "cpu"):
         Trainer(tiny_config("trainer.cuda_graphs=true"), tmp_path)
+
+
+def test_cuda_graphs_default_to_one_process_on_a_cuda_device(tiny_config, tmp_path):
+    from gem_lp.train.trainer import Trainer
+
+    assert tiny_config().trainer.cuda_graphs is None
+    assert Trainer(tiny_config(), tmp_path / "run").cuda_graphs is False  # the CPU: towers stay eager
