@@ -10,7 +10,8 @@ copy of one does). Prints per module type and per module the bytes saved, their 
 and bytes per token of the batch (T tokens over the jagged sequences); the MXFP8 recipe is meant to keep MX payloads
 and scales (about 1.03 bytes per element) where BF16 keeps 2 bytes per element. On the GPU the peak memory of a whole
 step is also printed (saved tensors are a part of it: the backward's own buffers and the weights and optimizer state
-add to them).
+add to them); with `--peak`, the step runs again under the allocator's trace and what is live at its peak is listed by
+the source line that allocated it (`peak_by_site`).
 """
 from __future__ import annotations
 
@@ -63,10 +64,76 @@ def saved_by_module(model: torch.nn.Module, run) -> tuple[dict[str, int], dict[s
     return dict(saved), kinds, sum(saved.values())
 
 
+OUR_CODE = ("gem_lp/", "benchmarks/")
+
+
+def _short(frame: dict) -> str:
+    path = frame["filename"]
+    for part in OUR_CODE:
+        if part in path:
+            path = part + path.split(part, 1)[1]
+            break
+    return f"{path}:{frame['line']} {frame['name']}"
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made, from its stack (innermost frame first): the two innermost frames in our code
+    (else the innermost Python frame), as `file:line function < caller`; '<no Python frame>' for allocations by
+    autograd's C++ backward of a built-in op."""
+    ours = [f for f in frames if any(part in f["filename"] for part in OUR_CODE)]
+    chosen = ours[:2] or [f for f in frames if f["filename"].endswith(".py")][:1]
+    return " < ".join(_short(f) for f in chosen) or "<no Python frame>"
+
+
+def peak_by_site(trace: list[dict], start_bytes: int) -> tuple[int, dict[str, int], int, str]:
+    """Replays a device trace of the caching allocator (`torch.cuda.memory._snapshot()['device_traces'][d]`, events
+    of `alloc` and `free_completed` with `addr`, `size`, `frames`) from `start_bytes` allocated when it began.
+
+    Returns `(peak bytes, {site: bytes live at the peak}, bytes live at the peak that were allocated before the
+    trace, the site of the allocation that reached the peak)`; sites as `_site`."""
+    current = peak = start_bytes
+    peak_at = -1
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            current += event["size"]
+            if current > peak:
+                peak, peak_at = current, i
+        elif event["action"] == "free_completed":
+            current -= event["size"]
+    live: dict[int, dict] = {}
+    for event in trace[:peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    sites: dict[str, int] = defaultdict(int)
+    for event in live.values():
+        sites[_site(event.get("frames", []))] += event["size"]
+    top = _site(trace[peak_at].get("frames", [])) if peak_at >= 0 else "<before the trace>"
+    return peak, dict(sites), peak - sum(sites.values()), top
+
+
+def traced_peak(step, device: torch.device) -> tuple[int, dict[str, int], int, str]:
+    """`peak_by_site` of one call of `step()` on `device`, traced with Python stacks."""
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return peak_by_site(snapshot["device_traces"][index], start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     parser.add_argument("--top", type=int, default=25, help="modules listed, largest first")
+    parser.add_argument("--peak", action="store_true", help="GPU: list what is live at the step's peak by the "
+                        "source line that allocated it")
     args = parser.parse_args()
     from gem_lp.train.trainer import Trainer
 
@@ -84,8 +151,9 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(trainer.device)
             trainer.train_step(batch, 2)
             peak = torch.cuda.max_memory_allocated(trainer.device)
+            traced = traced_peak(lambda: trainer.train_step(batch, 3), trainer.device) if args.peak else None
         else:
-            peak = None
+            peak = traced = None
         per_module, kinds, total = saved_by_module(model, lambda: model(batch))
         precision = trainer.mcfg.precision
         trainer.close()
@@ -95,6 +163,9 @@ def main() -> None:
     result = {"config": args.overrides, "precision": precision, "history_tokens": tokens,
               "saved_bytes": total, "saved_bytes_per_history_token": total / max(tokens, 1),
               "peak_step_bytes": peak, "by_module_type": dict(by_kind), "by_module": per_module}
+    if traced is not None:
+        result.update(traced_peak_bytes=traced[0], live_at_peak_by_site=traced[1], live_at_peak_from_before=traced[2],
+                      peak_reached_at=traced[3])
     out = Path(os.environ.get("OUT", ".bench_out"))
     out.mkdir(parents=True, exist_ok=True)
     name = "profile_saved_" + "_".join(o.replace("=", "-").replace("/", "-") for o in args.overrides)
@@ -106,6 +177,11 @@ def main() -> None:
     print(f"{'module':52} {'saved MB':>10} {'B/token':>9}")
     for mod, nbytes in sorted(per_module.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{mod:52} {nbytes / 1e6:10.2f} {nbytes / max(tokens, 1):9.1f}")
+    if traced is not None:
+        print(f"\nlive at the traced step's peak ({traced[0] / 1e9:.2f} GB, reached allocating at {traced[3]}):")
+        print(f"{'allocated before the step (parameters, optimizer state, batch, ...)':90} {traced[2] / 1e6:10.2f} MB")
+        for site, nbytes in sorted(traced[1].items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"{site[:90]:90} {nbytes / 1e6:10.2f} MB")
     print(f"\n{precision}: {total / 1e6:.2f} MB saved for the backward, {total / max(tokens, 1):.1f} bytes per history "
           f"token ({tokens} tokens)" + ("" if peak is None else f"; peak of a training step {peak / 1e9:.2f} GB"))
 

@@ -26,3 +26,26 @@ def test_saved_bytes_by_module_storages_once_parameters_not_counted():
     assert per_module["<model>"] == 5 * 16 * 4 + 5 * 4 * 4
     assert "b.0" not in per_module  # h was saved first by the sigmoid: one storage, counted once
     assert total == sum(per_module.values()) and kinds["b.0"] == "Linear" and kinds["<model>"] == "Net"
+
+
+def test_peak_by_site_replays_the_trace_to_its_peak():
+    from benchmarks.profile_saved import peak_by_site
+
+    def frame(name, line):
+        return {"filename": f"/site/gem_lp/{name}.py", "line": line, "name": name}
+
+    torch_frame = {"filename": "/site/torch/nn/functional.py", "line": 1, "name": "linear"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [torch_frame, frame("mlp", 10), frame("model", 5)]},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": [frame("attention", 20)]},
+        {"action": "free_completed", "addr": 7, "size": 30, "frames": []},  # made before the trace
+        {"action": "alloc", "addr": 3, "size": 40, "frames": []},  # the peak: 1000 + 100 + 50 - 30 + 40 = 1160
+        {"action": "free_requested", "addr": 2, "size": 50, "frames": []},  # not yet free
+        {"action": "free_completed", "addr": 2, "size": 50, "frames": []},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": [frame("attention", 21)]},  # 1150: below the peak
+    ]
+    peak, sites, before, top = peak_by_site(trace, 1000)
+    assert peak == 1160 and top == "<no Python frame>"
+    assert sites == {"gem_lp/mlp.py:10 mlp < gem_lp/model.py:5 model": 100, "gem_lp/attention.py:20 attention": 50,
+                     "<no Python frame>": 40}
+    assert before == 1160 - 190
