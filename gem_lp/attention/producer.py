@@ -66,8 +66,9 @@ def _e4m3_value(q):
     e = (q >> 3) & 0xF
     m = q & 0x7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where((q & 0x80) != 0, -v, v)
+    magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    # the sign as a bit: a negation is free to turn -0.0 into +0.0 (the compiler did, on sm_90)
+    return (magnitude.to(tl.int32, bitcast=True) | ((q & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
