@@ -43,6 +43,9 @@ class RecBatch:
         labels: float32 `[B]` in {0, 1}.
         teacher_logits: float32 `[B]` or None: for synthetic data, the planted teacher's logit
             (labels ~ Bernoulli(sigmoid)), to report the best achievable metrics; models never see it.
+        host_sequence_lengths: None, or `sequence_features.lengths()` on the CPU: set by `to()` when the batch moves
+            off the CPU, so that the model can lay out its jagged attention without reading lengths back from the
+            device (a host sync, which would stall the host until the GPU has caught up).
     """
 
     sparse_features: KeyedJaggedTensor
@@ -50,6 +53,7 @@ class RecBatch:
     dense_features: torch.Tensor
     labels: torch.Tensor
     teacher_logits: torch.Tensor | None = None
+    host_sequence_lengths: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,6 +68,8 @@ class RecBatch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             teacher_logits=(None if self.teacher_logits is None
                             else self.teacher_logits.to(device, non_blocking=non_blocking)),
+            host_sequence_lengths=(self.sequence_features.lengths() if self.sequence_features.lengths().device.type
+                                   == "cpu" else self.host_sequence_lengths),
         )
 
     def samples(self, start: int, stop: int) -> "RecBatch":

@@ -38,7 +38,7 @@ from gem_lp.norm_gemm import RMSNorm
 
 from .blocks import _ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
 from .config import GemModelConfig
-from .packing import prefix_rows, prepend_tokens
+from .packing import lengths_to_offsets, prefix_rows, prepend_tokens
 
 
 class GemRanker(nn.Module):
@@ -146,13 +146,27 @@ class GemRanker(nn.Module):
         if self.history_proj is not None:
             history = self.history_proj(history)
         tokens, offsets, _ = prepend_tokens(summary, history, lengths)
+        # the attention layers validate their offsets on the host: the same offsets made from the host's lengths
+        # spare them a copy back from the device
+        attention_offsets = self._host_offsets(batch, k_sum)
+        attention_offsets = offsets if attention_offsets is None else attention_offsets
         for block in self.encoder:
-            tokens = block(tokens, offsets)
+            tokens = block(tokens, attention_offsets)
 
         encoded_summary = tokens[prefix_rows(offsets, k_sum)].reshape(b, -1)  # [B, K_sum * d]
         q_query, q_target = self._tower("queries", candidate)
-        read_query, read_target = self.readout.reads(tokens, offsets, q_query, q_target)
+        read_query, read_target = self.readout.reads(tokens, attention_offsets, q_query, q_target)
         return self._tower("interaction", encoded_summary, read_query, read_target, non_sequence, candidate)
+
+    def _host_offsets(self, batch: RecBatch, k_sum: int) -> torch.Tensor | None:
+        """The packed sequences' offsets (`prepend_tokens`'s) on the CPU, from `batch.host_sequence_lengths`; None
+        without them."""
+        host = batch.host_sequence_lengths
+        if host is None:
+            return None
+        keys, b = batch.sequence_features.keys(), batch.batch_size
+        i = keys.index(self.features.history_key)
+        return lengths_to_offsets(host[i * b:(i + 1) * b].to(torch.int64) + k_sum)
 
     def dense_tower(self, pooled: torch.Tensor, dense_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pooled `[B, F_sparse * e]` (compute dtype), dense features `[B, num_dense]` float32 -> (non-sequence

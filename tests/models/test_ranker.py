@@ -359,3 +359,34 @@ def test_graph_towers_match_what_the_forward_passes_and_own_their_parameters(bat
             owners[pid] = name
     state_keys = set(model.state_dict())
     assert not any(k.startswith("_") for k in state_keys)  # the towers are not in the model's tree
+
+
+def test_attention_offsets_come_from_the_host_lengths_that_to_keeps(batch, monkeypatch):
+    """`RecBatch.to` keeps the sequence lengths of the CPU batch; the model then hands every attention layer offsets
+    made on the CPU from them (no read back from the device), equal to those it packs the tokens with, and computes
+    the same logits as without them."""
+    import gem_lp.models.blocks as blocks
+
+    moved = batch.to("cpu")
+    assert torch.equal(moved.host_sequence_lengths, batch.sequence_features.lengths())
+    assert batch.host_sequence_lengths is None  # a pipeline's batch: only `to` sets them
+    seen = []
+    original = blocks.jagged_attention
+
+    def spy(q, k, v, q_offsets, kv_offsets=None, **kwargs):
+        seen.append(kv_offsets if kv_offsets is not None else q_offsets)
+        return original(q, k, v, q_offsets, kv_offsets, **kwargs)
+
+    monkeypatch.setattr(blocks, "jagged_attention", spy)
+    torch.manual_seed(0)
+    model = GemRanker(GemModelConfig(precision="bf16", **SMALL), DATA.feature_spec())
+    with_host = model(moved)
+    host_offsets = seen[:]
+    seen.clear()
+    without = model(dataclasses.replace(moved, host_sequence_lengths=None))
+    assert torch.equal(with_host, without)
+    lengths = batch.sequence_features[HIST_ITEM].lengths()
+    expected = lengths_to_offsets(lengths + model.cfg.num_summary_tokens)
+    assert len(host_offsets) == len(seen) == SMALL["num_blocks"] + 2  # the encoder, then the readout's two reads
+    for got, device_side in zip(host_offsets, seen):
+        assert got.device.type == "cpu" and torch.equal(got, expected) and torch.equal(device_side, expected)
