@@ -2,6 +2,7 @@
 process, or on several under torchrun (TorchRec model parallelism, see `gem_lp.train.sharding`)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import resource
@@ -171,6 +172,9 @@ class Trainer:
         self.stopwatch = Stopwatch()
         self.kernel_builds_after_warmup = 0  # in this process
         self._stop_requests: StopRequests | None = None  # while fit() runs
+        # one process on a GPU: the host reads each step's check one step late (see _one_step)
+        self.pipelined = self.device.type == "cuda" and self.group is None
+        self._queued: _QueuedStep | None = None
         self._agreed_stop: int | None = None  # a stop signal that some rank received, known to every rank
         shards_in_use = None
         if self.config.resume is not False:
@@ -482,44 +486,84 @@ class Trainer:
         batch's mean (the same on every rank). Sharded tables are updated by TorchRec's fused optimizer inside the
         backward, with the LR that the previous step's `zero_grad` handed it (this step's scheduled LR).
         """
+        if self.group is not None:
+            return self._distributed_step(batch, step, global_batch_size)
+        queued = self._forward_backward(batch, step)
+        self._update(queued)
+        return self._checked(queued)
+
+    def _forward_backward(self, batch: RecBatch, step: int) -> _QueuedStep:
+        """One process: the forward and backward of a step, and its check made on the device (the loss, each
+        gradient's norm and the dense gradients' global norm, all finite), copied to the host asynchronously."""
         batch = batch.to(self.device, non_blocking=True)
         if self.cuda_graphs and step > 1 and self.model._graphs is None and \
                 batch.batch_size == getattr(self.dcfg, "batch_size", None):  # after a step has built every kernel
             self.model.capture_cuda_graphs(batch.batch_size)
         logits = self.network(batch)
-        if self.group is None:
-            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
-        else:
-            if global_batch_size is None:
-                raise ValueError("train_step: global_batch_size is required on several processes (the size of the "
-                                 "batch that `batch` is this rank's slice of)")
-            loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float(), reduction="sum")
-            loss = loss_sum / (global_batch_size / self.world_size)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
         loss.backward()
+        names, params, num_tables, norms, dense_norm = self._gradients()
+        checks = torch.cat([loss.detach().float().reshape(1), norms.float(), dense_norm.float().reshape(1)])
+        found_inf = (~torch.isfinite(checks).all()).float()  # 0-dim, as a grad scaler makes it
+        copied = None
+        if checks.is_cuda:
+            host = torch.empty(checks.shape, dtype=checks.dtype, pin_memory=True)
+            host.copy_(checks, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            checks = host
+        return _QueuedStep(step, batch.batch_size, checks, copied, found_inf, dense_norm, names, params, num_tables)
+
+    def _gradients(self):
+        """(names, parameters with a gradient, number of tables, per-tensor gradient norms, the dense gradients'
+        global norm): the tables first, then the dense parameters."""
         tables = {id(p) for p in self.model.embedding_parameters()}
         named = sorted(((n, p) for n, p in self.model.named_parameters() if p.grad is not None),
-                       key=lambda item: id(item[1]) not in tables)  # the tables first, then the dense parameters
-        names, grads = [n for n, _ in named], [p.grad for _, p in named]
+                       key=lambda item: id(item[1]) not in tables)
+        names, params = [n for n, _ in named], [p for _, p in named]
         num_tables = sum(id(p) in tables for _, p in named)
-        norms = torch.stack(torch._foreach_norm(grads))  # per tensor, in the gradients' dtype as clipping does
+        norms = torch.stack(torch._foreach_norm([p.grad for p in params]))  # per tensor, in the gradients' dtype as clipping does
         dense_norm = torch.linalg.vector_norm(norms[num_tables:])  # what gradient clipping scales by
-        if self.group is None:
-            # checked on the device first: a non-finite loss or norm makes the optimizers skip the step (found_inf),
-            # so the host reads the check only once the step is queued, while the GPU finishes the backward
-            checks = torch.cat([loss.detach().float().reshape(1), norms.float(), dense_norm.float().reshape(1)])
-            found_inf = (~torch.isfinite(checks).all()).float()  # 0-dim, as a grad scaler makes it
-            self.dense_optimizer.found_inf = self.embedding_optimizer.found_inf = found_inf
-        else:
-            value = self._agreed_loss(loss_sum, global_batch_size, names, grads, norms, dense_norm, step)
+        return names, params, num_tables, norms, dense_norm
+
+    def _update(self, queued: _QueuedStep) -> None:
+        """The optimizer step of a queued step, skipped on the device when its check failed (the optimizers'
+        `found_inf`), then the schedulers' step."""
         if self.tcfg.grad_clip is not None:
             # a skipped step's gradients stay as they are (a norm of 0 scales them by 1): the error names them
-            clip_norm = dense_norm if self.group is not None else torch.where(found_inf > 0, 0.0, dense_norm)
-            torch.nn.utils.clip_grads_with_norm_([p for _, p in named[num_tables:]], self.tcfg.grad_clip, clip_norm)
+            clip_norm = torch.where(queued.found_inf > 0, 0.0, queued.dense_norm)
+            torch.nn.utils.clip_grads_with_norm_(queued.params[queued.num_tables:], self.tcfg.grad_clip, clip_norm)
+        self.dense_optimizer.found_inf = self.embedding_optimizer.found_inf = queued.found_inf
         self.dense_optimizer.step()
         self.embedding_optimizer.step()
-        if self.group is None:
-            self.dense_optimizer.found_inf = self.embedding_optimizer.found_inf = None
-            value = self._checked_loss(checks, names, grads, step)
+        self.dense_optimizer.found_inf = self.embedding_optimizer.found_inf = None
+        self.dense_scheduler.step()
+        self.embedding_scheduler.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        self.embedding_optimizer.zero_grad(set_to_none=True)
+
+    def _checked(self, queued: _QueuedStep) -> float:
+        """A queued step's loss, read once its check has reached the host; raises `NonFiniteError` if it failed."""
+        if queued.copied is not None:
+            queued.copied.synchronize()
+        return self._checked_loss(queued.checks, queued.names, queued.grads, queued.step)
+
+    def _distributed_step(self, batch: RecBatch, step: int, global_batch_size: int | None) -> float:
+        """`train_step` on several processes: the check is all-reduced before the optimizer step."""
+        batch = batch.to(self.device, non_blocking=True)
+        logits = self.network(batch)
+        if global_batch_size is None:
+            raise ValueError("train_step: global_batch_size is required on several processes (the size of the "
+                             "batch that `batch` is this rank's slice of)")
+        loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float(), reduction="sum")
+        (loss_sum / (global_batch_size / self.world_size)).backward()
+        names, params, num_tables, norms, dense_norm = self._gradients()
+        value = self._agreed_loss(loss_sum, global_batch_size, names, [p.grad for p in params], norms, dense_norm,
+                                  step)
+        if self.tcfg.grad_clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params[num_tables:], self.tcfg.grad_clip, dense_norm)
+        self.dense_optimizer.step()
+        self.embedding_optimizer.step()
         self.dense_scheduler.step()
         self.embedding_scheduler.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
@@ -560,6 +604,7 @@ class Trainer:
                 while self.step < stop:
                     requested = stop_requests.requested if self.group is None else self._agreed_stop
                     if requested is not None:
+                        self._complete_queued(scalars)
                         self.save_checkpoint()
                         raise TrainingInterrupted(requested, self.step, str(self.checkpoint_path))
                     self._one_step(loader, stop, progress, scalars, builds)
@@ -578,15 +623,28 @@ class Trainer:
         return metrics
 
     def _one_step(self, loader, stop: int, progress: Progress, scalars: Scalars, builds: KernelBuilds) -> None:
-        """A training step with its logging, and the eval and checkpoint that fall on it."""
+        """A training step with its logging, and the eval and checkpoint that fall on it.
+
+        Pipelined (`self.pipelined`: one process on a GPU), the host reads a step's check one step late: it queues
+        step N's forward and backward, then reads step N-1's check (on the host by then: the GPU has finished that
+        backward), then queues step N's update. The host never waits for the GPU to drain, so the GPU is kept busy
+        through the host's work of the next step (data, launches); a failed check still stops the run before any
+        later update (step N's is queued after step N-1's check). The progress line shows the latest loss read."""
         t = self.tcfg
         steady, builds_before = self.stopwatch.steady, builds.count
         self.stopwatch.start()
         batch = next(loader)
         batch, samples = batch if self.group is not None else (batch, batch.batch_size)  # (rank's slice, batch size)
-        loss = self.train_step(batch, self.step + 1, samples)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.pipelined:
+            queued = self._forward_backward(batch, self.step + 1)
+            self._complete_queued(scalars)
+            self._update(queued)
+            self._queued = queued
+        else:
+            loss = self.train_step(batch, self.step + 1, samples)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._record(self.step + 1, loss, scalars)
         self.stopwatch.stop(samples)
         if steady and builds.count > builds_before:
             self.kernel_builds_after_warmup += builds.count - builds_before
@@ -595,14 +653,16 @@ class Trainer:
         elif not steady:
             builds.new_builds()  # warm-up builds are expected: not reported
         self.step += 1
-        self.losses.append(loss)
         lr = self.dense_scheduler.get_last_lr()[0]
-        progress.update(self.step, loss, self.stopwatch.rate, lr)
+        progress.update(self.step, self.losses[-1] if self.losses else math.nan, self.stopwatch.rate, lr)
         if self.step % t.log_every == 0:
-            scalars.add("train/loss", loss, self.step)
             scalars.add("train/lr", lr, self.step)
             scalars.add("train/samples_per_s", self.stopwatch.rate, self.step)
-        if self.step % t.eval_every == 0 or self.step == stop:
+        evaluate = self.step % t.eval_every == 0 or self.step == stop
+        checkpoint = self.step % t.checkpoint_every == 0 or self.step == stop
+        if evaluate or checkpoint:
+            self._complete_queued(scalars)
+        if evaluate:
             point = {"step": self.step, "train_loss": self._recent_train_loss(), **self.evaluate()}
             self.evals.append(point)
             for key in ("eval_loss", "eval_auc", "eval_ne"):
@@ -612,8 +672,27 @@ class Trainer:
                 log.info("step %d: eval loss %.4f  AUC %.4f%s  NE %.4f", self.step, point["eval_loss"],
                          point["eval_auc"], f" (teacher {teacher:.4f})" if teacher is not None else "",
                          point["eval_ne"])
-        if self.step % t.checkpoint_every == 0 or self.step == stop:
+        if checkpoint:
             self.save_checkpoint()
+
+    def _complete_queued(self, scalars: Scalars) -> None:
+        """Reads the pipelined step still unchecked, if any: records its loss, or raises its `NonFiniteError` with
+        the run's step count set back to the step before it (its update was skipped on the device, and no later
+        one was queued)."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return
+        try:
+            loss = self._checked(queued)
+        except NonFiniteError:
+            self.step = queued.step - 1
+            raise
+        self._record(queued.step, loss, scalars)
+
+    def _record(self, step: int, loss: float, scalars: Scalars) -> None:
+        self.losses.append(loss)
+        if step % self.tcfg.log_every == 0:
+            scalars.add("train/loss", loss, step)
 
     def _recent_train_loss(self) -> float:
         window = self.losses[-TRAIN_LOSS_WINDOW:]
@@ -654,6 +733,27 @@ class Trainer:
             "eval_history": self.evals,
             "train_loss_history": self.losses,
         }
+
+
+@dataclasses.dataclass
+class _QueuedStep:
+    """A single-process step whose forward and backward are queued: its device-side check (`checks`, the host copy
+    when `copied` is an event still to complete) and what its optimizer step and error message need. `grads` keeps
+    the step's gradients for the message until the check is read (the optimizers' `zero_grad` drops theirs)."""
+
+    step: int
+    samples: int
+    checks: torch.Tensor
+    copied: "torch.cuda.Event | None"
+    found_inf: torch.Tensor
+    dense_norm: torch.Tensor
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    num_tables: int
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.grads = [p.grad for p in self.params]
 
 
 def _differences(saved: Any, now: Any, prefix: str) -> list[str]:

@@ -171,3 +171,45 @@ def test_gpu_training_with_loader_workers(tiny_config, tmp_path, precision):
     assert all(math.isfinite(x) for x in metrics["train_loss_history"])
     assert math.isfinite(metrics["eval_ne"]) and metrics["peak_mem_bytes"] > 0
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+def test_pipelined_steps_train_as_the_synchronous_ones(tiny_config, tmp_path):
+    """The pipelined loop (one process on a GPU: each step's check read one step late) on the CPU: the same losses
+    and weights as the synchronous loop."""
+    runs = {}
+    for pipelined in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(tiny_config("trainer.max_steps=7", "trainer.eval_every=4"), tmp_path / str(pipelined))
+        trainer.pipelined = pipelined
+        metrics = trainer.fit()
+        runs[pipelined] = (trainer.losses, metrics["eval_history"], trainer.model.state_dict())
+    assert len(runs[True][0]) == 7 and runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1]
+    for k, v in runs[False][2].items():
+        assert torch.equal(v, runs[True][2][k]), k
+
+
+def test_pipelined_nan_loss_stops_before_any_later_update(tiny_config, tmp_path):
+    """A failed check read one step late still stops the run at that step, before the next step's update: the
+    weights are those after the step before it."""
+    trainer = Trainer(tiny_config(), tmp_path)
+    trainer.pipelined = True
+    calls = {"n": 0}
+
+    def poison(module, args, output):  # the third training forward produces NaN
+        calls["n"] += 1
+        return output * math.nan if calls["n"] == 3 else output
+
+    trainer.model.dense_input.register_forward_hook(poison)
+    after_two = {}
+
+    def remember(module, args):  # the weights as the third step starts
+        if calls["n"] == 2:
+            after_two.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+    trainer.model.dense_input.register_forward_pre_hook(remember)
+    with pytest.raises(NonFiniteError, match=r"step 3: training loss is nan"):
+        trainer.fit()
+    assert trainer.step == 2 and len(trainer.losses) == 2 and calls["n"] == 4  # step 4's forward ran, not its update
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, after_two[k]), k
