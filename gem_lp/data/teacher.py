@@ -71,13 +71,14 @@ class PlantedTeacher:
         cfg = self.cfg
         cand = self.item_emb[raw.candidates]  # [B, d]
         seg = _segment_ids(raw.hist_lengths)
-        keys = self.item_emb[raw.hist_items] + self.gap_key[raw.hist_gaps]  # [T, d]
+        hist_emb = self.item_emb[raw.hist_items]  # [T, d], gathered once for the keys and the values
+        keys = hist_emb + self.gap_key[raw.hist_gaps]
         scores = cfg.teacher_temperature * (cand[seg] * keys).sum(-1)  # [T]
         seg_max = torch.full((raw.batch_size,), -torch.inf).scatter_reduce(0, seg, scores, "amax")
         p = torch.exp(scores - seg_max[seg])
         denom = torch.zeros(raw.batch_size).index_add_(0, seg, p)
         weight = self.action_weight[raw.hist_actions] * self.gap_decay[raw.hist_gaps]
-        values = weight[:, None] * self.item_emb[raw.hist_items]
+        values = weight[:, None] * hist_emb
         readout = torch.zeros_like(cand).index_add_(0, seg, p[:, None] * values)
         readout = readout / denom.clamp(min=1e-30)[:, None]  # users without history read 0
         interest = (cand * readout).sum(-1)
