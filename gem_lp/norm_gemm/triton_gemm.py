@@ -700,12 +700,20 @@ def _bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast
 
 
-def _gemm_nt(a, b, gemm: str, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _gemm_nt(a, b, gemm: str, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """`a b^T (+ bias)` for operands of the route: `a [M, Kc]`, `b [N, Kc]` (MX tensors with blocked scales, or
     exact values, any strides); `bias` contiguous. Bare launches: the operands come from this file's producers.
+    `out`: a contiguous `[M, N]` tensor to write (cuBLAS route with `a` in `out_dtype` only).
 
     cuBLAS adds a bias in Y's dtype (the bias is rounded to it first); the Triton routes add it in FP32.
     """
+    if out is not None:
+        if gemm in _MX_GEMMS or gemm == "triton_bf16" or a.dtype != out_dtype:
+            raise ValueError(f"_gemm_nt writes into `out` on the cuBLAS route with operands in {out_dtype} only")
+        if bias is None:
+            return torch.mm(a, b.t(), out=out)
+        return torch.addmm(_bias_as(bias, out_dtype), a, b.t(), out=out)
     if gemm in _MX_GEMMS:
         (M, Kc), N = a.data.shape, b.data.shape[0]
         operands = _OPERANDS_FP8 if gemm == "fp8" else _OPERANDS_SCALED
@@ -819,6 +827,42 @@ def _bias_for(bias: torch.Tensor | None, gemm: str) -> torch.Tensor | None:
     return bias if bias is None or gemm == "cublas" or bias.stride(0) == 1 else bias.contiguous()
 
 
+# The cuBLAS route casts the whole input into a BF16 operand as large as the input before the forward GEMM. At a long
+# history that transient set the step's peak (the MLP down-projection: 2.02 GB at 0.97M tokens, on top of its 1.98 GB
+# input; docs/PERF.md). An operand above this many bytes is cast and multiplied in row chunks of at most this size
+# (powers of two: the full chunks' GEMMs share one shape and write Y in place), the colwise cast for dW and the
+# norm's rstd made by a pass of their own: one more read of X, the same values.
+FORWARD_OPERAND_CHUNK_BYTES = 1 << 30
+
+
+def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, bias: torch.Tensor | None,
+                   scaling: str, gemm: str, opd: torch.dtype, colwise: bool, out_dtype: torch.dtype):
+    """`(Y [M, N], the cast's outputs)` of a forward: `(RMSNorm(x) if g else x)` cast for the route, times
+    `w_row^T` (+ bias). The outputs hold the colwise cast when `colwise`, and rstd with `g`; in row chunks (see
+    `FORWARD_OPERAND_CHUNK_BYTES`) they hold no row operand."""
+    M, K = x.shape
+    mx_ops = gemm in _MX_GEMMS
+    row_bytes = K * opd.itemsize
+    if (mx_ops or not colwise or M * row_bytes <= FORWARD_OPERAND_CHUNK_BYTES or x.dtype != out_dtype
+            or gemm != "cublas"):
+        out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=colwise, row_operand=not mx_ops,
+                          operand_dtype=opd, operand_rows=_rows(M, gemm))
+        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_row, gemm, out_dtype, _bias_for(bias, gemm))
+        return _first_rows(y, M), out
+    out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=False, colwise=True)
+    chunk = 1 << max(5, (FORWARD_OPERAND_CHUNK_BYTES // row_bytes).bit_length() - 1)
+    y = torch.empty(M, w_row.shape[0], dtype=out_dtype, device=x.device)
+    for m0 in range(0, M, chunk):
+        rows = min(chunk, M - m0)
+        op = rms_norm_mx(x[m0:m0 + rows], g, eps, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
+                         operand_dtype=opd, operand_rows=_rows(rows, gemm)).row_operand
+        if op.shape[0] == rows:  # a full chunk (or a partial one the buckets left unpadded): Y's rows in place
+            _gemm_nt(op, w_row, gemm, out_dtype, bias, out=y[m0:m0 + rows])
+        else:
+            y[m0:m0 + rows] = _gemm_nt(op, w_row, gemm, out_dtype, bias)[:rows]
+    return y, out
+
+
 class MXLinearTritonFunction(torch.autograd.Function):
     """`Y [M, N] = X [M, K] W^T + b` by the MXLinear recipe on the Triton path (see the section comment).
 
@@ -828,13 +872,10 @@ class MXLinearTritonFunction(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, scaling: str, gemm: str):
         check_linear_gemm(gemm)
         opd = operand_dtype_for(x2.dtype)
-        mx_ops = gemm in _MX_GEMMS
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # only dW reads X's colwise cast
-        out = rms_norm_mx(_contiguous_last(x2), None, scaling=scaling, rowwise=mx_ops, colwise=need_w,
-                          row_operand=not mx_ops, operand_dtype=opd, operand_rows=_rows(x2.shape[0], gemm))
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_x)
-        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, _bias_for(bias, gemm))
-        y = _first_rows(y, x2.shape[0])
+        y, out = _cast_and_gemm(_contiguous_last(x2), None, 0.0, w_ops.row, bias, scaling, gemm, opd, need_w,
+                                x2.dtype)
         col = out.colwise
         ctx.save_for_backward(col.data if need_w else None, col.scale if need_w else None, weight)
         ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
@@ -867,14 +908,10 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         opd = operand_dtype_for(x2.dtype)
         x = _contiguous_last(x2)
         g = _contiguous_last(norm_weight)
-        mx_ops = gemm in _MX_GEMMS
         need_w = ctx.needs_input_grad[2]  # only dW reads the colwise cast of the normalized activation
-        out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=need_w, row_operand=not mx_ops,
-                          operand_dtype=opd, operand_rows=_rows(x.shape[0], gemm))
         need_dyn = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_dyn)
-        y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_ops.row, gemm, x2.dtype, _bias_for(bias, gemm))
-        y = _first_rows(y, x.shape[0])
+        y, out = _cast_and_gemm(x, g, eps, w_ops.row, bias, scaling, gemm, opd, need_w, x2.dtype)
         col = out.colwise
         ctx.save_for_backward(x, g, out.rstd, col.data if need_w else None, col.scale if need_w else None, weight)
         ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm

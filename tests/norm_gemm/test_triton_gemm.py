@@ -303,6 +303,44 @@ def test_cublas_route_at_a_padded_token_count(norm, M, monkeypatch):
             assert_same_values(got, want, "gradient vs reference")
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["linear", "rmsnorm+linear"])
+@pytest.mark.parametrize("M,chunk,in_place", [(64, 32, [True, True]), (200, 32, [True] * 7),
+                                              (323, 128, [True, True, False])])
+def test_forward_in_row_chunks_computes_the_same(norm, M, chunk, in_place, monkeypatch):
+    """An operand above `FORWARD_OPERAND_CHUNK_BYTES` is cast and multiplied in row chunks (a power of two rows):
+    full chunks, and a last one the row buckets leave unpadded (200 = 6 x 32 + 8), write Y in place; a padded last
+    one (67 rows -> 68) is copied. Y and every gradient equal the unchunked computation's, bias included."""
+    K, N = 64, 96
+    dtype = torch.bfloat16
+    x, w = exact_linear_tensor(M, K, M, dtype), exact_linear_tensor(N, K, N, torch.float32)
+    dy = exact_linear_tensor(M, N, M + N, dtype)
+    gw = torch.full((K,), 0.5, device=DEVICE)
+    bias = exact_linear_tensor(1, N, 7, torch.float32)[0]
+    if norm:
+        def ours(a, g, b, c):
+            return rms_norm_mx_linear_triton(a, g, b, c, 1e-6, "rceil", "cublas")
+        ins = (x, gw, w, bias)
+    else:
+        def ours(a, b, c):
+            return mx_linear_triton(a, b, c, "rceil", "cublas")
+        ins = (x, w, bias)
+    y0, grads0 = run_linear(ours, ins, dy)
+    calls = []
+    original = tg._gemm_nt
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("out") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tg, "_gemm_nt", counting)
+    monkeypatch.setattr(tg, "FORWARD_OPERAND_CHUNK_BYTES", (chunk + chunk // 4) * K * 2)  # rounded down: `chunk`
+    y, grads = run_linear(ours, ins, dy)
+    assert calls[:-2] == in_place  # the backward's dX and dW GEMMs come last
+    assert_same_values(y, y0, "Y")
+    for got, want in zip(grads, grads0):
+        assert_same_values(got, want, "gradient")
+
+
 def _fp32_rel(gemm):
     """Relative error of FP32 results: accumulation order, or the FP8 MMA's alignment on sm_90."""
     return 2.0**-12 if (gemm == "fp8" and ON_GPU) else 1e-5
