@@ -10,7 +10,7 @@ copy of one does). Prints per module type and per module the bytes saved, their 
 and bytes per token of the batch (T tokens over the jagged sequences); the MXFP8 recipe is meant to keep MX payloads
 and scales (about 1.03 bytes per element) where BF16 keeps 2 bytes per element. On the GPU the peak memory of a whole
 step is also printed (saved tensors are a part of it: the backward's own buffers and the weights and optimizer state
-add to them); with `--peak`, the step runs again under the allocator's trace and what is live at its peak is listed by
+add to them), and that of its forward and of the rest; with `--peak`, the step runs again under the allocator's trace and what is live at its peak is listed by
 the source line that allocated it (`peak_by_site`).
 """
 from __future__ import annotations
@@ -138,7 +138,10 @@ def main() -> None:
     from gem_lp.train.trainer import Trainer
 
     with initialize_config_module(config_module="gem_lp.configs", version_base=None):
-        cfg = compose(config_name="config", overrides=args.overrides)
+        # the towers eager unless asked: captured graphs hide their saves and hold memory pools of their own
+        graphs_set = any(o.lstrip("+").split("=")[0] == "trainer.cuda_graphs" for o in args.overrides)
+        cfg = compose(config_name="config", overrides=args.overrides + ([] if graphs_set else
+                                                                         ["trainer.cuda_graphs=false"]))
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         batch = next(iter(trainer._train_loader())).to(trainer.device)
@@ -151,9 +154,22 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(trainer.device)
             trainer.train_step(batch, 2)
             peak = torch.cuda.max_memory_allocated(trainer.device)
-            traced = traced_peak(lambda: trainer.train_step(batch, 3), trainer.device) if args.peak else None
+            forward_peak = []  # the forward's own peak, then the rest of the step's (backward, optimizers)
+
+            def forward_done(_module, _inputs, _output):
+                forward_peak.append(torch.cuda.max_memory_allocated(trainer.device))
+                torch.cuda.reset_peak_memory_stats(trainer.device)
+
+            hook = model.register_forward_hook(forward_done)
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+            try:
+                trainer.train_step(batch, 3)
+            finally:
+                hook.remove()
+            phases = (forward_peak[0], torch.cuda.max_memory_allocated(trainer.device))
+            traced = traced_peak(lambda: trainer.train_step(batch, 4), trainer.device) if args.peak else None
         else:
-            peak = traced = None
+            peak = traced = phases = None
         per_module, kinds, total = saved_by_module(model, lambda: model(batch))
         precision = trainer.mcfg.precision
         trainer.close()
@@ -162,7 +178,9 @@ def main() -> None:
         by_kind[kinds.get(name, "?")] += nbytes
     result = {"config": args.overrides, "precision": precision, "history_tokens": tokens,
               "saved_bytes": total, "saved_bytes_per_history_token": total / max(tokens, 1),
-              "peak_step_bytes": peak, "by_module_type": dict(by_kind), "by_module": per_module}
+              "peak_step_bytes": peak, "peak_forward_bytes": phases and phases[0],
+              "peak_after_forward_bytes": phases and phases[1], "by_module_type": dict(by_kind),
+              "by_module": per_module}
     if traced is not None:
         result.update(traced_peak_bytes=traced[0], live_at_peak_by_site=traced[1], live_at_peak_from_before=traced[2],
                       peak_reached_at=traced[3])
@@ -183,7 +201,8 @@ def main() -> None:
         for site, nbytes in sorted(traced[1].items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"{site[:90]:90} {nbytes / 1e6:10.2f} MB")
     print(f"\n{precision}: {total / 1e6:.2f} MB saved for the backward, {total / max(tokens, 1):.1f} bytes per history "
-          f"token ({tokens} tokens)" + ("" if peak is None else f"; peak of a training step {peak / 1e9:.2f} GB"))
+          f"token ({tokens} tokens)" + ("" if peak is None else f"; peak of a training step {peak / 1e9:.2f} GB "
+                                        f"(forward {phases[0] / 1e9:.2f}, backward and update {phases[1] / 1e9:.2f})"))
 
 
 if __name__ == "__main__":
