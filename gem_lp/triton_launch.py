@@ -53,9 +53,8 @@ class KernelLaunch:
 
     def __init__(self, kernel, grid: tuple[int, ...], n_args: int, kwargs: dict):
         self.kernel, self.grid, self.kwargs = kernel, tuple(grid), kwargs
-        self.constexprs = constexpr_values(kernel, n_args, kwargs)
-        self.compiled = _shared_builds(kernel, n_args, kwargs)
-        self.by_value = positional_constexprs(kernel, n_args)
+        # made once per kernel and keywords: a plan for a new token count (a new grid) reuses them
+        self.constexprs, self.compiled, self.by_value = _launch_setup(kernel, n_args, kwargs)
 
     def __call__(self, args: tuple, on_gpu: bool) -> None:
         """Launch on `args` (positional; their non-tensor values and which of them are None must be the ones this
@@ -109,20 +108,26 @@ def _specialization(a) -> object:
     return None
 
 
-# kernel -> {(n_args, keyword arguments): {relaunch key: compiled kernel}}; weak on the kernel
+# kernel -> {(n_args, keyword arguments): (constexprs, {relaunch key: compiled kernel}, by_value)}; weak on the kernel
 _BUILDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _shared_builds(kernel, n_args: int, kwargs: dict) -> dict:
-    """The compiled-kernel cache shared by the launches of `kernel` with these keyword arguments (a private one
-    when a keyword value cannot be hashed or the kernel cannot be weakly referenced)."""
+def _launch_setup(kernel, n_args: int, kwargs: dict) -> tuple[tuple, dict, tuple[int, ...]]:
+    """(`constexpr_values`, the compiled-kernel cache shared by the launches of `kernel` with these keyword
+    arguments, `positional_constexprs`), made once per kernel and keywords (made afresh, with a private cache, when
+    a keyword value cannot be hashed or the kernel cannot be weakly referenced)."""
     try:
         per_kernel = _BUILDS.get(kernel)
         if per_kernel is None:
             per_kernel = _BUILDS[kernel] = {}
-        return per_kernel.setdefault((n_args, tuple(sorted(kwargs.items()))), {})
+        key = (n_args, tuple(sorted(kwargs.items())))
+        setup = per_kernel.get(key)
+        if setup is None:
+            setup = per_kernel[key] = (constexpr_values(kernel, n_args, kwargs), {},
+                                       positional_constexprs(kernel, n_args))
+        return setup
     except TypeError:
-        return {}
+        return constexpr_values(kernel, n_args, kwargs), {}, positional_constexprs(kernel, n_args)
 
 
 def _relaunchable(kernel) -> bool:

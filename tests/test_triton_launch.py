@@ -90,3 +90,11 @@ def test_constexprs_passed_by_position_select_builds_by_value(jit):
         launch((a, n, b), True)
     assert len(jit.launches) == 2 and [len(c.runs) for c in jit.compiled] == [1, 1]
     assert jit.compiled[0].runs[0][10] == 256 and jit.compiled[1].runs[0][10] == 1024
+
+
+def test_a_new_grid_reuses_the_setup_of_its_kernel_and_keywords(jit):
+    """A plan for a new token count (a new grid, the same kernel and keywords) reuses the constexpr values and the
+    builds found: nothing is recomputed from the kernel's signature."""
+    first, second = KernelLaunch(jit, (3,), 3, dict(BLOCK=64)), KernelLaunch(jit, (9,), 3, dict(BLOCK=64))
+    assert first.constexprs is second.constexprs and first.compiled is second.compiled
+    assert KernelLaunch(jit, (3,), 3, dict(BLOCK=32)).compiled is not first.compiled
