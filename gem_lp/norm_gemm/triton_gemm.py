@@ -843,8 +843,7 @@ def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, b
     M, K = x.shape
     mx_ops = gemm in _MX_GEMMS
     row_bytes = K * opd.itemsize
-    if (mx_ops or not colwise or M * row_bytes <= FORWARD_OPERAND_CHUNK_BYTES or x.dtype != out_dtype
-            or gemm != "cublas"):
+    if gemm != "cublas" or not colwise or M * row_bytes <= FORWARD_OPERAND_CHUNK_BYTES or x.dtype != out_dtype:
         out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=colwise, row_operand=not mx_ops,
                           operand_dtype=opd, operand_rows=_rows(M, gemm))
         y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_row, gemm, out_dtype, _bias_for(bias, gemm))
