@@ -422,9 +422,10 @@ def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
 
 
 def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True, row_operand=False,
-               col_operand=False, normalize=True, hw_cast=True, x_dtype=torch.bfloat16, column_sums=False) -> dict:
+               col_operand=False, normalize=True, hw_cast=True, x_dtype=torch.bfloat16, column_sums=False,
+               activation=None) -> dict:
     """sm_90 build of the launch `rms_norm_mx` makes for x [M, K] (bf16 unless `x_dtype`; fp32 weight, blocked
-    scales; `column_sums` without the norm), from shapes only (meta tensors): registers, spill bytes, programs per
+    scales; `column_sums` and `activation` without the norm), from shapes only (meta tensors): registers, spill bytes, programs per
     SM, SASS instructions per element, 16-byte loads, vector stores, hardware E4M3 conversions, float32 atomic
     adds in the PTX (`atomics`), and the re-read bytes in flight (resident row blocks of a multi-pass launch,
     H200)."""
@@ -442,7 +443,8 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
     ops = [torch.empty(M, K, dtype=torch.bfloat16, device=dev) if want else None for want in (row_operand, col_operand)]
     sums = torch.empty(K, device=dev) if column_sums else None
     kernel, _, args, kwargs = tn.forward_launch(x, w, 1e-6, rstd, row, col, *ops, blocked_scales=True, rceil=True,
-                                                hw_cast=hw_cast, config=cfg, column_sums=sums)
+                                                hw_cast=hw_cast, config=cfg, column_sums=sums,
+                                                act=tn._activation_code(activation, x_dtype))
     compiled = compile_for_target(kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)

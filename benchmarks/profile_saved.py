@@ -10,8 +10,9 @@ copy of one does). Prints per module type and per module the bytes saved, their 
 and bytes per token of the batch (T tokens over the jagged sequences); the MXFP8 recipe is meant to keep MX payloads
 and scales (about 1.03 bytes per element) where BF16 keeps 2 bytes per element. On the GPU the peak memory of a whole
 step is also printed (saved tensors are a part of it: the backward's own buffers and the weights and optimizer state
-add to them), and that of its forward and of the rest; with `--peak`, the step runs again under the allocator's trace and what is live at its peak is listed by
-the source line that allocated it (`peak_by_site`).
+add to them), and that of its forward and of the rest; with `--peak`, the step runs again under the allocator's trace
+and what is live at the peak of each of these two phases is listed by the source line that allocated it
+(`peak_by_site`).
 """
 from __future__ import annotations
 
@@ -85,23 +86,28 @@ def _site(frames: list[dict]) -> str:
     return " < ".join(_short(f) for f in chosen) or "<no Python frame>"
 
 
-def peak_by_site(trace: list[dict], start_bytes: int) -> tuple[int, dict[str, int], int, str]:
+def peak_by_site(trace: list[dict], start_bytes: int, begin: int = 0,
+                 end: int | None = None) -> tuple[int, dict[str, int], int, str]:
     """Replays a device trace of the caching allocator (`torch.cuda.memory._snapshot()['device_traces'][d]`, events
-    of `alloc` and `free_completed` with `addr`, `size`, `frames`) from `start_bytes` allocated when it began.
+    of `alloc` and `free_completed` with `addr`, `size`, `frames`) from `start_bytes` allocated when it began, to
+    the peak within its events `[begin, end)` (a phase of the step; default all).
 
     Returns `(peak bytes, {site: bytes live at the peak}, bytes live at the peak that were allocated before the
     trace, the site of the allocation that reached the peak)`; sites as `_site`."""
+    end = len(trace) if end is None else end
     current = peak = start_bytes
-    peak_at = -1
-    for i, event in enumerate(trace):
+    peak_at = -1  # the event reaching the peak; -1: none in the window rose above what was live when it began
+    for i, event in enumerate(trace[:end]):
+        if i == begin:
+            peak = current
         if event["action"] == "alloc":
             current += event["size"]
-            if current > peak:
+            if i >= begin and current > peak:
                 peak, peak_at = current, i
         elif event["action"] == "free_completed":
             current -= event["size"]
     live: dict[int, dict] = {}
-    for event in trace[:peak_at + 1]:
+    for event in trace[:peak_at + 1 if peak_at >= 0 else begin]:
         if event["action"] == "alloc":
             live[event["addr"]] = event
         elif event["action"] == "free_completed":
@@ -109,12 +115,29 @@ def peak_by_site(trace: list[dict], start_bytes: int) -> tuple[int, dict[str, in
     sites: dict[str, int] = defaultdict(int)
     for event in live.values():
         sites[_site(event.get("frames", []))] += event["size"]
-    top = _site(trace[peak_at].get("frames", [])) if peak_at >= 0 else "<before the trace>"
+    top = _site(trace[peak_at].get("frames", [])) if peak_at >= 0 else "<before the window>"
     return peak, dict(sites), peak - sum(sites.values()), top
 
 
-def traced_peak(step, device: torch.device) -> tuple[int, dict[str, int], int, str]:
-    """`peak_by_site` of one call of `step()` on `device`, traced with Python stacks."""
+PHASE_MARKER = "_forward_done_marker"
+
+
+def _forward_done_marker(device: torch.device) -> None:
+    """An allocation whose stack names this function: where the forward ends in the allocator's trace."""
+    torch.empty(1, device=device)
+
+
+def phase_split(trace: list[dict]) -> int:
+    """Index of the marker allocation in `trace` (`_forward_done_marker`), or len(trace) when absent."""
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc" and any(f.get("name") == PHASE_MARKER for f in event.get("frames", [])):
+            return i
+    return len(trace)
+
+
+def traced_peak(step, device: torch.device) -> tuple[tuple, tuple]:
+    """`peak_by_site` of one call of `step()` on `device`, traced with Python stacks, for its forward (the events
+    before `_forward_done_marker`'s allocation, which `step` makes) and for the rest of the step."""
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
@@ -125,7 +148,9 @@ def traced_peak(step, device: torch.device) -> tuple[int, dict[str, int], int, s
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return peak_by_site(snapshot["device_traces"][index], start)
+    trace = snapshot["device_traces"][index]
+    split = phase_split(trace)
+    return peak_by_site(trace, start, 0, split), peak_by_site(trace, start, split)
 
 
 def main() -> None:
@@ -167,7 +192,13 @@ def main() -> None:
             finally:
                 hook.remove()
             phases = (forward_peak[0], torch.cuda.max_memory_allocated(trainer.device))
-            traced = traced_peak(lambda: trainer.train_step(batch, 4), trainer.device) if args.peak else None
+            traced = None
+            if args.peak:
+                hook = model.register_forward_hook(lambda *_: _forward_done_marker(trainer.device))
+                try:
+                    traced = traced_peak(lambda: trainer.train_step(batch, 4), trainer.device)
+                finally:
+                    hook.remove()
         else:
             peak = traced = phases = None
         per_module, kinds, total = saved_by_module(model, lambda: model(batch))
@@ -182,8 +213,9 @@ def main() -> None:
               "peak_after_forward_bytes": phases and phases[1], "by_module_type": dict(by_kind),
               "by_module": per_module}
     if traced is not None:
-        result.update(traced_peak_bytes=traced[0], live_at_peak_by_site=traced[1], live_at_peak_from_before=traced[2],
-                      peak_reached_at=traced[3])
+        for phase, t in zip(("forward", "after_forward"), traced):
+            result[f"traced_{phase}"] = dict(peak_bytes=t[0], live_at_peak_by_site=t[1], live_at_peak_from_before=t[2],
+                                             peak_reached_at=t[3])
     out = Path(os.environ.get("OUT", ".bench_out"))
     out.mkdir(parents=True, exist_ok=True)
     name = "profile_saved_" + "_".join(o.replace("=", "-").replace("/", "-") for o in args.overrides)
@@ -195,10 +227,10 @@ def main() -> None:
     print(f"{'module':52} {'saved MB':>10} {'B/token':>9}")
     for mod, nbytes in sorted(per_module.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{mod:52} {nbytes / 1e6:10.2f} {nbytes / max(tokens, 1):9.1f}")
-    if traced is not None:
-        print(f"\nlive at the traced step's peak ({traced[0] / 1e9:.2f} GB, reached allocating at {traced[3]}):")
-        print(f"{'allocated before the step (parameters, optimizer state, batch, ...)':90} {traced[2] / 1e6:10.2f} MB")
-        for site, nbytes in sorted(traced[1].items(), key=lambda kv: -kv[1])[:args.top]:
+    for phase, t in zip(("the forward", "the backward and update"), traced or ()):
+        print(f"\nlive at the traced step's peak in {phase} ({t[0] / 1e9:.2f} GB, reached allocating at {t[3]}):")
+        print(f"{'allocated before the step (parameters, optimizer state, batch, ...)':90} {t[2] / 1e6:10.2f} MB")
+        for site, nbytes in sorted(t[1].items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"{site[:90]:90} {nbytes / 1e6:10.2f} MB")
     print(f"\n{precision}: {total / 1e6:.2f} MB saved for the backward, {total / max(tokens, 1):.1f} bytes per history "
           f"token ({tokens} tokens)" + ("" if peak is None else f"; peak of a training step {peak / 1e9:.2f} GB "

@@ -49,3 +49,27 @@ def test_peak_by_site_replays_the_trace_to_its_peak():
     assert sites == {"gem_lp/mlp.py:10 mlp < gem_lp/model.py:5 model": 100, "gem_lp/attention.py:20 attention": 50,
                      "<no Python frame>": 40}
     assert before == 1160 - 190
+
+
+def test_peak_by_site_within_a_window_and_the_phase_marker():
+    from benchmarks.profile_saved import PHASE_MARKER, peak_by_site, phase_split
+
+    def frame(name):
+        return {"filename": f"/site/gem_lp/{name}.py", "line": 1, "name": name}
+
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [frame("forward")]},   # 100: the forward's peak
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+        {"action": "alloc", "addr": 2, "size": 1, "frames": [frame(PHASE_MARKER)]},  # 1
+        {"action": "alloc", "addr": 3, "size": 60, "frames": [frame("backward")]},   # 61: the rest's peak
+        {"action": "free_completed", "addr": 3, "size": 60, "frames": []},
+    ]
+    split = phase_split(trace)
+    assert split == 2 and phase_split(trace[:2]) == 2
+    assert peak_by_site(trace, 0, 0, split)[:2] == (100, {"gem_lp/forward.py:1 forward": 100})
+    peak, sites, before, top = peak_by_site(trace, 0, split)
+    assert peak == 61 and top == "gem_lp/backward.py:1 backward" and before == 0
+    assert sites == {f"gem_lp/{PHASE_MARKER}.py:1 {PHASE_MARKER}": 1, "gem_lp/backward.py:1 backward": 60}
+    # a window with no allocation above what was live when it began: its start
+    assert peak_by_site(trace, 0, 4)[:2] == (61, {f"gem_lp/{PHASE_MARKER}.py:1 {PHASE_MARKER}": 1,
+                                                  "gem_lp/backward.py:1 backward": 60})

@@ -7,6 +7,7 @@ from torch import nn
 
 from gem_lp.attention import jagged_attention
 from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear
+from gem_lp.norm_gemm.ops import INPUT_ACTIVATIONS
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -29,8 +30,10 @@ class OpSettings:
         self.qk_rotation = qk_rotation
         self.eps = eps
 
-    def linear(self, in_features: int, out_features: int, bias: bool = True) -> MXLinear:
-        return MXLinear(in_features, out_features, bias, recipe=self.recipe, backend=self.backend)
+    def linear(self, in_features: int, out_features: int, bias: bool = True,
+               input_activation: str | None = None) -> MXLinear:
+        return MXLinear(in_features, out_features, bias, recipe=self.recipe, backend=self.backend,
+                        input_activation=input_activation)
 
     def norm_linear(self, in_features: int, out_features: int, bias: bool = True) -> RMSNormMXLinear:
         return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend)
@@ -59,16 +62,22 @@ class OpSettings:
 
 
 class FeedForward(nn.Module):
-    """Pre-norm MLP: RMSNorm+Linear (fused) -> activation -> Linear. `[N, d] -> [N, d]`."""
+    """Pre-norm MLP: RMSNorm+Linear (fused) -> activation -> Linear. `[N, d] -> [N, d]`.
+
+    An activation the linear layers can take as their input activation (SiLU) is handed to the down-projection,
+    whose MXFP8 casts compute it on the fly: the hidden activation is never stored.
+    """
 
     def __init__(self, ops: OpSettings, dim: int, hidden: int, activation: str):
         super().__init__()
         self.up = ops.norm_linear(dim, hidden)
-        self.act = _ACTIVATIONS[activation]
-        self.down = ops.linear(hidden, dim)
+        fused = activation in INPUT_ACTIVATIONS
+        self.act = None if fused else _ACTIVATIONS[activation]
+        self.down = ops.linear(hidden, dim, input_activation=activation if fused else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.up(x)))
+        h = self.up(x)
+        return self.down(h if self.act is None else self.act(h))
 
 
 class JaggedSelfAttentionBlock(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..backend import BACKENDS
 from ..mx.formats import BLOCK
-from .ops import mx_linear, rms_norm, rms_norm_mx_linear
+from .ops import INPUT_ACTIVATIONS, mx_linear, rms_norm, rms_norm_mx_linear
 
 RECIPES = ("bf16", "fp32", "mxfp8")
 
@@ -94,25 +94,37 @@ class _LinearParams(nn.Module):
 
 
 class MXLinear(_LinearParams):
-    """Linear layer `y = x W^T + b` with `x [..., in_features]`, output in x's dtype."""
+    """Linear layer `y = act(x) W^T + b` with `x [..., in_features]`, output in x's dtype.
+
+    `input_activation`: None (act the identity) or a key of `ops.INPUT_ACTIVATIONS` ("silu"), applied in x's dtype
+    as the torch function would be; with `recipe="mxfp8"` on the GPU it is computed inside the layer's casts (an MLP's
+    hidden activation is then never stored).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: str = "mxfp8",
-                 backend: str = "auto", rotated_rows: int = 0, rotation_block: int = 1):
+                 backend: str = "auto", rotated_rows: int = 0, rotation_block: int = 1,
+                 input_activation: str | None = None):
         _check_recipe(recipe, backend, in_features, out_features)
+        if input_activation is not None and input_activation not in INPUT_ACTIVATIONS:
+            raise ValueError(f"input_activation must be None or one of {tuple(INPUT_ACTIVATIONS)}, "
+                             f"got {input_activation!r}")
         super().__init__(in_features, out_features, bias, rotated_rows, rotation_block)
-        self.recipe, self.backend = recipe, backend
+        self.recipe, self.backend, self.input_activation = recipe, backend, input_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.effective_parameters()
         if self.recipe == "mxfp8":
-            return mx_linear(x, weight, bias, backend=self.backend)
+            return mx_linear(x, weight, bias, input_activation=self.input_activation, backend=self.backend)
+        if self.input_activation is not None:
+            x = INPUT_ACTIVATIONS[self.input_activation](x)
         if self.recipe == "fp32":
             return F.linear(x.float(), weight.float(), _cast(bias, torch.float32)).to(x.dtype)
         return F.linear(x, weight.to(x.dtype), _cast(bias, x.dtype))
 
     def extra_repr(self) -> str:
+        act = "" if self.input_activation is None else f", input_activation={self.input_activation!r}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe={self.recipe!r}, backend={self.backend!r}{self._rotation_repr()}")
+                f"recipe={self.recipe!r}, backend={self.backend!r}{act}{self._rotation_repr()}")
 
 
 class RMSNormMXLinear(_LinearParams):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..backend import resolve_backend
 from ..mx.formats import BLOCK, INPUT_DTYPES, MXTensor, check_scaling
@@ -111,21 +112,33 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     return rms_norm_quantize_reference(x2, weight, eps, scaling)
 
 
+# Input activations `mx_linear` can apply to x (`input_activation=`), as torch functions (the reference).
+INPUT_ACTIVATIONS = {"silu": F.silu}
+
+
 def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, scaling: str = "rceil",
-              backend: str = "auto") -> torch.Tensor:
-    """`x [..., K] @ weight[N, K]^T + bias [N]` by the MXLinear recipe (see reference.py), differentiable.
+              input_activation: str | None = None, backend: str = "auto") -> torch.Tensor:
+    """`act(x) [..., K] @ weight[N, K]^T + bias [N]` by the MXLinear recipe (see reference.py), differentiable.
 
     K and N must be multiples of 32. Output `[..., N]` in x's dtype; gradients in each input's dtype.
+    `input_activation`: None (act the identity) or a key of `INPUT_ACTIVATIONS`, e.g. an MLP's down-projection
+    taking the up-projection's pre-activation. The result is that of `mx_linear(F.silu(x), ...)`; the Triton path
+    computes the activation inside its casts, so act(x) is never stored (its backward keeps x, which autograd
+    keeps for the activation anyway).
     """
     _check_linear(x, weight, bias)
     check_scaling(scaling)
+    if input_activation is not None and input_activation not in INPUT_ACTIVATIONS:
+        raise ValueError(f"input_activation must be None or one of {tuple(INPUT_ACTIVATIONS)}, "
+                         f"got {input_activation!r}")
     k = x.shape[-1]
     if resolve_backend(backend, x, weight) == "triton":
         from .triton_gemm import MXLinearTritonFunction
 
-        y = MXLinearTritonFunction.apply(x.reshape(-1, k), weight, bias, scaling, "cublas")
+        y = MXLinearTritonFunction.apply(x.reshape(-1, k), weight, bias, scaling, "cublas", input_activation)
     else:
-        y = MXLinearFunction.apply(x.reshape(-1, k), weight, bias, scaling)
+        a = x if input_activation is None else INPUT_ACTIVATIONS[input_activation](x)
+        y = MXLinearFunction.apply(a.reshape(-1, k), weight, bias, scaling)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -829,61 +829,72 @@ def _bias_for(bias: torch.Tensor | None, gemm: str) -> torch.Tensor | None:
 
 # The cuBLAS route casts the whole input into a BF16 operand as large as the input before the forward GEMM. At a long
 # history that transient set the step's peak (the MLP down-projection: 2.02 GB at 0.97M tokens, on top of its 1.98 GB
-# input; docs/PERF.md). An operand above this many bytes is cast and multiplied in row chunks of at most this size
-# (powers of two: the full chunks' GEMMs share one shape and write Y in place), the colwise cast for dW and the
-# norm's rstd made by a pass of their own: one more read of X, the same values.
-FORWARD_OPERAND_CHUNK_BYTES = 1 << 30
+# input; docs/PERF.md). An operand above FORWARD_OPERAND_MAX_BYTES is cast and multiplied in row chunks of at most
+# FORWARD_OPERAND_CHUNK_BYTES (powers of two: the full chunks' GEMMs share one shape and write Y in place), the
+# colwise cast for dW and the norm's rstd made by a pass of their own: one more read of X, the same values.
+FORWARD_OPERAND_MAX_BYTES = 1 << 30
+FORWARD_OPERAND_CHUNK_BYTES = 1 << 28
 
 
 def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, bias: torch.Tensor | None,
-                   scaling: str, gemm: str, opd: torch.dtype, colwise: bool, out_dtype: torch.dtype):
-    """`(Y [M, N], the cast's outputs)` of a forward: `(RMSNorm(x) if g else x)` cast for the route, times
-    `w_row^T` (+ bias). The outputs hold the colwise cast when `colwise`, and rstd with `g`; in row chunks (see
-    `FORWARD_OPERAND_CHUNK_BYTES`) they hold no row operand."""
+                   scaling: str, gemm: str, opd: torch.dtype, colwise: bool, out_dtype: torch.dtype,
+                   activation: str | None = None):
+    """`(Y [M, N], the cast's outputs)` of a forward: `(RMSNorm(x) if g else activation(x))` cast for the route,
+    times `w_row^T` (+ bias). The outputs hold the colwise cast when `colwise`, and rstd with `g`; in row chunks (see
+    `FORWARD_OPERAND_MAX_BYTES`) they hold no row operand."""
     M, K = x.shape
     mx_ops = gemm in _MX_GEMMS
     row_bytes = K * opd.itemsize
-    if gemm != "cublas" or not colwise or M * row_bytes <= FORWARD_OPERAND_CHUNK_BYTES or x.dtype != out_dtype:
+    if gemm != "cublas" or not colwise or M * row_bytes <= FORWARD_OPERAND_MAX_BYTES or x.dtype != out_dtype:
         out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=colwise, row_operand=not mx_ops,
-                          operand_dtype=opd, operand_rows=_rows(M, gemm))
+                          operand_dtype=opd, operand_rows=_rows(M, gemm), activation=activation)
         y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_row, gemm, out_dtype, _bias_for(bias, gemm))
         return _first_rows(y, M), out
-    out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=False, colwise=True)
+    out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=False, colwise=True, activation=activation)
     chunk = 1 << max(5, (FORWARD_OPERAND_CHUNK_BYTES // row_bytes).bit_length() - 1)
     y = torch.empty(M, w_row.shape[0], dtype=out_dtype, device=x.device)
     for m0 in range(0, M, chunk):
         rows = min(chunk, M - m0)
         op = rms_norm_mx(x[m0:m0 + rows], g, eps, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
-                         operand_dtype=opd, operand_rows=_rows(rows, gemm)).row_operand
+                         operand_dtype=opd, operand_rows=_rows(rows, gemm), activation=activation).row_operand
         if op.shape[0] == rows:  # a full chunk (or a partial one the buckets left unpadded): Y's rows in place
             _gemm_nt(op, w_row, gemm, out_dtype, bias, out=y[m0:m0 + rows])
         else:
             y[m0:m0 + rows] = _gemm_nt(op, w_row, gemm, out_dtype, bias)[:rows]
+        del op  # freed before the next chunk's operand is allocated: one chunk live at a time
     return y, out
 
 
-class MXLinearTritonFunction(torch.autograd.Function):
-    """`Y [M, N] = X [M, K] W^T + b` by the MXLinear recipe on the Triton path (see the section comment).
+# The input activations the MX linear computes inside its casts (`activation=`): the backward of each, from the
+# saved input and the gradient of the activation's output, as torch's autograd computes it.
+ACTIVATION_BACKWARDS = {"silu": torch.ops.aten.silu_backward}
 
-    Arguments as `mx_linear_triton`'s, checked by the caller (`mx_linear_triton`, `ops.mx_linear`)."""
+
+class MXLinearTritonFunction(torch.autograd.Function):
+    """`Y [M, N] = act(X [M, K]) W^T + b` by the MXLinear recipe on the Triton path (see the section comment).
+
+    `activation` None (act the identity) or a key of `ACTIVATION_BACKWARDS`: the casts compute act(X) on the fly (it
+    is never stored) and X is kept for the activation's backward. Arguments as `mx_linear_triton`'s, checked by the
+    caller (`mx_linear_triton`, `ops.mx_linear`)."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, scaling: str, gemm: str):
+    def forward(ctx, x2, weight, bias, scaling: str, gemm: str, activation: str | None = None):
         check_linear_gemm(gemm)
         opd = operand_dtype_for(x2.dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # only dW reads X's colwise cast
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_x)
-        y, out = _cast_and_gemm(_contiguous_last(x2), None, 0.0, w_ops.row, bias, scaling, gemm, opd, need_w,
-                                x2.dtype)
+        x = _contiguous_last(x2)
+        y, out = _cast_and_gemm(x, None, 0.0, w_ops.row, bias, scaling, gemm, opd, need_w, x2.dtype, activation)
         col = out.colwise
-        ctx.save_for_backward(col.data if need_w else None, col.scale if need_w else None, weight)
-        ctx.w_ops, ctx.scaling, ctx.gemm = w_ops, scaling, gemm
+        ctx.save_for_backward(col.data if need_w else None, col.scale if need_w else None, weight,
+                              x if activation is not None and need_x else None)
+        ctx.w_ops, ctx.scaling, ctx.gemm, ctx.activation = w_ops, scaling, gemm, activation
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_data, x_scale, weight = ctx.saved_tensors
+        x_data, x_scale, weight, x = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
@@ -891,7 +902,9 @@ class MXLinearTritonFunction(torch.autograd.Function):
         rows = _rows(dy.shape[0], ctx.gemm)
         x_col = _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows) if need_w else None
         dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows)
-        return dx, dw, _as_dtype(db, b_dtype), None, None
+        if dx is not None and ctx.activation is not None:  # dX is the gradient of act(X) so far
+            dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x)
+        return dx, dw, _as_dtype(db, b_dtype), None, None, None
 
 
 class RMSNormMXLinearTritonFunction(torch.autograd.Function):
@@ -937,16 +950,19 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
 
 
 def mx_linear_triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     scaling: str = "rceil", gemm: str = "cublas") -> torch.Tensor:
-    """`x2 [M, K] @ weight [N, K]^T + bias` by the MXLinear recipe on the Triton path (differentiable).
+                     scaling: str = "rceil", gemm: str = "cublas", activation: str | None = None) -> torch.Tensor:
+    """`activation(x2) [M, K] @ weight [N, K]^T + bias` by the MXLinear recipe on the Triton path (differentiable).
 
     K and N multiples of 32; x2 on CUDA (or CPU under TRITON_INTERPRET=1), see `check_linear_args`. Output
-    `[M, N]` in x2's dtype. `gemm`: one of `LINEAR_GEMMS`.
+    `[M, N]` in x2's dtype. `gemm`: one of `LINEAR_GEMMS`. `activation`: None or one of `ACTIVATION_BACKWARDS`
+    (computed inside the casts, as torch computes it in x2's dtype).
     """
     check_linear_args(x2, weight, bias)
     check_scaling(scaling)
     check_linear_gemm(gemm)
-    return MXLinearTritonFunction.apply(x2, weight, bias, scaling, gemm)
+    if activation is not None and activation not in ACTIVATION_BACKWARDS:
+        raise ValueError(f"activation must be None or one of {tuple(ACTIVATION_BACKWARDS)}, got {activation!r}")
+    return MXLinearTritonFunction.apply(x2, weight, bias, scaling, gemm, activation)
 
 
 def rms_norm_mx_linear_triton(x2: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,

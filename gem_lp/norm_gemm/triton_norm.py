@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..backend import interpreter_enabled, sm_count
 from ..triton_launch import KernelLaunch
@@ -246,6 +247,36 @@ def store_operand(ptrs, v, mask, HW_CAST: tl.constexpr):
         tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 
 
+# The input activation is computed as torch's CUDA kernel computes it (`x / (1 + expf(-x))` in FP32: libdevice's
+# expf, IEEE division), so that casting `act(x)` on the fly gives the bytes of casting torch's `act(x)`. The
+# interpreter (CPU tests) has numpy's exp and division instead.
+_TORCH_CUDA_MATH = tl.constexpr(not interpreter_enabled())
+ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16, ACT_SILU_F16 = 0, 1, 2, 3  # the kernels' ACT values
+
+
+@triton.jit
+def input_activation(x, ACT: tl.constexpr):
+    """The input activation of FP32 `x` (see ACT_*): x itself, or SiLU rounded to x's storage dtype (BF16
+    round-to-nearest-even by integer arithmetic in the interpreter, whose cast truncates)."""
+    if ACT == 0:
+        return x
+    else:
+        if _TORCH_CUDA_MATH:
+            y = tl.div_rn(x, 1.0 + libdevice.exp(-x))
+        else:
+            y = x / (1.0 + tl.exp(-x))
+        if ACT == 2:
+            if _TORCH_CUDA_MATH:
+                y = y.to(tl.bfloat16).to(tl.float32)
+            else:
+                bits = y.to(tl.int32, bitcast=True)
+                r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+                y = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, y, r.to(tl.float32, bitcast=True))
+        elif ACT == 3:
+            y = y.to(tl.float16).to(tl.float32)
+        return y
+
+
 @triton.jit
 def scale_offset(r, c, n_cols, BLOCKED: tl.constexpr):
     """Byte offset of scale (r, c) of a matrix with `n_cols` columns: row-major, or 128x4 blocked."""
@@ -378,9 +409,10 @@ def _blocks_row_block(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    COL_SUMS: tl.constexpr,
+    COL_SUMS: tl.constexpr, ACT: tl.constexpr,
 ):
-    """Rows m0 .. m0 + BLOCK_M - 1 in 32x32-block tiles: rstd, then every requested output."""
+    """Rows m0 .. m0 + BLOCK_M - 1 in 32x32-block tiles: rstd, then every requested output (of the input
+    activation of x, ACT, without the norm)."""
     # Tiles are [BLOCK_M/32, 32, BLOCK_K/32, 32] = (row block, row, column block, column): every MX block
     # max is a plain reduction over one axis. x's last dim is contiguous (checked by the wrapper).
     NMB: tl.constexpr = BLOCK_M // 32
@@ -397,7 +429,7 @@ def _blocks_row_block(
     rstd = tl.zeros((NMB, 32), tl.float32)
     if ONE_PASS:  # BLOCK_K covers K: one read of x
         in_bounds = row_ok & (k < K)
-        x = load_f32(x_rows + k, in_bounds)
+        x = input_activation(load_f32(x_rows + k, in_bounds), ACT)
         if COL_SUMS:
             _add_column_sums_of_blocks(colsum_ptr, x, k, 0, K, BLOCK_K)
         if NORMALIZE:
@@ -416,7 +448,7 @@ def _blocks_row_block(
             rstd = _rstd(sum_sq, K, eps)
         for k0 in range(0, K, BLOCK_K):
             in_bounds = row_ok & (k < K - k0)
-            x = load_f32(x_rows + k0 + k, in_bounds)
+            x = input_activation(load_f32(x_rows + k0 + k, in_bounds), ACT)
             if COL_SUMS:
                 _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K, BLOCK_K)
             _quantize_chunk(x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
@@ -435,7 +467,7 @@ def _rms_norm_mx_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    COL_SUMS: tl.constexpr, M_PADDING: tl.constexpr,
+    COL_SUMS: tl.constexpr, M_PADDING: tl.constexpr, ACT: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take one row block each.
     if M_PADDING and tl.program_id(0) == tl.num_programs(0) - 1:
@@ -444,7 +476,7 @@ def _rms_norm_mx_kernel(
         _blocks_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                           row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                           colsum_ptr, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
-                          BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS)
+                          BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS, ACT)
 
 
 # ----------------------------------------------------------------------------- forward kernel: thread strips
@@ -662,8 +694,10 @@ def _norm_row_block(
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
+    ACT: tl.constexpr,
 ):
-    """Rows m0 .. m0 + BLOCK_M - 1: rstd, then every requested output."""
+    """Rows m0 .. m0 + BLOCK_M - 1: rstd, then every requested output (of the input activation of x, ACT, without
+    the norm)."""
     # The tile is `triton_quantize`'s 6-D strip tile (see `tile_axes`): row mb * 32 + c * THREAD_ROWS + r,
     # column kb * 32 + g * 8 + e; r and e stay in each thread's registers.
     NMB: tl.constexpr = BLOCK_M // 32
@@ -681,7 +715,7 @@ def _norm_row_block(
     rstd = 0.0
     if BLOCK_K >= K:  # one chunk covers K: x is read once and stays in registers
         in_bounds = row_ok & (k < K)
-        x = _load_strips(x_rows, 0, k, in_bounds, EVEN)
+        x = input_activation(_load_strips(x_rows, 0, k, in_bounds, EVEN), ACT)
         if COL_SUMS:
             _add_column_sums(colsum_ptr, x, k, 0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
         if NORMALIZE:
@@ -720,7 +754,7 @@ def _norm_row_block(
                 nxt = _load_chunk(x_rows, k0 + BLOCK_K, k, row_ok, K, EVEN, True)
             else:
                 cur = _load_chunk(x_rows, k0, k, row_ok, K, EVEN, False)
-            xc = exact_f32(cur)
+            xc = input_activation(exact_f32(cur), ACT)
             if COL_SUMS:
                 _add_column_sums(colsum_ptr, xc, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
             _norm_cast_strips(xc, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, chunk_in_bounds,
@@ -736,9 +770,10 @@ def _cast_tile(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr,
+    EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, ACT: tl.constexpr,
 ):
-    """Without the norm: the casts of the one tile at rows m0 + [0, BLOCK_M), columns k0 + [0, BLOCK_K)."""
+    """Without the norm: the casts of the input activation (ACT) of the one tile at rows m0 + [0, BLOCK_M),
+    columns k0 + [0, BLOCK_K)."""
     NMB: tl.constexpr = BLOCK_M // 32
     NKB: tl.constexpr = BLOCK_K // 32
     EVEN: tl.constexpr = EVEN_M and K % BLOCK_K == 0
@@ -751,7 +786,7 @@ def _cast_tile(
         k = k.to(tl.int64)
     x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
     in_bounds = (m < M - m0) & (k < K - k0)
-    x = _load_strips(x_rows, k0, k, in_bounds, EVEN)
+    x = input_activation(_load_strips(x_rows, k0, k, in_bounds, EVEN), ACT)
     if COL_SUMS:
         _add_column_sums(colsum_ptr, x, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
     _cast_strips(x, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
@@ -768,7 +803,7 @@ def _rms_norm_mx_strips_kernel(
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
-    PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr,
+    PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr, ACT: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take the row blocks.
     # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
@@ -784,7 +819,7 @@ def _rms_norm_mx_strips_kernel(
         _cast_tile((pid // N_K_TILES) * BLOCK_M, (pid % N_K_TILES) * BLOCK_K, x_ptr, stride_xm, M, K,
                    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                    colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
-                   BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS)
+                   BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, ACT)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
@@ -792,14 +827,14 @@ def _rms_norm_mx_strips_kernel(
                             row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
                             col_op_ptr, colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE,
                             ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M,
-                            PAIRED_COLWISE, COL_SUMS, PREFETCH)
+                            PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
             m0 += n_walkers * BLOCK_M
     else:
         _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                         row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                         colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX,
                         ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE,
-                        COL_SUMS, PREFETCH)
+                        COL_SUMS, PREFETCH, ACT)
 
 
 # ----------------------------------------------------------------------------- backward kernel
@@ -927,7 +962,8 @@ def _forward_args(x, x_stride: int, weight, M: int, K: int, eps: float, rstd, ro
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
                    row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
-                   hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None):
+                   hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None,
+                   act: int = ACT_NONE):
     """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
@@ -935,6 +971,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     The colwise payload `[K, M]` has a contiguous last dim and a row stride that is a multiple of 16 (at least
     M): `colwise_payload_buffer`'s view; the kernel may write the padding columns past M (they hold no data).
     Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
+    `act`: the input activation (ACT_*; weight None): the outputs are those of `act(x)`.
     Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
@@ -950,7 +987,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
-                  COL_SUMS=column_sums is not None, num_warps=num_warps)
+                  COL_SUMS=column_sums is not None, ACT=act, num_warps=num_warps)
     if max_registers:
         kwargs.update(maxnreg=max_registers)
     # the blocked scales' padding past M, written by one more program (see `_zero_m_padding`)
@@ -1002,7 +1039,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> b
     key = (aligned, x.shape[1], config, stride, x.dtype, weight is None or weight.dtype,
            row_op is None or row_op.dtype, col_op is None or col_op.dtype, kwargs["NORMALIZE"], kwargs["ROW_MX"],
            kwargs["COL_MX"], kwargs["ROW_OP"], kwargs["COL_OP"], kwargs["COL_SUMS"], kwargs["BLOCKED_SCALES"],
-           kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"])
+           kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"], kwargs["ACT"])
     if key in _VARIANTS_COMPILED:
         return False
     _VARIANTS_COMPILED.add(key)
@@ -1134,6 +1171,7 @@ def rms_norm_mx(
     hw_cast: bool | None = None,
     column_sums: bool = False,
     operand_rows: int | None = None,
+    activation: str | None = None,
 ) -> NormMXOutputs:
     """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch (no other launch:
     every output is allocated uninitialized and written whole by the kernel; `column_sums` adds a zero fill).
@@ -1159,6 +1197,8 @@ def rms_norm_mx(
             between runs): equal to it within FP32 rounding, not bit for bit.
         operand_rows: rows of `row_operand` / `col_operand` (>= M; default M). Rows M and beyond are zeros:
             a GEMM then runs at this padded M (cuBLAS plans once per shape; see `triton_gemm.gemm_rows`).
+        activation: None, or `"silu"` (weight None, no column sums): the outputs are those of `y = silu(x)` as
+            torch computes it in x's dtype (FP32 math, rounded to x's dtype), made on the fly: `y` is never stored.
     """
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
              prefetch, tile_programs)
@@ -1168,7 +1208,7 @@ def rms_norm_mx(
         try:
             key = (x.shape, x.stride(), x.dtype, x.device, weight is None or (
                 weight.shape, weight.stride(), weight.dtype, weight.device), eps, scaling, rowwise, colwise,
-                row_operand, col_operand, operand_dtype, blocked_scales, column_sums, operand_rows,
+                row_operand, col_operand, operand_dtype, blocked_scales, column_sums, operand_rows, activation,
                 interpreter_enabled())
             plan = _NORM_PLANS.get(key)
         except (TypeError, AttributeError):  # an argument of the wrong kind: the checks below name it
@@ -1189,6 +1229,10 @@ def rms_norm_mx(
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype}")
     if column_sums and weight is not None:
         raise ValueError("column_sums=True needs weight=None (the sums are of x, for a dual cast without the norm)")
+    act = _activation_code(activation, x.dtype)
+    if act != ACT_NONE and (weight is not None or column_sums):
+        raise ValueError(f"activation={activation!r} needs weight=None and column_sums=False (an input activation "
+                         "is applied to x before the casts, without the norm)")
     if operand_rows is None:
         operand_rows = M
     elif not isinstance(operand_rows, int) or operand_rows < M:
@@ -1216,7 +1260,7 @@ def rms_norm_mx(
     if M > 0:
         kernel, grid, args, kwargs = forward_launch(
             x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
-            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5])
+            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5], act=act)
         if not interpreter_enabled() and _compile_token_count_variants(kernel, args, kwargs, config) \
                 and given == _NO_CONFIG:
             # the other class of M (a multiple of 32 or not) launches with its own default config: build it now
@@ -1224,7 +1268,7 @@ def rms_norm_mx(
             other = default_config(K, M % 32 != 0, row_operand or col_operand, hw_cast, weight is not None)
             o_kernel, _, o_args, o_kwargs = forward_launch(
                 x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
-                rceil=scaling == "rceil", hw_cast=hw_cast, config=other, column_sums=bufs[5])
+                rceil=scaling == "rceil", hw_cast=hw_cast, config=other, column_sums=bufs[5], act=act)
             o_args = (*o_args[:_M_ARG], _CLASS_REPRESENTATIVE[M % 32 != 0], *o_args[_M_ARG + 1:])
             _compile_token_count_variants(o_kernel, o_args, o_kwargs, other)
         plan = plan._replace(launch=KernelLaunch(kernel, grid, len(args), kwargs))
@@ -1234,6 +1278,18 @@ def rms_norm_mx(
             _NORM_PLANS.clear()
         _NORM_PLANS[key] = plan
     return _outputs(plan, bufs)
+
+
+ACTIVATIONS = ("silu",)  # `rms_norm_mx`'s input activations
+
+
+def _activation_code(activation: str | None, dtype: torch.dtype) -> int:
+    """The kernels' ACT for an input activation of x in `dtype` (SiLU rounded to x's dtype, as torch's)."""
+    if activation is None:
+        return ACT_NONE
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    return {torch.float32: ACT_SILU_F32, torch.bfloat16: ACT_SILU_BF16, torch.float16: ACT_SILU_F16}[dtype]
 
 
 class _NormPlan(NamedTuple):

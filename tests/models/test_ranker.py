@@ -92,6 +92,22 @@ def test_ops_get_the_configured_recipe_and_backend():
     assert block.ops.recipe == "mxfp8" and block.ops.backend == "reference"
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_mlp_hands_silu_to_its_down_projection(activation):
+    """SiLU, which the MX linear computes inside its casts, is the down-projection's input activation (the hidden
+    activation is never a tensor of the model's); other activations stay a step of their own. Same function."""
+    from gem_lp.models.blocks import FeedForward, OpSettings
+
+    torch.manual_seed(0)
+    mlp = FeedForward(OpSettings("mxfp8", "reference", "const_p", 1e-6), 64, 96, activation)
+    assert mlp.down.input_activation == ("silu" if activation == "silu" else None)
+    assert (mlp.act is None) == (activation == "silu")
+    x = torch.randn(11, 64)
+    plain = mlp.down.__class__(96, 64, recipe="mxfp8", backend="reference")
+    plain.load_state_dict(mlp.down.state_dict())
+    assert torch.equal(mlp(x), plain(getattr(F, activation)(mlp.up(x))))
+
+
 def test_attention_calls_are_jagged_and_broadcast(batch, monkeypatch):
     """The encoder attends within [K_sum summary ⊕ history] per user; the readout uses broadcast_q and
     one target query per user."""

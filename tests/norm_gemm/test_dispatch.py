@@ -54,3 +54,29 @@ def test_rms_norm_mx_linear_triton_matches_reference():
     tri = _grads(lambda *a: rms_norm_mx_linear(*a, backend="triton"), x, nw, w)
     for r, t in zip(ref, tri):
         assert sqnr_db(t, r) > 60
+
+
+def test_mx_linear_input_activation_on_each_backend_equals_the_composition():
+    """`input_activation="silu"`: the reference applies torch's SiLU then the recipe; the Triton path computes it
+    inside its casts. Each equals `mx_linear(F.silu(x))` on the same backend (BF16 x: bit for bit, bias
+    gradient apart, whose column sums the Triton cast adds in another order)."""
+    x = (torch.randn(37, 64, device=DEV) * 3).bfloat16()
+    w = torch.randn(96, 64, device=DEV) / 8
+    b = torch.randn(96, device=DEV)
+    for backend in ("reference", "triton"):
+        torch.manual_seed(3)
+        fused = _grads(lambda *a: mx_linear(*a, input_activation="silu", backend=backend), x, w, b)
+        torch.manual_seed(3)
+        composed = _grads(lambda a, *r: mx_linear(torch.nn.functional.silu(a), *r, backend=backend), x, w, b)
+        for got, want, name in zip(fused, composed, ("Y", "dX", "dW", "db")):
+            if name == "db":
+                torch.testing.assert_close(got, want)
+            else:
+                assert torch.equal(got, want), f"{backend} {name}"
+
+
+def test_mx_linear_input_activation_errors():
+    import pytest
+
+    with pytest.raises(ValueError, match="input_activation must be None or one of"):
+        mx_linear(torch.randn(4, 32), torch.randn(32, 32), input_activation="tanh")

@@ -216,6 +216,28 @@ def test_modules_forward_backward_all_recipes(cls, dtype, recipe):
         assert sqnr_db(p.grad, pr.grad) > floor
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_mx_linear_module_input_activation_is_the_activation_then_the_layer(recipe):
+    """`MXLinear(input_activation="silu")` computes the layer of `F.silu(x)` in every recipe (same outputs and
+    gradients as the composition); an unknown activation is refused and the repr names it."""
+    torch.manual_seed(0)
+    layer = MXLinear(64, 32, recipe=recipe, input_activation="silu")
+    plain = MXLinear(64, 32, recipe=recipe)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    dy = torch.randn(9, 32, dtype=torch.bfloat16)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = layer(xa), plain(torch.nn.functional.silu(xb))
+    ya.backward(dy)
+    yb.backward(dy)
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+    for pa, pb in zip(layer.parameters(), plain.parameters()):
+        assert torch.equal(pa.grad, pb.grad)
+    assert "input_activation='silu'" in repr(layer)
+    with pytest.raises(ValueError, match="input_activation must be None or one of"):
+        MXLinear(64, 32, recipe=recipe, input_activation="gelu")
+
+
 def test_module_backend_is_passed_through():
     layer = MXLinear(32, 32, backend="reference")
     assert layer(torch.randn(3, 32)).shape == (3, 32)

@@ -37,7 +37,8 @@ ON_GPU = DEVICE.type == "cuda"
 CPU_VARIANTS = ("fp8", "dequant_triton", "dequant_cublas")
 ALL_VARIANTS = CPU_VARIANTS + ("dot_scaled",)
 VARIANTS = ALL_VARIANTS if ON_GPU else CPU_VARIANTS
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:overflow encountered:RuntimeWarning")
 
 
 def _gen(seed):
@@ -333,12 +334,58 @@ def test_forward_in_row_chunks_computes_the_same(norm, M, chunk, in_place, monke
         return original(*args, **kwargs)
 
     monkeypatch.setattr(tg, "_gemm_nt", counting)
+    monkeypatch.setattr(tg, "FORWARD_OPERAND_MAX_BYTES", 32 * K * 2)
     monkeypatch.setattr(tg, "FORWARD_OPERAND_CHUNK_BYTES", (chunk + chunk // 4) * K * 2)  # rounded down: `chunk`
     y, grads = run_linear(ours, ins, dy)
     assert calls[:-2] == in_place  # the backward's dX and dW GEMMs come last
     assert_same_values(y, y0, "Y")
     for got, want in zip(grads, grads0):
         assert_same_values(got, want, "gradient")
+
+
+# FP32 inputs only on the GPU: in the interpreter the kernel's FP32 SiLU is numpy's, which differs from torch's CPU
+# SiLU in the last bit of some values (BF16 rounds that away; test_triton_norm checks the FP32 casts against numpy's).
+ACT_LINEAR_CASES = [(33, 64, 96, "cublas", torch.bfloat16, 0), (100, 96, 32, "fp8", torch.bfloat16, 0),
+                    (129, 64, 64, "cublas", torch.bfloat16, 32)]
+if ON_GPU:
+    ACT_LINEAR_CASES += [(4097, 1024, 256, "cublas", torch.float32, 0), (5000, 1024, 256, "cublas", torch.bfloat16, 0)]
+
+
+@pytest.mark.parametrize("M,K,N,gemm,dtype,chunk", ACT_LINEAR_CASES)
+def test_input_activation_equals_the_composition(M, K, N, gemm, dtype, chunk, monkeypatch):
+    """`activation="silu"` (SiLU computed inside the casts, X kept for its backward): Y and every gradient equal
+    those of the linear of torch's `F.silu(x)` bit for bit, also in row chunks (`chunk` rows, the last partial)."""
+    g = _gen(M + K)
+    x = (torch.randn(M, K, generator=g) * 3).to(dtype).to(DEVICE)
+    x.view(-1)[:3] = torch.tensor([-0.0, 40.0, -90.0], dtype=dtype)  # SiLU: -0, x, -0 (exp overflows)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE)
+    bias = torch.randn(N, generator=g).to(DEVICE)
+    dy = torch.randn(M, N, generator=g).to(dtype).to(DEVICE)
+    y0, grads0 = run_linear(lambda a, b, c: mx_linear_triton(torch.nn.functional.silu(a), b, c, "rceil", gemm),
+                            (x, w, bias), dy)
+    if chunk:
+        monkeypatch.setattr(tg, "FORWARD_OPERAND_MAX_BYTES", chunk * K * 2)
+        monkeypatch.setattr(tg, "FORWARD_OPERAND_CHUNK_BYTES", chunk * K * 2)
+    y, grads = run_linear(lambda a, b, c: mx_linear_triton(a, b, c, "rceil", gemm, activation="silu"), (x, w, bias),
+                          dy)
+    assert_same_values(y, y0, "Y")
+    for got, want, name in zip(grads, grads0, ("dX", "dW", "db")):
+        if name == "db":  # column sums by atomics: FP32 rounding apart
+            torch.testing.assert_close(got, want)
+        else:
+            assert_same_values(got, want, name)
+
+
+def test_input_activation_keeps_the_input_only_for_its_gradient():
+    """X is saved (for SiLU's backward) only when its gradient is asked for; an unknown activation is refused."""
+    x = torch.randn(40, 64).bfloat16().to(DEVICE)
+    w = torch.randn(32, 64).to(DEVICE).requires_grad_()
+    y = mx_linear_triton(x.requires_grad_(), w, None, activation="silu")
+    assert any(t is not None and t.data_ptr() == x.data_ptr() for t in y.grad_fn.saved_tensors)
+    y = mx_linear_triton(x.detach(), w, None, activation="silu")
+    assert all(t is None or t.data_ptr() != x.data_ptr() for t in y.grad_fn.saved_tensors)
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        mx_linear_triton(x, w, None, activation="gelu")
 
 
 def _fp32_rel(gemm):
@@ -392,7 +439,8 @@ def test_saved_activation_is_the_colwise_mx_cast():
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(N, K, device=DEVICE, requires_grad=True)
     y = mx_linear_triton(x, w)
-    data, scale, weight = y.grad_fn.saved_tensors
+    data, scale, weight, x_for_activation = y.grad_fn.saved_tensors
+    assert x_for_activation is None  # X itself is kept only with an input activation
     assert data.dtype == torch.float8_e4m3fn and data.shape == (K, M) and scale.dtype == torch.uint8
     assert weight is w or weight.data_ptr() == w.data_ptr()
     ref = quantize_reference(x.detach().t(), axis=1, allow_partial=True)

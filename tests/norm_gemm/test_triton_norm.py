@@ -305,6 +305,45 @@ def test_dual_cast_column_sums_and_launches(M, K, cfg, dtype, seed):
     assert_column_sums(out.column_sums, x, f"{M}x{K} {cfg}")
 
 
+def silu_as_computed(x):
+    """torch's SiLU of x in x's dtype as the kernels compute it: torch's own on the GPU (its CUDA kernel's math); in
+    the interpreter, numpy's FP32 exp (torch's CPU exp differs from it in the last bit of some FP32 results; BF16
+    results round that away) and division, rounded to x's dtype."""
+    if x.is_cuda:
+        return torch.nn.functional.silu(x)
+    xf = x.float().numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        return torch.from_numpy(xf / (np.float32(1) + np.exp(-xf))).to(x.dtype)
+
+
+ACT_CASES = [(33, 64, dict(), torch.bfloat16), (129, 160, dict(block_k=32), torch.float32),
+             (100, 64, dict(block_k=32, tile_programs=True), torch.bfloat16),
+             (31, 96, dict(thread_rows=0), torch.float16), (65, 160, dict(thread_rows=0, block_k=32), torch.bfloat16),
+             (1, 32, dict(), torch.float32)]
+
+
+@pytest.mark.parametrize("M,K,cfg,dtype", ACT_CASES, ids=[f"{c[0]}x{c[1]}-{c[3]}-{c[2]}".replace(" ", "")
+                                                         for c in ACT_CASES])
+def test_input_activation_casts_are_those_of_the_activated_input(M, K, cfg, dtype):
+    """`activation="silu"`: every launch family (one chunk, a K loop, tile programs, 32x32-block tiles in one and in
+    several passes) writes the bytes of the dual cast of torch's SiLU of x (NaN, infinities and -0 included)."""
+    x = generic_input(M, K, dtype, M + K)
+    x.view(-1)[:4] = torch.tensor([math.nan, math.inf, -math.inf, -0.0], dtype=dtype)
+    out = rms_norm_mx(x, None, activation="silu", row_operand=True, col_operand=True, blocked_scales=M % 2 == 1,
+                      **cfg)
+    check_dual_cast(out, silu_as_computed(x), "rceil", M % 2 == 1, torch.bfloat16, f"silu {cfg}")
+
+
+def test_input_activation_errors():
+    x = generic_input(4, 32, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        rms_norm_mx(x, None, activation="gelu")
+    with pytest.raises(ValueError, match="needs weight=None and column_sums=False"):
+        rms_norm_mx(x, norm_weight(32, torch.float32, 0), activation="silu")
+    with pytest.raises(ValueError, match="needs weight=None and column_sums=False"):
+        rms_norm_mx(x, None, activation="silu", column_sums=True)
+
+
 def test_column_sums_of_float32_rows_and_no_rows():
     """FP32 x over many row blocks (rounding in every partial sum), K not a multiple of the chunk; M = 0."""
     x = generic_input(257, 96, torch.float32, 21)
@@ -604,6 +643,11 @@ operands = dict(normalize=False, rowwise=False, colwise=False, row_operand=True,
 builds = [(3072, c, dict(operands, column_sums=sums)) for c in OPERAND_CAST_CANDIDATE_CONFIGS[3072][:2]
           for sums in (False, True)]
 builds += [(1024, c, {}) for c in CANDIDATE_CONFIGS[1024] if c[7] or c[1] == 1024]  # prefetch and one pass
+# the MLP down-projection's casts with SiLU as input activation: the operand cast, and the colwise cast alone (row
+# chunks)
+from gem_lp.norm_gemm.triton_norm import OPERAND_CAST_CONFIG, strip_config
+builds += [(1024, OPERAND_CAST_CONFIG, dict(operands, activation="silu")),
+           (1024, strip_config(1024), dict(normalize=False, rowwise=False, activation="silu"))]
 for K, config, kw in builds:
     for M in (4096, 4064):
         b = build_norm(M, K, config, **kw)
@@ -613,7 +657,7 @@ for K, config, kw in builds:
 
 def test_new_launches_compile_for_hopper():
     """sm_90 builds of the tile-program operand casts (with and without column sums: float32 atomics only with)
-    and of the prefetching and one-pass RMSNorm candidates: no spills, registers within a launch's cap, 16-byte
+    and of the prefetching and one-pass RMSNorm candidates, and of the casts with SiLU as input activation: no spills, registers within a launch's cap, 16-byte
     loads, and for the tile programs fewer registers than the default operand cast's 226 (8 warps an SM)."""
     import json
 
@@ -624,7 +668,7 @@ def test_new_launches_compile_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     n_norm = sum(1 for c in CANDIDATE_CONFIGS[1024] if c[7] or c[1] == 1024)
-    assert len(builds) == 2 * (4 + n_norm), done.stdout
+    assert len(builds) == 2 * (4 + n_norm + 2), done.stdout
     for b in builds:
         assert b["spills"] == 0 and b["ld_v4"] > 0, b
         assert b["config"][6] == 0 or b["regs"] <= b["config"][6], b
