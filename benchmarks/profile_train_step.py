@@ -7,7 +7,8 @@ Builds the trainer from the same Hydra configs as `train.py` (a temporary run di
 (every kernel built), then profiles `--steps` steps and prints per step: the wall time, the GPU's kernel time, the
 host time (wall less the time the host waits in synchronizing calls), and the kernels and host ops that cost the
 most. When host time is above GPU time, the GPU waits for the host. `--python` runs the same steps under cProfile
-instead (no torch.profiler) and prints the Python functions that take the host's time.
+instead (no torch.profiler), prints the Python functions that take the host's time and writes the profile to
+`$OUT/profile_train_step_python.prof`.
 """
 from __future__ import annotations
 
@@ -99,6 +100,9 @@ def python_profile(trainer, batches: list, first_step: int, steps: int) -> None:
     torch.cuda.synchronize()
     profiler.disable()
     profiled_ms = (time.perf_counter() - start) * 1e3 / steps
+    out = Path(os.environ.get("OUT", ".bench_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(out / "profile_train_step_python.prof")  # for pstats / snakeviz
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
