@@ -752,20 +752,21 @@ def gemm_rows(M: int) -> int:
     return -(-M // step) * step
 
 
-def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = False, rows: int | None = None):
-    """dY `[M, N]` quantized along N (for dX) and along M (for dW), from one pass over dY.
+def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = False, rows: int | None = None,
+                 row: bool = True, col: bool = True):
+    """dY `[M, N]` quantized along N (for dX, `row`) and along M (for dW, `col`), from one pass over dY.
 
     Returns `(row, col_t, sums)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[rows, N]` and the
-    `[N, rows]` transposed view of the colwise values (rows past M zeros; `rows` default M); `sums`: dY's column
-    sums, float32 `[N]`, when asked, else None.
+    `[N, rows]` transposed view of the colwise values (rows past M zeros; `rows` default M), None where not asked
+    for; `sums`: dY's column sums, float32 `[N]`, when asked, else None.
     """
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     if gemm in _MX_GEMMS:
-        out = rms_norm_mx(dy, None, scaling=scaling, rowwise=True, colwise=True, column_sums=column_sums)
+        out = rms_norm_mx(dy, None, scaling=scaling, rowwise=row, colwise=col, column_sums=column_sums)
         return out.rowwise, out.colwise, out.column_sums
-    out = rms_norm_mx(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True, col_operand=True,
+    out = rms_norm_mx(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=row, col_operand=col,
                       operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums, operand_rows=rows)
-    return out.row_operand, out.col_operand.t(), out.column_sums
+    return out.row_operand, None if out.col_operand is None else out.col_operand.t(), out.column_sums
 
 
 def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, gemm: str, dtype: torch.dtype,
@@ -784,21 +785,34 @@ def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, ge
     return _dequantize(data, scale, True, operand_dtype_for(dtype), transposed=True, padded_cols=rows)
 
 
-def _linear_backward(ctx, dy, w_ops, x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None):
-    """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `rows`: the
-    GEMMs' padded M (`x_col` then has `rows` columns, zeros past M); dIn is then a view of its first M rows."""
+def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None):
+    """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
+    GEMM's B operand from the saved input (`_saved_col_operand`), made when dW is computed and released before dIn is
+    allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros past M); dIn is then a view of
+    its first M rows.
+
+    dW comes first, then dIn: the input's operand (as large as the input on the cuBLAS route) and dIn are never live
+    together. A dY whose exact-value operands exceed `FORWARD_OPERAND_MAX_BYTES` is cast in two passes (one more read
+    of dY), the colwise operand released after dW before the rowwise one is made.
+    """
     scaling, gemm = ctx.scaling, ctx.gemm
     sums_in_cast = need_b and BIAS_GRAD_FROM_DY_CAST
-    dy_row, dy_col_t, dy_sums = _dy_operands(dy, scaling, gemm, sums_in_cast, rows)
+    separate = gemm == "cublas" and need_in and need_w and \
+        dy.shape[0] * dy.shape[1] * operand_dtype_for(dy.dtype).itemsize > FORWARD_OPERAND_MAX_BYTES
+    dy_row, dy_col_t, dy_sums = _dy_operands(dy, scaling, gemm, sums_in_cast, rows, row=need_in and not separate,
+                                             col=need_w or not need_in)
     d_in = d_w = d_b = None
+    if need_w:
+        d_w = _gemm_nt(dy_col_t, make_x_col(), gemm, dw_dtype)
+    del dy_col_t
     if need_in:
+        if separate:
+            dy_row = _dy_operands(dy, scaling, gemm, False, rows, col=False)[0]
         if gemm in _MX_GEMMS:  # B = W^T quantized along N, [K, N]
             d_in = _gemm_nt(dy_row, w_ops.col, gemm, d_in_dtype)
         else:  # B^T = the colwise values of W, [N, K]: B = their transposed view
             d_in = _gemm_nt(dy_row, w_ops.col.t(), gemm, d_in_dtype)
         d_in = _first_rows(d_in, dy.shape[0])
-    if need_w:
-        d_w = _gemm_nt(dy_col_t, x_col, gemm, dw_dtype)
     if need_b:  # FP32 column sums of dY
         d_b = dy_sums if sums_in_cast else dy.sum(0, dtype=torch.float32)
     return d_in, d_w, d_b
@@ -867,7 +881,7 @@ def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, b
 
 # The input activations the MX linear computes inside its casts (`activation=`): the backward of each, from the
 # saved input and the gradient of the activation's output, as torch's autograd computes it.
-ACTIVATION_BACKWARDS = {"silu": torch.ops.aten.silu_backward}
+ACTIVATION_BACKWARDS = {"silu": torch.ops.aten.silu_backward.grad_input}
 
 
 class MXLinearTritonFunction(torch.autograd.Function):
@@ -900,10 +914,11 @@ class MXLinearTritonFunction(torch.autograd.Function):
         w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
             if need_x and ctx.w_ops.col is None else ctx.w_ops
         rows = _rows(dy.shape[0], ctx.gemm)
-        x_col = _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows) if need_w else None
-        dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows)
-        if dx is not None and ctx.activation is not None:  # dX is the gradient of act(X) so far
-            dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x)
+        dx, dw, db = _linear_backward(
+            ctx, dy, w_ops, lambda: _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows),
+            x_dtype, w_dtype, need_x, need_w, need_b, rows)
+        if dx is not None and ctx.activation is not None:  # dX is the gradient of act(X) so far: in place
+            dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x, grad_input=dx)
         return dx, dw, _as_dtype(db, b_dtype), None, None, None
 
 
@@ -939,9 +954,9 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
             if need_dyn and ctx.w_ops.col is None else ctx.w_ops
         rows = _rows(dy.shape[0], ctx.gemm)
-        yn_col = _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype, rows) if need_w else None
-        dyn, dw, db = _linear_backward(ctx, dy, w_ops, yn_col, torch.float32, w_dtype, need_dyn, need_w, need_b,
-                                       rows)
+        dyn, dw, db = _linear_backward(
+            ctx, dy, w_ops, lambda: _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype, rows),
+            torch.float32, w_dtype, need_dyn, need_w, need_b, rows)
         dx = dg = None
         if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
             dx, dg = rms_norm_backward(x, norm_weight, rstd, dyn)
