@@ -785,6 +785,16 @@ def _saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, ge
     return _dequantize(data, scale, True, operand_dtype_for(dtype), transposed=True, padded_cols=rows)
 
 
+def _col_operand_of(x: torch.Tensor, activation: str | None, scaling: str, gemm: str, rows: int | None):
+    """The dW GEMM's B operand made from `x [M, K]` itself (its input activation computed again): the values
+    `_saved_col_operand` gives from the colwise cast of `activation(x)` the forward would have saved."""
+    if gemm in _MX_GEMMS:
+        return rms_norm_mx(x, None, scaling=scaling, rowwise=False, colwise=True, activation=activation).colwise
+    out = rms_norm_mx(x, None, scaling=scaling, rowwise=False, colwise=False, col_operand=True,
+                      operand_dtype=operand_dtype_for(x.dtype), operand_rows=rows, activation=activation)
+    return out.col_operand.t()
+
+
 def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None):
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
     GEMM's B operand from the saved input (`_saved_col_operand`), made when dW is computed and released before dIn is
@@ -855,16 +865,18 @@ def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, b
                    activation: str | None = None):
     """`(Y [M, N], the cast's outputs)` of a forward: `(RMSNorm(x) if g else activation(x))` cast for the route,
     times `w_row^T` (+ bias). The outputs hold the colwise cast when `colwise`, and rstd with `g`; in row chunks (see
-    `FORWARD_OPERAND_MAX_BYTES`) they hold no row operand."""
+    `FORWARD_OPERAND_MAX_BYTES`) they hold no row operand, and are None when neither was asked for."""
     M, K = x.shape
     mx_ops = gemm in _MX_GEMMS
     row_bytes = K * opd.itemsize
-    if gemm != "cublas" or not colwise or M * row_bytes <= FORWARD_OPERAND_MAX_BYTES or x.dtype != out_dtype:
+    if gemm != "cublas" or M * row_bytes <= FORWARD_OPERAND_MAX_BYTES or x.dtype != out_dtype:
         out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=colwise, row_operand=not mx_ops,
                           operand_dtype=opd, operand_rows=_rows(M, gemm), activation=activation)
         y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_row, gemm, out_dtype, _bias_for(bias, gemm))
         return _first_rows(y, M), out
-    out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=False, colwise=True, activation=activation)
+    out = None  # the colwise cast (and with the norm rstd, which the pass makes as well) by a pass of their own
+    if colwise or g is not None:
+        out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=False, colwise=True, activation=activation)
     chunk = 1 << max(5, (FORWARD_OPERAND_CHUNK_BYTES // row_bytes).bit_length() - 1)
     y = torch.empty(M, w_row.shape[0], dtype=out_dtype, device=x.device)
     for m0 in range(0, M, chunk):
@@ -888,8 +900,10 @@ class MXLinearTritonFunction(torch.autograd.Function):
     """`Y [M, N] = act(X [M, K]) W^T + b` by the MXLinear recipe on the Triton path (see the section comment).
 
     `activation` None (act the identity) or a key of `ACTIVATION_BACKWARDS`: the casts compute act(X) on the fly (it
-    is never stored) and X is kept for the activation's backward. Arguments as `mx_linear_triton`'s, checked by the
-    caller (`mx_linear_triton`, `ops.mx_linear`)."""
+    is never stored) and X is kept for the activation's backward. With X kept, the colwise cast of act(X) that dW
+    needs is not: the backward makes it again from X (`_col_operand_of`), the same bytes, so that the layer keeps X
+    alone (2 bytes per element for BF16, where X and the colwise cast were 3). Arguments as `mx_linear_triton`'s,
+    checked by the caller (`mx_linear_triton`, `ops.mx_linear`)."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, scaling: str, gemm: str, activation: str | None = None):
@@ -898,10 +912,12 @@ class MXLinearTritonFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # only dW reads X's colwise cast
         w_ops = weight_operands(weight, scaling, gemm, opd, need_col=need_x)
         x = _contiguous_last(x2)
-        y, out = _cast_and_gemm(x, None, 0.0, w_ops.row, bias, scaling, gemm, opd, need_w, x2.dtype, activation)
-        col = out.colwise
-        ctx.save_for_backward(col.data if need_w else None, col.scale if need_w else None, weight,
-                              x if activation is not None and need_x else None)
+        keep_x = activation is not None and need_x
+        colwise = need_w and not keep_x
+        y, out = _cast_and_gemm(x, None, 0.0, w_ops.row, bias, scaling, gemm, opd, colwise, x2.dtype, activation)
+        col = out.colwise if colwise else None
+        ctx.save_for_backward(col.data if colwise else None, col.scale if colwise else None, weight,
+                              x if keep_x else None)
         ctx.w_ops, ctx.scaling, ctx.gemm, ctx.activation = w_ops, scaling, gemm, activation
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
@@ -914,9 +930,13 @@ class MXLinearTritonFunction(torch.autograd.Function):
         w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
             if need_x and ctx.w_ops.col is None else ctx.w_ops
         rows = _rows(dy.shape[0], ctx.gemm)
-        dx, dw, db = _linear_backward(
-            ctx, dy, w_ops, lambda: _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows),
-            x_dtype, w_dtype, need_x, need_w, need_b, rows)
+
+        def x_col():
+            if x_data is None:  # X kept instead: the cast of its activation again
+                return _col_operand_of(x, ctx.activation, ctx.scaling, ctx.gemm, rows)
+            return _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows)
+
+        dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows)
         if dx is not None and ctx.activation is not None:  # dX is the gradient of act(X) so far: in place
             dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x, grad_input=dx)
         return dx, dw, _as_dtype(db, b_dtype), None, None, None
