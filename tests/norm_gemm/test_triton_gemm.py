@@ -376,6 +376,23 @@ def test_input_activation_equals_the_composition(M, K, N, gemm, dtype, chunk, mo
             assert_same_values(got, want, name)
 
 
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_inference_forward_in_row_chunks_computes_the_same(activation, monkeypatch):
+    """Without gradients (no colwise cast to make) a large operand is also cast in row chunks: the same Y."""
+    M, K, N = 100, 64, 32
+    x, w = exact_linear_tensor(M, K, 5, torch.bfloat16), exact_linear_tensor(N, K, 6, torch.float32)
+    with torch.no_grad():
+        y0 = mx_linear_triton(x, w, None, activation=activation)
+        monkeypatch.setattr(tg, "FORWARD_OPERAND_MAX_BYTES", 32 * K * 2)
+        monkeypatch.setattr(tg, "FORWARD_OPERAND_CHUNK_BYTES", 32 * K * 2)
+        calls = []
+        original = tg._gemm_nt
+        monkeypatch.setattr(tg, "_gemm_nt", lambda *a, **k: calls.append(1) or original(*a, **k))
+        y = mx_linear_triton(x, w, None, activation=activation)
+    assert len(calls) == 4  # 3 x 32 rows and 4
+    assert_same_values(y, y0, "Y")
+
+
 def test_backward_of_a_large_dy_casts_it_in_two_passes(monkeypatch):
     """Above `FORWARD_OPERAND_MAX_BYTES`, dY's colwise operand is made (with the bias gradient's sums) and used for
     dW before the rowwise one is made for dX; the gradients equal those of the one-pass cast."""
