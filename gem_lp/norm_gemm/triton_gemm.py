@@ -797,7 +797,7 @@ def _col_operand_of(x: torch.Tensor, activation: str | None, scaling: str, gemm:
 
 def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None):
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
-    GEMM's B operand from the saved input (`_saved_col_operand`), made when dW is computed and released before dIn is
+    GEMM's B operand from what the forward kept (`_saved_col_operand`, `_col_operand_of`), made when dW is computed and released before dIn is
     allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros past M); dIn is then a view of
     its first M rows.
 
