@@ -13,7 +13,7 @@ from torch import nn
 
 from ..backend import BACKENDS
 from ..mx.formats import BLOCK
-from .ops import INPUT_ACTIVATIONS, mx_linear, rms_norm, rms_norm_mx_linear
+from .ops import INPUT_ACTIVATIONS, check_input_activation, mx_linear, rms_norm, rms_norm_mx_linear
 
 RECIPES = ("bf16", "fp32", "mxfp8")
 
@@ -105,9 +105,7 @@ class MXLinear(_LinearParams):
                  backend: str = "auto", rotated_rows: int = 0, rotation_block: int = 1,
                  input_activation: str | None = None):
         _check_recipe(recipe, backend, in_features, out_features)
-        if input_activation is not None and input_activation not in INPUT_ACTIVATIONS:
-            raise ValueError(f"input_activation must be None or one of {tuple(INPUT_ACTIVATIONS)}, "
-                             f"got {input_activation!r}")
+        check_input_activation(input_activation)
         super().__init__(in_features, out_features, bias, rotated_rows, rotation_block)
         self.recipe, self.backend, self.input_activation = recipe, backend, input_activation
 

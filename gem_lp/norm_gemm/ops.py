@@ -116,6 +116,12 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
 INPUT_ACTIVATIONS = {"silu": F.silu}
 
 
+def check_input_activation(input_activation: str | None) -> None:
+    if input_activation is not None and input_activation not in INPUT_ACTIVATIONS:
+        raise ValueError(f"input_activation must be None or one of {tuple(INPUT_ACTIVATIONS)}, "
+                         f"got {input_activation!r}")
+
+
 def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, scaling: str = "rceil",
               input_activation: str | None = None, backend: str = "auto") -> torch.Tensor:
     """`act(x) [..., K] @ weight[N, K]^T + bias [N]` by the MXLinear recipe (see reference.py), differentiable.
@@ -128,9 +134,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     """
     _check_linear(x, weight, bias)
     check_scaling(scaling)
-    if input_activation is not None and input_activation not in INPUT_ACTIVATIONS:
-        raise ValueError(f"input_activation must be None or one of {tuple(INPUT_ACTIVATIONS)}, "
-                         f"got {input_activation!r}")
+    check_input_activation(input_activation)
     k = x.shape[-1]
     if resolve_backend(backend, x, weight) == "triton":
         from .triton_gemm import MXLinearTritonFunction
