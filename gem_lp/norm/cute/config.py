@@ -1,8 +1,6 @@
 """Launch tables of the CuTe RMSNorm + MX cast kernel, per architecture: how many columns one CTA holds (`tile_k`,
-a multiple of 128; `tile_k / 64` warps, one 8x8 strip a thread), how many CTAs of a cluster share a row
-(`cluster_n`) and how many persistent CTAs (clusters of them) the grid has per SM (`ctas_per_sm`; each walks the
-32-row blocks with a stride of the grid, never more CTAs than blocks). The bytes written do not depend on the
-launch."""
+a multiple of 128; `tile_k / 64` warps, one 8x8 strip a thread) and how many CTAs of a cluster share a row
+(`cluster_n`). The bytes written do not depend on the launch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +12,6 @@ from ...mx.formats import ceil_div
 class NormLaunch:
     tile_k: int
     cluster_n: int
-    ctas_per_sm: int = 1
 
 
 # Widest CTA tile (16 warps), and the largest portable cluster.
@@ -22,14 +19,11 @@ MAX_TILE_K = 1024
 MAX_CLUSTER = 8
 # Columns per CTA the generic rule aims at (see SM90).
 TARGET_TILE_K = 256
-# Threads an SM holds at the registers the kernel is built for (its `min_blocks_per_mp`).
-RESIDENT_THREADS = 640
-# Chosen per K of the model and benchmark shapes: 32 x 256 tiles (4 warps; two 16 KiB stages of shared memory; 96
-# registers a thread, so 5 CTAs an SM, all persistent) split K over a cluster where they can (at most 8 CTAs: 32 x 512
-# tiles at K = 4096), so that an SM holds several CTAs, each with its next tile's copy in flight while it casts.
-# `benchmarks/bench_norm.py` times the alternatives (LAUNCH_CANDIDATES); the fastest goes here.
-SM90 = {256: NormLaunch(256, 1, 5), 512: NormLaunch(256, 2, 5), 1024: NormLaunch(256, 4, 5),
-        4096: NormLaunch(512, 8, 2)}
+# Chosen per K of the model and benchmark shapes, not measured yet on the H200: 32 x 256 tiles (4 warps, 16 KiB of
+# shared memory; about 100 registers a thread, so 4 CTAs an SM) split K over a cluster where they can (at most 8
+# CTAs: 32 x 512 tiles at K = 4096), so that an SM holds several independent CTAs and one's loads are in flight while
+# another casts. `benchmarks/bench_norm.py` times the alternatives (LAUNCH_CANDIDATES); the fastest goes here.
+SM90 = {256: NormLaunch(256, 1), 512: NormLaunch(256, 2), 1024: NormLaunch(256, 4), 4096: NormLaunch(512, 8)}
 TABLES = {"sm_90a": SM90, "sm_100a": dict(SM90)}
 
 
@@ -39,7 +33,7 @@ def generic_launch(K: int) -> NormLaunch:
     cluster_n = min(ceil_div(K, TARGET_TILE_K), MAX_CLUSTER)
     tile_k = ceil_div(ceil_div(K, cluster_n), 128) * 128
     cluster_n = ceil_div(K, tile_k)
-    return NormLaunch(tile_k, cluster_n, max(1, RESIDENT_THREADS // (tile_k // 2)))
+    return NormLaunch(tile_k, cluster_n)
 
 
 def max_k() -> int:

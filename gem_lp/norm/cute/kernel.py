@@ -1,9 +1,7 @@
 """RMSNorm + both MX casts (or the dual MX cast alone) of `x [M, K]` in one CuTe DSL kernel, x read once.
 
-A CTA owns `tile_k` columns of a 32-row block (one colwise MX block) at a time; a cluster of `cluster_n` CTAs along K
-covers rows wider than one CTA holds, and shares the rows' partial sums of squares through distributed shared memory.
-The CTAs are persistent: each walks the row blocks with the grid's stride, the next block's tile copied into a second
-shared-memory stage while the current one is cast (a CTA's 16 KiB copy is otherwise the only load in flight for it).
+One CTA owns a 32-row block (one colwise MX block) and `tile_k` columns; a cluster of `cluster_n` CTAs along K covers
+rows wider than one CTA holds, and shares the rows' partial sums of squares through distributed shared memory.
 
 1. The CTA copies its x tile into shared memory with 16-byte `cp.async` (quack's `copy_utils`); rows past M and
    columns past K are zero-filled instead, so they add nothing to the sums of squares.
@@ -42,12 +40,10 @@ from quack.reduction_base import ReductionBase
 
 from ...mx.cute_device import (abs_max_nan, div_rn, inv_scale, payload_word, rstd_of, scale_byte, store_u8,
                                store_v2_u32)
-from .config import RESIDENT_THREADS
 
 BLOCK = 32
 STRIP_ROWS = 8
 STRIP_COLS = 8
-STAGES = 2  # shared-memory stages of x tiles: one being cast, the next one's copy in flight
 
 
 class NormMXCast(ReductionBase):
@@ -56,7 +52,7 @@ class NormMXCast(ReductionBase):
     plain scale layouts). `tile_k` is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
 
     def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool):
-        super().__init__(dtype, K, stage=STAGES)  # `stage`: cluster barriers, one per tile stage
+        super().__init__(dtype, K, stage=1)
         assert K % BLOCK == 0 and tile_k % 128 == 0 and cluster_n * tile_k >= K > (cluster_n - 1) * tile_k
         self.K, self.tile_k, self.cluster_n_cfg = K, tile_k, cluster_n
         self.normalize, self.rceil, self.blocked = normalize, rceil, blocked
@@ -81,16 +77,17 @@ class NormMXCast(ReductionBase):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor, mRowS: cute.Tensor,
                  mColQ: cute.Tensor, mColS: cute.Tensor, mRstd: cute.Tensor | None, col_stride: Int32,
-                 eps: Float32, num_ctas: Int32, stream: cuda.CUstream):
+                 eps: Float32, stream: cuda.CUstream):
         self._set_cluster_n()
+        M = mX.shape[0]
+        row_blocks = cute.ceil_div(M, BLOCK)
+        if const_expr(self.blocked):  # padding rows of the blocked layouts up to a multiple of 128
+            row_blocks = cute.ceil_div(M, 128) * 4
         tiled_copy = copy_utils.tiled_copy_2d(self.dtype, self._threads_per_row(), self.num_threads, self.vec,
                                               is_async=True)
         self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy).launch(
-            grid=[num_ctas, self.cluster_n, 1], block=[self.num_threads, 1, 1],
+            grid=[row_blocks, self.cluster_n, 1], block=[self.num_threads, 1, 1],
             cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1 and self.normalize) else None,
-            # registers for RESIDENT_THREADS threads an SM (96 at 4 warps, 5 CTAs): the persistent loop otherwise
-            # takes 128, one CTA fewer; the carveout keeps the build free of a device query (no GPU at build time)
-            min_blocks_per_mp=max(1, RESIDENT_THREADS // self.num_threads), preferred_smem_carveout=100,
             stream=stream)
 
     # ------------------------------------------------------------------ addresses
@@ -116,90 +113,16 @@ class NormMXCast(ReductionBase):
                mColQ: cute.Tensor, mColS: cute.Tensor, mRstd: cute.Tensor | None, col_stride: Int32,
                eps: Float32, tiled_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
-        first, cta_k, _ = cute.arch.block_idx()
-        num_ctas, _, _ = cute.arch.grid_dim()
+        bidx, cta_k, _ = cute.arch.block_idx()
         M = mX.shape[0]
-        col_blocks = cute.ceil_div(M, BLOCK)  # row blocks holding data
-        row_blocks = col_blocks
-        if const_expr(self.blocked):  # padding rows of the blocked layouts up to a multiple of 128
-            row_blocks = cute.ceil_div(M, 128) * 4
+        col_blocks = cute.ceil_div(M, BLOCK)
+        m0 = bidx * BLOCK
         k0 = cta_k * self.tile_k
-        smem = cutlass.utils.SmemAllocator()
-        sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((BLOCK, self.tile_k, STAGES), order=(1, 0, 2)),
-                                  byte_alignment=128)
-        sSums, sRstd, sPeer, mbar = None, None, None, None
-        if const_expr(self.normalize):
-            sSums = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.num_warps, BLOCK), order=(1, 0)),
-                                         byte_alignment=16)
-            sRstd = smem.allocate_tensor(Float32, cute.make_layout(BLOCK), byte_alignment=16)
-            if const_expr(self.cluster_n > 1):
-                sPeer = smem.allocate_tensor(
-                    Float32, cute.make_ordered_layout((self.cluster_n, BLOCK, STAGES), order=(1, 0, 2)),
-                    byte_alignment=16)
-                mbar = smem.allocate_array(Int64, num_elems=STAGES)
-                self._initialize_cluster(tidx, mbar, self.num_warps)
-
-        # the thread's strip: rows 8 mq .. 8 mq + 7 of a row block, columns k0 + c0 .. + 7
-        lane = tidx % 32
-        kq = lane % 4
-        c0 = (tidx // 32) * 64 + ((lane // 4) % 2) * BLOCK + kq * STRIP_COLS
-        k = k0 + c0
-        k_ok = True
-        if const_expr(not self.even_k):
-            k_ok = k < self.K
-        w = cute.make_rmem_tensor(cute.make_layout(STRIP_COLS), Float32)
-        if const_expr(self.normalize):
-            if k_ok:
-                for v in cutlass.range_constexpr(STRIP_COLS):
-                    w[v] = mW[k + v].to(Float32)
-            else:
-                w.fill(0.0)
-            if const_expr(self.cluster_n > 1):
-                cute.arch.cluster_wait()  # every peer's barriers are initialized
-
-        # Persistent CTAs, two shared-memory stages: the next row block's copy is in flight while this one is cast.
-        if first < col_blocks:
-            self._load_tile(mX, sX[None, None, 0], tiled_copy, tidx, M, first, cta_k)
-        cute.arch.cp_async_commit_group()
-        for rb in cutlass.range(first, row_blocks, num_ctas, unroll=1):
-            j = (rb - first) // num_ctas
-            stage = j % STAGES
-            nxt = rb + num_ctas
-            cute.arch.barrier()  # the other stage's readers (the previous block) are done
-            if nxt < col_blocks:
-                self._load_tile(mX, sX[None, None, 1 - stage], tiled_copy, tidx, M, nxt, cta_k)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)  # every group but the newest: this block's tile is here
-            cute.arch.barrier()
-            if rb < col_blocks:
-                self._cast_tile(sX[None, None, stage], w, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, sSums,
-                                sRstd, sPeer, mbar, stage, (j // STAGES) % 2, M, rb, k0, cta_k, col_blocks, tidx)
-            else:
-                self._padding_only(mRowS, mColS, rb * BLOCK, k0, rb, col_blocks, tidx)
-
-    @cute.jit
-    def _load_tile(self, mX, sXs, tiled_copy, tidx, M, rb, cta_k):
-        """Row block `rb`'s x tile -> shared memory by `cp.async` (zeros past M and past K), not committed."""
-        K, tile_k = self.K, self.tile_k
-        gX = cute.local_tile(mX, (BLOCK, tile_k), (rb, cta_k))
-        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (BLOCK, tile_k), (rb, cta_k))
-        thr_copy = tiled_copy.get_slice(tidx)
-        tXgX = thr_copy.partition_S(gX)
-        tXsX = thr_copy.partition_D(sXs)
-        tXcX = thr_copy.partition_S(cX)
-        zeros = cute.make_rmem_tensor_like(tXsX[None, 0, 0])
-        zeros.fill(0.0)
-        copy_atom = copy_utils.get_copy_atom(self.dtype, self.vec, is_async=True)
-        for i in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
-            for j in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
-                coord = tXcX[(0, 0), i, j]
-                inside = coord[0] < M
-                if const_expr(not self.even_k):
-                    inside = inside and coord[1] < K
-                if inside:
-                    cute.copy(copy_atom, tXgX[None, i, j], tXsX[None, i, j])
-                else:
-                    cute.autovec_copy(zeros, tXsX[None, i, j])
+        if m0 >= M:
+            self._padding_only(mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
+        else:
+            self._row_block(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0,
+                            bidx, cta_k, col_blocks, tidx)
 
     @cute.jit
     def _padding_only(self, mRowS, mColS, m0, k0, bidx, col_blocks, tidx):
@@ -219,11 +142,46 @@ class NormMXCast(ReductionBase):
                 store_u8(col_s + self._col_scale_offset(k, bidx, col_blocks), 0, Int32(0), Int32(1))
 
     @cute.jit
-    def _cast_tile(self, sX, w, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, sSums, sRstd, sPeer, mbar, stage,
-                   phase, M, bidx, k0, cta_k, col_blocks, tidx):
-        """RMSNorm and both casts of row block `bidx` from its tile `sX` (in shared memory, complete)."""
-        K = self.K
-        m0 = bidx * BLOCK
+    def _row_block(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx,
+                   cta_k, col_blocks, tidx):
+        K, tile_k = self.K, self.tile_k
+        smem = cutlass.utils.SmemAllocator()
+        sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((BLOCK, tile_k), order=(1, 0)),
+                                  byte_alignment=128)
+        if const_expr(self.normalize):
+            sSums = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.num_warps, BLOCK), order=(1, 0)),
+                                         byte_alignment=16)
+            sRstd = smem.allocate_tensor(Float32, cute.make_layout(BLOCK), byte_alignment=16)
+            mbar = None
+            if const_expr(self.cluster_n > 1):
+                sPeer = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.cluster_n, BLOCK), order=(1, 0)),
+                                             byte_alignment=16)
+                mbar = smem.allocate_array(Int64, num_elems=1)
+                self._initialize_cluster(tidx, mbar, self.num_warps)
+
+        # 1. x tile -> shared memory (zeros past M and past K)
+        gX = cute.local_tile(mX, (BLOCK, tile_k), (bidx, cta_k))
+        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (BLOCK, tile_k), (bidx, cta_k))
+        thr_copy = tiled_copy.get_slice(tidx)
+        tXgX = thr_copy.partition_S(gX)
+        tXsX = thr_copy.partition_D(sX)
+        tXcX = thr_copy.partition_S(cX)
+        zeros = cute.make_rmem_tensor_like(tXsX[None, 0, 0])
+        zeros.fill(0.0)
+        copy_atom = copy_utils.get_copy_atom(self.dtype, self.vec, is_async=True)
+        for i in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
+                coord = tXcX[(0, 0), i, j]
+                inside = coord[0] < M
+                if const_expr(not self.even_k):
+                    inside = inside and coord[1] < K
+                if inside:
+                    cute.copy(copy_atom, tXgX[None, i, j], tXsX[None, i, j])
+                else:
+                    cute.autovec_copy(zeros, tXsX[None, i, j])
+        cute.arch.cp_async_commit_group()
+
+        # the thread's strip: rows m0 + 8 mq + r, columns k0 + c0 + v
         lane = tidx % 32
         warp = tidx // 32
         kq = lane % 4
@@ -234,6 +192,16 @@ class NormMXCast(ReductionBase):
         k_ok = True
         if const_expr(not self.even_k):
             k_ok = k < K
+        w = cute.make_rmem_tensor(cute.make_layout(STRIP_COLS), Float32)
+        if const_expr(self.normalize):
+            if k_ok:
+                for v in cutlass.range_constexpr(STRIP_COLS):
+                    w[v] = mW[k + v].to(Float32)
+            else:
+                w.fill(0.0)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
 
         xs = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS)), self.dtype)
         sXv = cute.zipped_divide(sX, (1, STRIP_COLS))  # ((1, 8), (32, tile_k / 8))
@@ -252,13 +220,15 @@ class NormMXCast(ReductionBase):
             if lane % 8 == 0:
                 for r in cutlass.range_constexpr(STRIP_ROWS):
                     sSums[warp, mq * STRIP_ROWS + r] = rstd[r]
+            if const_expr(self.cluster_n > 1):
+                cute.arch.cluster_wait()  # every peer's barrier is initialized
             cute.arch.barrier()
             if tidx < BLOCK:
                 total = Float32(0.0)
                 for wi in cutlass.range_constexpr(self.num_warps):
                     total = total + sSums[wi, tidx]
                 if const_expr(self.cluster_n > 1):
-                    total = self._cluster_sum(total, sPeer[None, None, stage], mbar + stage, phase, tidx)
+                    total = self._cluster_sum(total, sPeer, mbar, tidx)
                 if const_expr(K & (K - 1) == 0):
                     mean = total * Float32(1.0 / K)
                 else:
@@ -365,14 +335,14 @@ class NormMXCast(ReductionBase):
                 store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
 
     @cute.jit
-    def _cluster_sum(self, partial: Float32, sPeer: cute.Tensor, mbar, phase: Int32, tidx: Int32) -> Float32:
+    def _cluster_sum(self, partial: Float32, sPeer: cute.Tensor, mbar, tidx: Int32) -> Float32:
         """Sum of `partial` (row `tidx` of this CTA's block) over the CTAs of the cluster, in rank order."""
         rank = cute.arch.block_idx_in_cluster()
         if tidx == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.cluster_n * BLOCK * 4)
         for peer in cutlass.range_constexpr(self.cluster_n):
             quack_utils.store_shared_remote(partial, quack_utils.elem_pointer(sPeer, (rank, tidx)), mbar, peer)
-        cute.arch.mbarrier_wait(mbar, phase=phase)
+        cute.arch.mbarrier_wait(mbar, phase=0)
         total = Float32(0.0)
         for peer in cutlass.range_constexpr(self.cluster_n):
             total = total + sPeer[peer, tidx]

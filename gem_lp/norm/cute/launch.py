@@ -70,7 +70,7 @@ def unsupported(x: torch.Tensor) -> str | None:
 
 
 def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: bool, blocked: bool):
-    key = (dtype, w_dtype, K, launch.tile_k, launch.cluster_n, normalize, rceil, blocked)  # the grid is an argument
+    key = (dtype, w_dtype, K, launch, normalize, rceil, blocked)
     fn = _COMPILED.get(key)
     if fn is None:
         vec = 128 // dtype.width
@@ -81,22 +81,9 @@ def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: b
         rstd = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), divisibility=1) if normalize else None
         kernel = NormMXCast(dtype, K, launch.tile_k, launch.cluster_n, normalize, rceil, blocked)
         fn = _COMPILED[key] = cute.compile(
-            kernel, x, w, *flat, rstd, cutlass.Int32(16), cutlass.Float32(0.0), cutlass.Int32(1),
+            kernel, x, w, *flat, rstd, cutlass.Int32(16), cutlass.Float32(0.0),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
     return fn
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def grid_ctas(M: int, launch: NormLaunch, blocked: bool, device: torch.device) -> int:
-    """The persistent grid's CTAs along M: `launch.ctas_per_sm` per SM (counting a cluster's CTAs), at most one per
-    32-row block (with the blocked layouts' padding blocks up to a multiple of 128 rows)."""
-    blocks = ceil_div(M, 128) * 4 if blocked else ceil_div(M, BLOCK)
-    sms = _sm_count(torch.cuda.current_device() if device.index is None else device.index)
-    return max(1, min(blocks, sms * launch.ctas_per_sm // launch.cluster_n))
 
 
 def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
@@ -150,24 +137,21 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     w_dtype = weight.dtype if normalize else None
     if launch is None:  # the common call: one dict lookup for the built kernel (host time counts at small M)
         key = (x.dtype, w_dtype, K, scaling_key, blocked_scales, arch or dev)
-        built = _DEFAULT_BUILDS.get(key)
-        if built is None:
-            table_launch = launch_for(arch or device_arch(dev), K)
-            built = _DEFAULT_BUILDS[key] = (table_launch, _build(
+        fn = _DEFAULT_BUILDS.get(key)
+        if fn is None:
+            fn = _DEFAULT_BUILDS[key] = _build(
                 torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K,
-                table_launch, normalize, scaling_key, blocked_scales))
-        launch, fn = built
+                launch_for(arch or device_arch(dev), K), normalize, scaling_key, blocked_scales)
     elif not (launch.tile_k % 128 == 0 and 0 < launch.tile_k <= MAX_TILE_K and launch.cluster_n <= MAX_CLUSTER
-              and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k
-              and launch.ctas_per_sm >= 1):
+              and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k):
         raise ValueError(f"launch {launch} does not cover K={K} (tile_k a multiple of 128 up to {MAX_TILE_K}, "
-                         f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns, ctas_per_sm >= 1)")
+                         f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns)")
     else:
-        fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K,
-                    launch, normalize, scaling_key, blocked_scales)
+        fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
+                    normalize, scaling_key, blocked_scales)
     if not is_fake_mode():
         fn(x, weight, row_data.view(torch.uint8).view(-1), row_scale.view(-1), col_buf.view(torch.uint8),
-           col_scale.view(-1), rstd, stride, float(eps), grid_ctas(M, launch, blocked_scales, dev))
+           col_scale.view(-1), rstd, stride, float(eps))
     return out
 
 
