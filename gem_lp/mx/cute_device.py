@@ -98,16 +98,6 @@ def store_v2_u32(addr: Int64, offset: int, a: Int32, b: Int32, ok: Int32, *, loc
 
 
 @dsl_user_op
-def store_v4_u32(addr: Int64, offset: int, a: Int32, b: Int32, c: Int32, d: Int32, ok: Int32, *, loc=None,
-                 ip=None) -> None:
-    """Sixteen bytes (a lowest) to global `addr + offset` (16-byte aligned; `offset` a constant) when `ok` != 0."""
-    _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d), Int32(ok)],
-         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $5, 0;\n\t"
-         f"@p st.global.v4.b32 [$0+{int(offset)}], {{$1, $2, $3, $4}};\n\t}}", "l,r,r,r,r,r", loc, ip,
-         side_effects=True)
-
-
-@dsl_user_op
 def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a / b, correctly rounded (as the CPU divides)."""
     return Float32(_asm(T.f32(), [Float32(a), Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip))

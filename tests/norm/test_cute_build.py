@@ -48,20 +48,18 @@ def test_kernel_builds_for_sm90_without_ftz(tmp_path):
         assert ".ftz" not in text  # subnormal x, y, d and payload products keep their values
         assert "cvt.rn.satfinite.e4m3x2.f32" in text and "max.NaN.xorsign.abs.f32" in text
         assert "cp.async.cg.shared.global" in text or "cp.async.ca.shared.global" in text
-        assert re.search(r"st\.global\.v4\.b32", text)  # 16-byte payload stores from the staged tiles
+        assert re.search(r"st\.global\.v2\.b32", text)  # 8-byte payload stores
     cluster = [t for t in ptx if "st.async" in t]
-    assert len(cluster) == 1 and "mbarrier" in cluster[0]  # K=1024: the cluster's CTAs share the sums of squares
+    assert len(cluster) == 1 and "mbarrier" in cluster[0]  # K=1024: two CTAs share the sums of squares
     assert any("div.rn.f32" in t and "sqrt.rn.f32" in t for t in ptx)  # rstd correctly rounded
 
 
 def test_launch_table_covers_every_k():
-    from gem_lp.norm.cute.config import (MAX_CLUSTER, MAX_TILE_ELEMENTS, MAX_TILE_K, SM90, generic_launch, launch_for,
-                                         max_k)
+    from gem_lp.norm.cute.config import MAX_CLUSTER, MAX_TILE_K, SM90, generic_launch, launch_for, max_k
 
     for K in list(range(32, max_k() + 1, 32)):
         for launch in (generic_launch(K), launch_for("sm_90a", K), launch_for("sm_100a", K)):
             assert launch.tile_k % 128 == 0 and launch.tile_k <= MAX_TILE_K and launch.cluster_n <= MAX_CLUSTER, K
-            assert launch.rows in (32, 64, 128) and launch.rows * launch.tile_k <= MAX_TILE_ELEMENTS, (K, launch)
             assert launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k, (K, launch)
     assert all(launch_for("sm_90a", K) == launch for K, launch in SM90.items())
     with pytest.raises(ValueError, match="at most 8192 elements, got K=8224"):

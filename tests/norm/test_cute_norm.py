@@ -174,18 +174,13 @@ def test_subnormal_and_huge_blocks():
             assert_same_bytes(got.scale, want.scale, f"{what} scale {scaling}")
 
 
-@pytest.mark.parametrize("K,launches", [
-    (1024, [NormLaunch(256, 4), NormLaunch(512, 2), NormLaunch(1024, 1), NormLaunch(128, 8, 128),
-            NormLaunch(256, 4, 128), NormLaunch(256, 4, 64)]),
-    (4096, [NormLaunch(512, 8), NormLaunch(1024, 4), NormLaunch(512, 8, 64)]),
-    (96, [NormLaunch(128, 1), NormLaunch(128, 1, 128), NormLaunch(128, 1, 64)]),
-    (640, [NormLaunch(128, 5), NormLaunch(384, 2), NormLaunch(128, 5, 128), NormLaunch(256, 3, 128),
-           NormLaunch(256, 3, 64)])])
-@pytest.mark.parametrize("M", [300, 33, 200])
-def test_every_launch_writes_the_same_bytes(K, launches, M):
-    """Other tile heights, widths and clusters (K not a multiple of the cluster's columns included: zero-filled
-    columns and the blocked layouts' K padding; M not a multiple of the tile's rows: rows past M, the blocked layouts'
-    row padding, y^T rows of 48 bytes) write the same rstd and bytes."""
+@pytest.mark.parametrize("K,launches", [(1024, [NormLaunch(256, 4), NormLaunch(512, 2), NormLaunch(1024, 1)]),
+                                        (4096, [NormLaunch(512, 8), NormLaunch(1024, 4)]),
+                                        (96, [NormLaunch(128, 1)]), (640, [NormLaunch(128, 5), NormLaunch(384, 2)])])
+def test_every_launch_writes_the_same_bytes(K, launches):
+    """Other tile widths and clusters (K not a multiple of the cluster's columns included: zero-filled columns and
+    the blocked layouts' K padding) write the same rstd and bytes."""
+    M = 300
     x, w = exact_sum_input(M, K, torch.bfloat16, K), norm_weight(K, torch.bfloat16, K)
     want_rstd = cpu_rstd(x, 1e-5)
     refs = reference_casts(x, w, want_rstd.to(DEV), "rceil")

@@ -1,6 +1,6 @@
-"""Launch tables of the CuTe RMSNorm + MX cast kernel, per architecture: how many rows (`rows`: 32, 64 or 128) and
-columns (`tile_k`, a multiple of 128) one CTA holds (`rows / 32 * tile_k / 64` warps, one 8x8 strip a thread) and how
-many CTAs of a cluster share a row (`cluster_n`). The bytes written do not depend on the launch."""
+"""Launch tables of the CuTe RMSNorm + MX cast kernel, per architecture: how many columns one CTA holds (`tile_k`,
+a multiple of 128; `tile_k / 64` warps, one 8x8 strip a thread) and how many CTAs of a cluster share a row
+(`cluster_n`). The bytes written do not depend on the launch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,30 +12,24 @@ from ...mx.formats import ceil_div
 class NormLaunch:
     tile_k: int
     cluster_n: int
-    rows: int = 32
 
 
 # Widest CTA tile (16 warps), and the largest portable cluster.
 MAX_TILE_K = 1024
-# Elements of a CTA tile: 16 warps of 8x8 strips.
-MAX_TILE_ELEMENTS = 32 * 1024
 MAX_CLUSTER = 8
-# Columns per CTA the generic rule aims at (see SM90) when its tiles are 32 rows tall.
+# Columns per CTA the generic rule aims at (see SM90).
 TARGET_TILE_K = 256
-# Chosen per K of the model and benchmark shapes. 128 x 128 tiles (8 warps; a cluster of up to 8 along K): a CTA's
-# colwise payload rows are then 128 contiguous bytes and its scales whole 512-byte tiles of the blocked layouts, all
-# written with 16-byte stores. Wider rows (a cluster would exceed 8 CTAs) take 32 x 512 tiles.
-# `benchmarks/bench_norm.py` times the alternatives (LAUNCH_CANDIDATES); the fastest goes here.
-SM90 = {256: NormLaunch(128, 2, 128), 512: NormLaunch(128, 4, 128), 1024: NormLaunch(128, 8, 128),
-        4096: NormLaunch(512, 8, 32)}
+# Chosen per K of the model and benchmark shapes, not measured yet on the H200: 32 x 256 tiles (4 warps, 16 KiB of
+# shared memory; about 100 registers a thread, so 4 CTAs an SM) split K over a cluster where they can (at most 8
+# CTAs: 32 x 512 tiles at K = 4096), so that an SM holds several independent CTAs and one's loads are in flight while
+# another casts. `benchmarks/bench_norm.py` times the alternatives (LAUNCH_CANDIDATES); the fastest goes here.
+SM90 = {256: NormLaunch(256, 1), 512: NormLaunch(256, 2), 1024: NormLaunch(256, 4), 4096: NormLaunch(512, 8)}
 TABLES = {"sm_90a": SM90, "sm_100a": dict(SM90)}
 
 
 def generic_launch(K: int) -> NormLaunch:
-    """128 x 128 tiles when a cluster of at most MAX_CLUSTER covers K; else 32-row tiles and the smallest cluster
-    whose CTAs hold at most TARGET_TILE_K columns (up to MAX_TILE_K when the cluster would exceed MAX_CLUSTER)."""
-    if K <= 128 * MAX_CLUSTER:
-        return NormLaunch(128, ceil_div(K, 128), 128)
+    """The smallest cluster whose CTAs hold at most TARGET_TILE_K columns (up to MAX_TILE_K when the cluster would
+    exceed MAX_CLUSTER)."""
     cluster_n = min(ceil_div(K, TARGET_TILE_K), MAX_CLUSTER)
     tile_k = ceil_div(ceil_div(K, cluster_n), 128) * 128
     cluster_n = ceil_div(K, tile_k)

@@ -39,7 +39,7 @@ from quack.reduce import warp_reduce
 from quack.reduction_base import ReductionBase
 
 from ...mx.cute_device import (abs_max_nan, div_rn, inv_scale, payload_word, rstd_of, scale_byte, store_u8,
-                               store_v4_u32)
+                               store_v2_u32)
 
 BLOCK = 32
 STRIP_ROWS = 8
@@ -47,20 +47,16 @@ STRIP_COLS = 8
 
 
 class NormMXCast(ReductionBase):
-    """The kernel for one configuration (all compile-time): x dtype, K, the CTA's `rows` (32, 64 or 128) and
-    `tile_k` columns, `cluster_n` CTAs along K, and what it computes (`normalize`: RMSNorm, else y = x; `rceil` or
-    floor scales; `blocked` or plain scale layouts). `tile_k` is a multiple of 128; the CTA has
-    `rows / 32 * tile_k / 64` warps; `cluster_n * tile_k >= K`."""
+    """The kernel for one configuration (all compile-time): x dtype, K, the CTA's `tile_k` columns, `cluster_n`
+    CTAs along K, and what it computes (`normalize`: RMSNorm, else y = x; `rceil` or floor scales; `blocked` or
+    plain scale layouts). `tile_k` is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
 
-    def __init__(self, dtype, K: int, rows: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool,
-                 blocked: bool):
+    def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool):
         super().__init__(dtype, K, stage=1)
         assert K % BLOCK == 0 and tile_k % 128 == 0 and cluster_n * tile_k >= K > (cluster_n - 1) * tile_k
-        assert rows in (32, 64, 128)
-        self.K, self.rows, self.tile_k, self.cluster_n_cfg = K, rows, tile_k, cluster_n
+        self.K, self.tile_k, self.cluster_n_cfg = K, tile_k, cluster_n
         self.normalize, self.rceil, self.blocked = normalize, rceil, blocked
-        self.col_warps = tile_k // 64
-        self.num_warps = rows // BLOCK * self.col_warps
+        self.num_warps = tile_k // 64
         self.num_threads = 32 * self.num_warps
         self.vec = 128 // dtype.width  # elements of one 16-byte copy
         self.k_blocks = K // BLOCK
@@ -68,9 +64,6 @@ class NormMXCast(ReductionBase):
         self.row_scale_tiles = (self.k_blocks + 3) // 4
         self.k_pad128 = (K + 127) // 128 * 128
         self.even_k = cluster_n * tile_k == K
-        # 128 rows and blocked layouts: the CTA's scales are whole 512-byte tiles of both layouts, staged in shared
-        # memory and written with 16-byte stores; otherwise each scale byte is stored from registers
-        self.staged_scales = blocked and rows == 128
 
     def _threads_per_row(self):
         return self.tile_k // self.vec
@@ -87,13 +80,13 @@ class NormMXCast(ReductionBase):
                  eps: Float32, stream: cuda.CUstream):
         self._set_cluster_n()
         M = mX.shape[0]
-        row_tiles = cute.ceil_div(M, self.rows)
+        row_blocks = cute.ceil_div(M, BLOCK)
         if const_expr(self.blocked):  # padding rows of the blocked layouts up to a multiple of 128
-            row_tiles = cute.ceil_div(M, 128) * (128 // self.rows)
+            row_blocks = cute.ceil_div(M, 128) * 4
         tiled_copy = copy_utils.tiled_copy_2d(self.dtype, self._threads_per_row(), self.num_threads, self.vec,
                                               is_async=True)
         self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy).launch(
-            grid=[row_tiles, self.cluster_n, 1], block=[self.num_threads, 1, 1],
+            grid=[row_blocks, self.cluster_n, 1], block=[self.num_threads, 1, 1],
             cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1 and self.normalize) else None,
             stream=stream)
 
@@ -123,65 +116,52 @@ class NormMXCast(ReductionBase):
         bidx, cta_k, _ = cute.arch.block_idx()
         M = mX.shape[0]
         col_blocks = cute.ceil_div(M, BLOCK)
-        m0 = bidx * self.rows
+        m0 = bidx * BLOCK
         k0 = cta_k * self.tile_k
         if m0 >= M:
             self._padding_only(mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
         else:
-            self._row_tile(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0,
-                           bidx, cta_k, col_blocks, tidx)
+            self._row_block(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0,
+                            bidx, cta_k, col_blocks, tidx)
 
     @cute.jit
     def _padding_only(self, mRowS, mColS, m0, k0, bidx, col_blocks, tidx):
-        """A CTA past M (blocked layouts, tiles of fewer than 128 rows): zero scale bytes of its rows and of its
-        column blocks."""
+        """A CTA past M (blocked layouts only): zero scale bytes of rows m0.. and of column block `bidx`."""
         row_s = mRowS.iterator.toint()
         col_s = mColS.iterator.toint()
         blocks_here = self.tile_k // BLOCK
-        for it in cutlass.range_constexpr(cute.ceil_div(self.rows * blocks_here, self.num_threads)):
+        for it in cutlass.range_constexpr(cute.ceil_div(BLOCK * blocks_here, self.num_threads)):
             idx = tidx + it * self.num_threads
             r = idx // blocks_here
             c = k0 // BLOCK + idx % blocks_here
-            if idx < self.rows * blocks_here and c < self.row_scale_tiles * 4:
+            if idx < BLOCK * blocks_here and c < self.row_scale_tiles * 4:
                 store_u8(row_s + self._row_scale_offset(m0 + r, c), 0, Int32(0), Int32(1))
-        for it in cutlass.range_constexpr(cute.ceil_div(self.tile_k * (self.rows // BLOCK), self.num_threads)):
-            idx = tidx + it * self.num_threads
-            k = k0 + idx % self.tile_k
-            rb = m0 // BLOCK + idx // self.tile_k
-            if idx < self.tile_k * (self.rows // BLOCK) and k < self.k_pad128:
-                store_u8(col_s + self._col_scale_offset(k, rb, col_blocks), 0, Int32(0), Int32(1))
+        for it in cutlass.range_constexpr(cute.ceil_div(self.tile_k, self.num_threads)):
+            k = k0 + tidx + it * self.num_threads
+            if k < self.k_pad128:
+                store_u8(col_s + self._col_scale_offset(k, bidx, col_blocks), 0, Int32(0), Int32(1))
 
     @cute.jit
-    def _row_tile(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx,
-                  cta_k, col_blocks, tidx):
-        K, rows, tile_k = self.K, self.rows, self.tile_k
+    def _row_block(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx,
+                   cta_k, col_blocks, tidx):
+        K, tile_k = self.K, self.tile_k
         smem = cutlass.utils.SmemAllocator()
-        sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((rows, tile_k), order=(1, 0)),
+        sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((BLOCK, tile_k), order=(1, 0)),
                                   byte_alignment=128)
-        # payload staging, 32-bit words: y rows (rows x tile_k bytes) and y^T rows (tile_k x rows bytes), 16-byte
-        # chunks swizzled so that a warp's 8-byte writes spread over the banks
-        sRowP = smem.allocate_tensor(cutlass.Uint32, cute.make_ordered_layout((rows, tile_k // 4), order=(1, 0)),
-                                     byte_alignment=128)
-        sColP = smem.allocate_tensor(cutlass.Uint32, cute.make_ordered_layout((tile_k, rows // 4), order=(1, 0)),
-                                     byte_alignment=128)
-        sRowS, sColS = None, None
-        if const_expr(self.staged_scales):  # the CTA's 512-byte tiles of both blocked scale layouts
-            sRowS = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_k // 128 * 512), byte_alignment=16)
-            sColS = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_k // 128 * 512), byte_alignment=16)
         if const_expr(self.normalize):
-            sSums = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.col_warps, rows), order=(1, 0)),
+            sSums = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.num_warps, BLOCK), order=(1, 0)),
                                          byte_alignment=16)
-            sRstd = smem.allocate_tensor(Float32, cute.make_layout(rows), byte_alignment=16)
+            sRstd = smem.allocate_tensor(Float32, cute.make_layout(BLOCK), byte_alignment=16)
             mbar = None
             if const_expr(self.cluster_n > 1):
-                sPeer = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.cluster_n, rows), order=(1, 0)),
+                sPeer = smem.allocate_tensor(Float32, cute.make_ordered_layout((self.cluster_n, BLOCK), order=(1, 0)),
                                              byte_alignment=16)
                 mbar = smem.allocate_array(Int64, num_elems=1)
                 self._initialize_cluster(tidx, mbar, self.num_warps)
 
         # 1. x tile -> shared memory (zeros past M and past K)
-        gX = cute.local_tile(mX, (rows, tile_k), (bidx, cta_k))
-        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (rows, tile_k), (bidx, cta_k))
+        gX = cute.local_tile(mX, (BLOCK, tile_k), (bidx, cta_k))
+        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (BLOCK, tile_k), (bidx, cta_k))
         thr_copy = tiled_copy.get_slice(tidx)
         tXgX = thr_copy.partition_S(gX)
         tXsX = thr_copy.partition_D(sX)
@@ -201,16 +181,13 @@ class NormMXCast(ReductionBase):
                     cute.autovec_copy(zeros, tXsX[None, i, j])
         cute.arch.cp_async_commit_group()
 
-        # the thread's strip: tile rows rs .. rs + 7 (rs = 32 wrow + 8 mq), columns k0 + c0 .. + 7
+        # the thread's strip: rows m0 + 8 mq + r, columns k0 + c0 + v
         lane = tidx % 32
         warp = tidx // 32
-        wrow = warp // self.col_warps
-        wcol = warp % self.col_warps
         kq = lane % 4
         kh = (lane // 4) % 2
         mq = lane // 8
-        rs = wrow * BLOCK + mq * STRIP_ROWS
-        c0 = wcol * 64 + kh * BLOCK + kq * STRIP_COLS
+        c0 = warp * 64 + kh * BLOCK + kq * STRIP_COLS
         k = k0 + c0
         k_ok = True
         if const_expr(not self.even_k):
@@ -227,9 +204,9 @@ class NormMXCast(ReductionBase):
         cute.arch.barrier()
 
         xs = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS)), self.dtype)
-        sXv = cute.zipped_divide(sX, (1, STRIP_COLS))  # ((1, 8), (rows, tile_k / 8))
+        sXv = cute.zipped_divide(sX, (1, STRIP_COLS))  # ((1, 8), (32, tile_k / 8))
         for r in cutlass.range_constexpr(STRIP_ROWS):
-            cute.autovec_copy(sXv[(0, None), (rs + r, c0 // STRIP_COLS)], xs[None, r])
+            cute.autovec_copy(sXv[(0, None), (mq * STRIP_ROWS + r, c0 // STRIP_COLS)], xs[None, r])
 
         # 2. RMSNorm: rstd of the strip's rows
         rstd = cute.make_rmem_tensor(cute.make_layout(STRIP_ROWS), Float32)
@@ -242,13 +219,13 @@ class NormMXCast(ReductionBase):
                 rstd[r] = warp_reduce(s, operator.add, threads_in_group=8)
             if lane % 8 == 0:
                 for r in cutlass.range_constexpr(STRIP_ROWS):
-                    sSums[wcol, rs + r] = rstd[r]
+                    sSums[warp, mq * STRIP_ROWS + r] = rstd[r]
             if const_expr(self.cluster_n > 1):
                 cute.arch.cluster_wait()  # every peer's barrier is initialized
             cute.arch.barrier()
-            if tidx < rows:
+            if tidx < BLOCK:
                 total = Float32(0.0)
-                for wi in cutlass.range_constexpr(self.col_warps):
+                for wi in cutlass.range_constexpr(self.num_warps):
                     total = total + sSums[wi, tidx]
                 if const_expr(self.cluster_n > 1):
                     total = self._cluster_sum(total, sPeer, mbar, tidx)
@@ -265,7 +242,7 @@ class NormMXCast(ReductionBase):
                 sRstd[tidx] = row_rstd
             cute.arch.barrier()
             for r in cutlass.range_constexpr(STRIP_ROWS):
-                rstd[r] = sRstd[rs + r]
+                rstd[r] = sRstd[mq * STRIP_ROWS + r]
 
         # 3. y of the strip, FP32
         y = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS)), Float32)
@@ -296,141 +273,73 @@ class NormMXCast(ReductionBase):
             for step in cutlass.range_constexpr(2):
                 col_amax[v] = abs_max_nan(col_amax[v], cute.arch.shuffle_sync_bfly(col_amax[v], offset=8 << step))
 
-        # 5. rowwise cast: 8 payload bytes per row of the strip into the staging tile (16-byte chunk c of row r
-        # stored at chunk c ^ 4 (r / 8 % 2)); the block's scale byte from its first lane (kq 0).
-        valid_rows = M - (m0 + rs)  # strip rows r < valid_rows exist
+        # 5. rowwise cast: 8 payload bytes per row of the strip; the block's scale byte from its first lane (kq 0).
+        # Addresses: a base per thread plus constant offsets (rows are K bytes apart; in the blocked layout the
+        # strip's 8 rows are consecutive rows of one 32-row group, 16 bytes apart).
+        strip_m = m0 + mq * STRIP_ROWS
+        valid_rows = M - strip_m  # rows r < valid_rows exist
         cb = k >> 5
         k_ok_i = Int32(1)
         if const_expr(not self.even_k):
             k_ok_i = Int32(k_ok)
+        row_q = mRowQ.iterator.toint() + Int64(strip_m) * K + Int64(k)
+        if const_expr(self.blocked):
+            row_s = mRowS.iterator.toint() + Int64(((m0 >> 7) * self.row_scale_tiles + (cb >> 2)) * 512
+                                                   + mq * STRIP_ROWS * 16 + ((m0 >> 5) & 3) * 4 + (cb & 3))
+            row_s_step = 16
+        else:
+            row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)
+            row_s_step = self.k_blocks
         lead_k = Int32(kq == 0) * k_ok_i
-        if const_expr(not self.staged_scales):
-            if const_expr(self.blocked):  # the strip's 8 rows are consecutive rows of one 32-row group
-                rb = (m0 + wrow * BLOCK) >> 5
-                row_s = mRowS.iterator.toint() + Int64(((rb >> 2) * self.row_scale_tiles + (cb >> 2)) * 512
-                                                       + mq * STRIP_ROWS * 16 + (rb & 3) * 4 + (cb & 3))
-                row_s_step = 16
-            else:
-                row_s = mRowS.iterator.toint() + Int64(m0 + rs) * self.k_blocks + Int64(cb)
-                row_s_step = self.k_blocks
-        row_word = (c0 >> 2) ^ (((rs >> 3) & 1) * 16)
         for r in cutlass.range_constexpr(STRIP_ROWS):
             byte = scale_byte(row_amax[r], rceil=self.rceil)
             inv = inv_scale(byte)
-            sRowP[rs + r, row_word] = cutlass.Uint32(payload_word(y[0, r], y[1, r], y[2, r], y[3, r], inv, byte))
-            sRowP[rs + r, row_word + 1] = cutlass.Uint32(payload_word(y[4, r], y[5, r], y[6, r], y[7, r], inv, byte))
-            if const_expr(self.staged_scales):
-                c_loc = c0 >> 5
-                if kq == 0:
-                    sRowS[(c_loc >> 2) * 512 + ((rs + r) & 31) * 16 + wrow * 4 + (c_loc & 3)] = cutlass.Uint8(byte)
-            elif const_expr(self.blocked):  # rows up to the 128-row padding get a byte (0 past M)
+            lo = payload_word(y[0, r], y[1, r], y[2, r], y[3, r], inv, byte)
+            hi = payload_word(y[4, r], y[5, r], y[6, r], y[7, r], inv, byte)
+            row_ok = Int32(r < valid_rows) * k_ok_i
+            store_v2_u32(row_q, r * K, lo, hi, row_ok)
+            if const_expr(self.blocked):  # rows up to the 128-row padding get a byte (0 past M)
                 store_u8(row_s, r * row_s_step, byte * Int32(r < valid_rows), lead_k)
             else:
-                store_u8(row_s, r * row_s_step, byte, Int32(r < valid_rows) * k_ok_i * Int32(kq == 0))
-        if const_expr(self.blocked and not self.staged_scales and self.k_blocks % 4 != 0):
+                store_u8(row_s, r * row_s_step, byte, row_ok * Int32(kq == 0))
+        if const_expr(self.blocked and self.k_blocks % 4 != 0):
             # the zero columns of the last 4-column group of the row scales, by the lane of the last block
             if cb == self.k_blocks - 1:
                 for r in cutlass.range_constexpr(STRIP_ROWS):
                     for extra in cutlass.range_constexpr(4 - self.k_blocks % 4):
                         store_u8(row_s, r * row_s_step + 1 + extra, Int32(0), lead_k)
 
-        # 6. colwise cast: y^T rows c0 + v of the tile, bytes rs .. rs + 7, into the staging tile (chunk c of y^T row
-        # j stored at chunk c ^ (j / 8 % (rows / 16))); the column's scale byte from the first strip (mq 0).
-        if const_expr(not self.staged_scales):
-            rbc = (m0 + wrow * BLOCK) >> 5  # the strip's 32-row block
-            if const_expr(self.blocked):  # the strip's 8 columns are consecutive rows of one 32-row group
-                col_s = mColS.iterator.toint() + Int64(((k >> 7) * ((col_blocks + 3) >> 2) + (rbc >> 2)) * 512
-                                                       + (k & 31) * 16 + ((k >> 5) & 3) * 4 + (rbc & 3))
-            else:
-                col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(rbc)
-        strip_ok = Int32(m0 + rs < M)
+        # 6. colwise cast: y^T rows k + v, bytes strip_m .. + 8 (inside the 16-byte aligned row when strip_m < M);
+        # the column's scale byte from the first strip (mq 0). In the blocked layout the strip's 8 columns are
+        # consecutive rows of one 32-row group of the [K, ceil(M/32)] scale matrix, 16 bytes apart.
+        col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
+        if const_expr(self.blocked):
+            col_s = mColS.iterator.toint() + Int64(((k >> 7) * ((col_blocks + 3) >> 2) + (bidx >> 2)) * 512
+                                                   + (k & 31) * 16 + ((k >> 5) & 3) * 4 + (bidx & 3))
+        else:
+            col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)
+        strip_ok = Int32(strip_m < M) * k_ok_i
         lead_m = Int32(mq == 0)
         for v in cutlass.range_constexpr(STRIP_COLS):
             byte = scale_byte(col_amax[v], rceil=self.rceil)
             inv = inv_scale(byte)
-            j = c0 + v
-            col_word = (rs >> 2) ^ (((j >> 3) % (rows // 16)) * 4)
-            sColP[j, col_word] = cutlass.Uint32(payload_word(y[v, 0], y[v, 1], y[v, 2], y[v, 3], inv, byte))
-            sColP[j, col_word + 1] = cutlass.Uint32(payload_word(y[v, 4], y[v, 5], y[v, 6], y[v, 7], inv, byte))
-            if const_expr(self.staged_scales):
-                if mq == 0:
-                    sColS[(j >> 7) * 512 + (j & 31) * 16 + ((j >> 5) & 3) * 4 + wrow] = cutlass.Uint8(byte)
-            elif const_expr(self.blocked):
+            lo = payload_word(y[v, 0], y[v, 1], y[v, 2], y[v, 3], inv, byte)
+            hi = payload_word(y[v, 4], y[v, 5], y[v, 6], y[v, 7], inv, byte)
+            store_v2_u32(col_q + Int64(v) * Int64(col_stride), 0, lo, hi, strip_ok)
+            if const_expr(self.blocked):
                 if const_expr(self.even_k):
                     store_u8(col_s, v * 16, byte, lead_m)
                 else:  # columns past K up to 128 are padding rows of the colwise scale matrix: zeros
                     store_u8(col_s, v * 16, byte * k_ok_i, lead_m * Int32(k + v < self.k_pad128))
             else:
-                store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i * strip_ok)
-
-        # 7. the staged tiles -> global memory, 16-byte stores: consecutive threads write consecutive chunks
-        cute.arch.barrier()
-        self._store_payloads(sRowP, sColP, mRowQ, mColQ, col_stride, M, m0, k0, tidx)
-        if const_expr(self.staged_scales):
-            self._store_scale_tiles(sRowS, sColS, mRowS, mColS, m0, k0, col_blocks, tidx)
-
-    @cute.jit
-    def _store_payloads(self, sRowP, sColP, mRowQ, mColQ, col_stride, M, m0, k0, tidx):
-        K, rows, tile_k = self.K, self.rows, self.tile_k
-        row_chunks, col_chunks = tile_k // 16, rows // 16
-        sRow4 = cute.zipped_divide(sRowP, (1, 4))  # ((1, 4), (rows, row_chunks))
-        sCol4 = cute.zipped_divide(sColP, (1, 4))  # ((1, 4), (tile_k, col_chunks))
-        words = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Uint32)
-        row_q = mRowQ.iterator.toint()
-        for it in cutlass.range_constexpr(rows * row_chunks // self.num_threads):
-            idx = tidx + it * self.num_threads
-            r = idx // row_chunks
-            c = idx % row_chunks
-            cute.autovec_copy(sRow4[(0, None), (r, c ^ (((r >> 3) & 1) * 4))], words)
-            ok = Int32(m0 + r < M)
-            if const_expr(not self.even_k):
-                ok = ok * Int32(k0 + c * 16 < K)
-            store_v4_u32(row_q + Int64(m0 + r) * K + Int64(k0 + c * 16), 0, Int32(words[0]), Int32(words[1]),
-                         Int32(words[2]), Int32(words[3]), ok)
-        col_q = mColQ.iterator.toint()
-        for it in cutlass.range_constexpr(tile_k * col_chunks // self.num_threads):
-            idx = tidx + it * self.num_threads
-            j = idx // col_chunks
-            c = idx % col_chunks
-            cute.autovec_copy(sCol4[(0, None), (j, c ^ ((j >> 3) % col_chunks))], words)
-            ok = Int32(m0 + c * 16 < col_stride)  # y^T rows are col_stride bytes apart (a multiple of 16)
-            if const_expr(not self.even_k):
-                ok = ok * Int32(k0 + j < K)
-            store_v4_u32(col_q + Int64(k0 + j) * Int64(col_stride) + Int64(m0 + c * 16), 0, Int32(words[0]),
-                         Int32(words[1]), Int32(words[2]), Int32(words[3]), ok)
-
-    @cute.jit
-    def _store_scale_tiles(self, sRowS, sColS, mRowS, mColS, m0, k0, col_blocks, tidx):
-        """The CTA's 512-byte tiles of the blocked scale layouts (128 rows, tile_k / 128 groups of 128 columns):
-        32 16-byte chunks each; tiles past the layouts' padded K are not written."""
-        tiles = self.tile_k // 128
-        row_s = mRowS.iterator.toint()
-        col_s = mColS.iterator.toint()
-        sRow16 = cute.zipped_divide(sRowS, (16,))
-        sCol16 = cute.zipped_divide(sColS, (16,))
-        chunk = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Uint8)
-        g = m0 >> 7
-        for it in cutlass.range_constexpr(cute.ceil_div(tiles * 32, self.num_threads)):
-            idx = tidx + it * self.num_threads
-            t = idx // 32
-            c = idx % 32
-            kt = (k0 >> 7) + t  # 128-column group of x
-            if idx < tiles * 32:
-                words = cute.recast_tensor(chunk, cutlass.Uint32)
-                cute.autovec_copy(sRow16[(None,), idx], chunk)
-                store_v4_u32(row_s + Int64((g * self.row_scale_tiles + kt) * 512 + c * 16), 0, Int32(words[0]),
-                             Int32(words[1]), Int32(words[2]), Int32(words[3]), Int32(kt < self.row_scale_tiles))
-                cute.autovec_copy(sCol16[(None,), idx], chunk)
-                store_v4_u32(col_s + Int64(kt) * Int64(((col_blocks + 3) >> 2) * 512) + Int64(g * 512 + c * 16), 0,
-                             Int32(words[0]), Int32(words[1]), Int32(words[2]), Int32(words[3]),
-                             Int32(kt < self.k_pad128 // 128))
+                store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
 
     @cute.jit
     def _cluster_sum(self, partial: Float32, sPeer: cute.Tensor, mbar, tidx: Int32) -> Float32:
-        """Sum of `partial` (row `tidx` of this CTA's tile) over the CTAs of the cluster, in rank order."""
+        """Sum of `partial` (row `tidx` of this CTA's block) over the CTAs of the cluster, in rank order."""
         rank = cute.arch.block_idx_in_cluster()
         if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.cluster_n * self.rows * 4)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.cluster_n * BLOCK * 4)
         for peer in cutlass.range_constexpr(self.cluster_n):
             quack_utils.store_shared_remote(partial, quack_utils.elem_pointer(sPeer, (rank, tidx)), mbar, peer)
         cute.arch.mbarrier_wait(mbar, phase=0)

@@ -15,7 +15,7 @@ from quack.cute_dsl_utils import torch2cute_dtype_map
 
 from ...mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div
 from ...mx.layout import blocked_size
-from .config import MAX_CLUSTER, MAX_TILE_ELEMENTS, MAX_TILE_K, NormLaunch, launch_for, max_k
+from .config import MAX_CLUSTER, MAX_TILE_K, NormLaunch, launch_for, max_k
 from .kernel import NormMXCast
 
 # Rows of the colwise payload `y^T [K, M]` start 16 bytes apart (a GEMM's TMA wants 16-byte strides; the kernel's
@@ -79,7 +79,7 @@ def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: b
         w = make_fake_tensor(w_dtype, (K,), divisibility=1) if normalize else None
         flat = [make_fake_tensor(cutlass.Uint8, (cute.sym_int(),), divisibility=16) for _ in range(4)]
         rstd = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), divisibility=1) if normalize else None
-        kernel = NormMXCast(dtype, K, launch.rows, launch.tile_k, launch.cluster_n, normalize, rceil, blocked)
+        kernel = NormMXCast(dtype, K, launch.tile_k, launch.cluster_n, normalize, rceil, blocked)
         fn = _COMPILED[key] = cute.compile(
             kernel, x, w, *flat, rstd, cutlass.Int32(16), cutlass.Float32(0.0),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
@@ -143,11 +143,9 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
                 torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K,
                 launch_for(arch or device_arch(dev), K), normalize, scaling_key, blocked_scales)
     elif not (launch.tile_k % 128 == 0 and 0 < launch.tile_k <= MAX_TILE_K and launch.cluster_n <= MAX_CLUSTER
-              and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k
-              and launch.rows in (32, 64, 128) and launch.rows * launch.tile_k <= MAX_TILE_ELEMENTS):
+              and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k):
         raise ValueError(f"launch {launch} does not cover K={K} (tile_k a multiple of 128 up to {MAX_TILE_K}, "
-                         f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns, rows 32, 64 or 128, "
-                         f"rows * tile_k at most {MAX_TILE_ELEMENTS})")
+                         f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns)")
     else:
         fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
                     normalize, scaling_key, blocked_scales)
