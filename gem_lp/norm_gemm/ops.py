@@ -4,14 +4,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..backend import resolve_backend
 from ..mx.formats import BLOCK, INPUT_DTYPES, MXTensor, check_scaling
 from .reference import (
+    INPUT_ACTIVATIONS,
     MXLinearFunction,
     RMSNormMXLinearFunction,
     RMSNormQuantized,
+    check_input_activation,
     rms_norm_fp32,
     rms_norm_quantize_reference,
 )
@@ -110,16 +111,6 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
 
         return rms_norm_quantize_triton(x2, weight, eps, scaling)
     return rms_norm_quantize_reference(x2, weight, eps, scaling)
-
-
-# Input activations `mx_linear` can apply to x (`input_activation=`), as torch functions (the reference).
-INPUT_ACTIVATIONS = {"silu": F.silu}
-
-
-def check_input_activation(input_activation: str | None) -> None:
-    if input_activation is not None and input_activation not in INPUT_ACTIVATIONS:
-        raise ValueError(f"input_activation must be None or one of {tuple(INPUT_ACTIVATIONS)}, "
-                         f"got {input_activation!r}")
 
 
 def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, scaling: str = "rceil",

@@ -16,9 +16,20 @@ import dataclasses
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from ..mx.formats import MXTensor
 from ..mx.reference import dequantize, quantize_reference
+
+# Input activations an MX linear can apply to its input (`input_activation=`), as the torch functions that define
+# them (the oracle; the kernels compute the same values inside their casts).
+INPUT_ACTIVATIONS = {"silu": F.silu}
+
+
+def check_input_activation(activation: str | None, name: str = "input_activation") -> None:
+    """A clear error unless `activation` is None or a key of INPUT_ACTIVATIONS (`name`: the argument's name)."""
+    if activation is not None and activation not in INPUT_ACTIVATIONS:
+        raise ValueError(f"{name} must be None or one of {tuple(INPUT_ACTIVATIONS)}, got {activation!r}")
 
 
 @dataclasses.dataclass

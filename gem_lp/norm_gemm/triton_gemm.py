@@ -43,6 +43,7 @@ from ..triton_launch import KernelLaunch
 from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, scale_byte
+from .reference import INPUT_ACTIVATIONS, check_input_activation
 from .triton_norm import (e4m3_value, load_f32, rms_norm_backward, rms_norm_mx, scale_offset, scale_value,
                           store_operand)
 
@@ -797,9 +798,9 @@ def _col_operand_of(x: torch.Tensor, activation: str | None, scaling: str, gemm:
 
 def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None):
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
-    GEMM's B operand from what the forward kept (`_saved_col_operand`, `_col_operand_of`), made when dW is computed and released before dIn is
-    allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros past M); dIn is then a view of
-    its first M rows.
+    GEMM's B operand from what the forward kept (`_saved_col_operand`, `_col_operand_of`), made when dW is computed
+    and released before dIn is allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros
+    past M); dIn is then a view of its first M rows.
 
     dW comes first, then dIn: the input's operand (as large as the input on the cuBLAS route) and dIn are never live
     together. A dY whose exact-value operands exceed `FORWARD_OPERAND_MAX_BYTES` is cast in two passes (one more read
@@ -891,15 +892,16 @@ def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, b
     return y, out
 
 
-# The input activations the MX linear computes inside its casts (`activation=`): the backward of each, from the
-# saved input and the gradient of the activation's output, as torch's autograd computes it.
+# The backward of each input activation the MX linear computes inside its casts (`reference.INPUT_ACTIVATIONS`), from
+# the saved input and the gradient of the activation's output, as torch's autograd computes it.
 ACTIVATION_BACKWARDS = {"silu": torch.ops.aten.silu_backward.grad_input}
+assert ACTIVATION_BACKWARDS.keys() == INPUT_ACTIVATIONS.keys()
 
 
 class MXLinearTritonFunction(torch.autograd.Function):
     """`Y [M, N] = act(X [M, K]) W^T + b` by the MXLinear recipe on the Triton path (see the section comment).
 
-    `activation` None (act the identity) or a key of `ACTIVATION_BACKWARDS`: the casts compute act(X) on the fly (it
+    `activation` None (act the identity) or a key of `reference.INPUT_ACTIVATIONS`: the casts compute act(X) on the fly (it
     is never stored) and X is kept for the activation's backward. With X kept, the colwise cast of act(X) that dW
     needs is not: the backward makes it again from X (`_col_operand_of`), the same bytes, so that the layer keeps X
     alone (2 bytes per element for BF16, where X and the colwise cast were 3). Arguments as `mx_linear_triton`'s,
@@ -989,14 +991,13 @@ def mx_linear_triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """`activation(x2) [M, K] @ weight [N, K]^T + bias` by the MXLinear recipe on the Triton path (differentiable).
 
     K and N multiples of 32; x2 on CUDA (or CPU under TRITON_INTERPRET=1), see `check_linear_args`. Output
-    `[M, N]` in x2's dtype. `gemm`: one of `LINEAR_GEMMS`. `activation`: None or one of `ACTIVATION_BACKWARDS`
+    `[M, N]` in x2's dtype. `gemm`: one of `LINEAR_GEMMS`. `activation`: None or a key of `reference.INPUT_ACTIVATIONS`
     (computed inside the casts, as torch computes it in x2's dtype).
     """
     check_linear_args(x2, weight, bias)
     check_scaling(scaling)
     check_linear_gemm(gemm)
-    if activation is not None and activation not in ACTIVATION_BACKWARDS:
-        raise ValueError(f"activation must be None or one of {tuple(ACTIVATION_BACKWARDS)}, got {activation!r}")
+    check_input_activation(activation, "activation")
     return MXLinearTritonFunction.apply(x2, weight, bias, scaling, gemm, activation)
 
 

@@ -62,7 +62,7 @@ from ..mx.triton_numerics import abs_bits, encode, exact_f32, scale_byte
 from ..mx.triton_quantize import (block_payload, block_scale, float_max_cols_of_blocks, float_max_rows_of_blocks,
                                   max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
                                   strip_coordinates)
-from .reference import RMSNormQuantized
+from .reference import RMSNormQuantized, check_input_activation
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -1188,8 +1188,9 @@ def rms_norm_mx(
             rounds only values below 2^-126 that need more than its subnormal precision).
         blocked_scales: scales in the 128x4 blocked layout (padding bytes 0) instead of row-major.
         block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
-            prefetch, tile_programs (weight None only): launch configuration (see `NormConfig`); each None takes the value of `default_config` for
-            K, M's parity, the operands, `hw_cast` and the norm. The bytes written do not depend on it.
+            prefetch, tile_programs (weight None only): launch configuration (see `NormConfig`); each None takes the
+            value of `default_config` for K, M's parity, the operands, `hw_cast` and the norm. The bytes written do
+            not depend on it.
         hw_cast: hardware E4M3/BF16 conversions (default: on CUDA outside the interpreter).
         column_sums: also return `x.float().sum(0)` as float32 `[K]` (`weight` must be None: the bias
             gradient of a linear layer from the pass that casts its dY). Each row block's partial sums are
@@ -1280,16 +1281,14 @@ def rms_norm_mx(
     return _outputs(plan, bufs)
 
 
-ACTIVATIONS = ("silu",)  # `rms_norm_mx`'s input activations
+# The kernels' ACT for each input activation (`reference.INPUT_ACTIVATIONS`) of x in each dtype (the activation
+# rounded to x's dtype, as torch's).
+_ACT_CODES = {"silu": {torch.float32: ACT_SILU_F32, torch.bfloat16: ACT_SILU_BF16, torch.float16: ACT_SILU_F16}}
 
 
 def _activation_code(activation: str | None, dtype: torch.dtype) -> int:
-    """The kernels' ACT for an input activation of x in `dtype` (SiLU rounded to x's dtype, as torch's)."""
-    if activation is None:
-        return ACT_NONE
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
-    return {torch.float32: ACT_SILU_F32, torch.bfloat16: ACT_SILU_BF16, torch.float16: ACT_SILU_F16}[dtype]
+    check_input_activation(activation, "activation")
+    return ACT_NONE if activation is None else _ACT_CODES[activation][dtype]
 
 
 class _NormPlan(NamedTuple):

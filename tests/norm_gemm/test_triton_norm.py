@@ -658,8 +658,9 @@ for K, config, kw in builds:
 
 def test_new_launches_compile_for_hopper():
     """sm_90 builds of the tile-program operand casts (with and without column sums: float32 atomics only with)
-    and of the prefetching and one-pass RMSNorm candidates, and of the casts with SiLU as input activation: no spills, registers within a launch's cap, 16-byte
-    loads, and for the tile programs fewer registers than the default operand cast's 226 (8 warps an SM)."""
+    and of the prefetching and one-pass RMSNorm candidates, and of the casts with SiLU as input activation: no
+    spills, registers within a launch's cap, 16-byte loads, and for the tile programs fewer registers than the default
+    operand cast's 226 (8 warps an SM)."""
     import json
 
     env = dict(os.environ, TRITON_INTERPRET="0")
