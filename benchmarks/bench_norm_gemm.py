@@ -425,9 +425,9 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
                col_operand=False, normalize=True, hw_cast=True, x_dtype=torch.bfloat16, column_sums=False,
                activation=None) -> dict:
     """sm_90 build of the launch `rms_norm_mx` makes for x [M, K] (bf16 unless `x_dtype`; fp32 weight, blocked
-    scales; `column_sums` and `activation` without the norm), from shapes only (meta tensors): registers, spill bytes, programs per
-    SM, SASS instructions per element, 16-byte loads, vector stores, hardware E4M3 conversions, float32 atomic
-    adds in the PTX (`atomics`), and the re-read bytes in flight (resident row blocks of a multi-pass launch,
+    scales; `column_sums` and `activation` without the norm), from shapes only (meta tensors): registers, spill bytes,
+    programs per SM, SASS instructions per element, 16-byte loads, vector stores, hardware E4M3 conversions, float32
+    atomic adds in the PTX (`atomics`), and the re-read bytes in flight (resident row blocks of a multi-pass launch,
     H200)."""
     from gem_lp.mx.layout import blocked_size
     from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
