@@ -90,6 +90,14 @@ def store_u8(addr: Int64, offset: int, v: Int32, ok: Int32, *, loc=None, ip=None
 
 
 @dsl_user_op
+def store_u32(addr: Int64, offset: int, v: Int32, ok: Int32, *, loc=None, ip=None) -> None:
+    """Four bytes to global `addr + offset` (4-byte aligned; `offset` a constant) when `ok` != 0."""
+    _asm(None, [Int64(addr), Int32(v), Int32(ok)],
+         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
+         f"@p st.global.b32 [$0+{int(offset)}], $1;\n\t}}", "l,r,r", loc, ip, side_effects=True)
+
+
+@dsl_user_op
 def store_v2_u32(addr: Int64, offset: int, a: Int32, b: Int32, ok: Int32, *, loc=None, ip=None) -> None:
     """Eight bytes (a low) to global `addr + offset` (8-byte aligned; `offset` a constant) when `ok` != 0."""
     _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(ok)],

@@ -174,8 +174,9 @@ def test_subnormal_and_huge_blocks():
             assert_same_bytes(got.scale, want.scale, f"{what} scale {scaling}")
 
 
-@pytest.mark.parametrize("K,launches", [(1024, [NormLaunch(256, 4), NormLaunch(512, 2), NormLaunch(1024, 1)]),
-                                        (4096, [NormLaunch(512, 8), NormLaunch(1024, 4)]),
+@pytest.mark.parametrize("K,launches", [(1024, [NormLaunch(128, 8), NormLaunch(256, 4), NormLaunch(512, 2),
+                                                NormLaunch(1024, 1)]),
+                                        (4096, [NormLaunch(256, 16), NormLaunch(512, 8), NormLaunch(1024, 4)]),
                                         (96, [NormLaunch(128, 1)]), (640, [NormLaunch(128, 5), NormLaunch(384, 2)])])
 def test_every_launch_writes_the_same_bytes(K, launches):
     """Other tile widths and clusters (K not a multiple of the cluster's columns included: zero-filled columns and

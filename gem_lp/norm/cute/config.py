@@ -14,30 +14,32 @@ class NormLaunch:
     cluster_n: int
 
 
-# Widest CTA tile (16 warps), and the largest portable cluster.
+# Widest CTA tile (16 warps); the largest portable cluster (the generic rule's), and the largest the launch tables may
+# name (Hopper and Blackwell run clusters of 16 CTAs, which CuTe DSL kernels opt in to).
 MAX_TILE_K = 1024
-MAX_CLUSTER = 8
+PORTABLE_CLUSTER = 8
+MAX_CLUSTER = 16
 # Columns per CTA the generic rule aims at (see SM90).
 TARGET_TILE_K = 256
-# Chosen per K of the model and benchmark shapes, not measured yet on the H200: 32 x 256 tiles (4 warps, 16 KiB of
-# shared memory; about 100 registers a thread, so 4 CTAs an SM) split K over a cluster where they can (at most 8
-# CTAs: 32 x 512 tiles at K = 4096), so that an SM holds several independent CTAs and one's loads are in flight while
-# another casts. `benchmarks/bench_norm.py` times the alternatives (LAUNCH_CANDIDATES); the fastest goes here.
-SM90 = {256: NormLaunch(256, 1), 512: NormLaunch(256, 2), 1024: NormLaunch(256, 4), 4096: NormLaunch(512, 8)}
+# Measured on the H200 (docs/PERF.md, `benchmarks/bench_norm.py` times the other candidates): 32-row tiles of 256
+# columns (4 warps, 16 KiB of shared memory, 96 registers: 5 CTAs an SM) split K over a cluster, 16 CTAs at K = 4096
+# (against 8 of 512 columns: 0.172 against 0.196 ms); 128 or 512 columns were slower at every K. sm_100a takes the same
+# table, unmeasured (no Blackwell GPU here).
+SM90 = {256: NormLaunch(256, 1), 512: NormLaunch(256, 2), 1024: NormLaunch(256, 4), 4096: NormLaunch(256, 16)}
 TABLES = {"sm_90a": SM90, "sm_100a": dict(SM90)}
 
 
 def generic_launch(K: int) -> NormLaunch:
     """The smallest cluster whose CTAs hold at most TARGET_TILE_K columns (up to MAX_TILE_K when the cluster would
-    exceed MAX_CLUSTER)."""
-    cluster_n = min(ceil_div(K, TARGET_TILE_K), MAX_CLUSTER)
+    exceed PORTABLE_CLUSTER)."""
+    cluster_n = min(ceil_div(K, TARGET_TILE_K), PORTABLE_CLUSTER)
     tile_k = ceil_div(ceil_div(K, cluster_n), 128) * 128
     cluster_n = ceil_div(K, tile_k)
     return NormLaunch(tile_k, cluster_n)
 
 
 def max_k() -> int:
-    return MAX_TILE_K * MAX_CLUSTER
+    return MAX_TILE_K * PORTABLE_CLUSTER
 
 
 def launch_for(arch: str, K: int) -> NormLaunch:

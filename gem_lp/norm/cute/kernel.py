@@ -16,8 +16,10 @@ rows wider than one CTA holds, and shares the rows' partial sums of squares thro
    (shuffles), colwise maxima over 8 rows then over the 4 strips of the 32 rows (shuffles). Maxima keep NaN
    (`max.NaN.xorsign.abs`). Rowwise payload: 8 bytes per row of the strip; colwise payload (`y^T [K, M]`, rows
    `col_stride` bytes apart, a multiple of 16): 8 bytes per column (the strip's 8 rows are consecutive in `y^T`).
-5. Scales go straight to their layout (plain, or the 128x4 blocked layout including its zero padding: the grid
-   rounds the row blocks up to 128 rows, and CTAs past M write only padding), so no output needs a fill launch.
+5. Scales: plain matrices straight from the lanes; the 128x4 blocked layout (zero padding included: the grid rounds
+   the row blocks up to 128 rows, CTAs past M cast zero rows) through shared memory, so that a row's 4 scales of a
+   128-column group leave as one 4-byte word: single-byte stores were a third of the kernel's L2 requests, and the
+   words took it from 61% to 73% of copy bandwidth at K = 1024 (docs/PERF.md). No output needs a fill launch.
 
 The bytes equal `gem_lp.mx.reference`'s for the same FP32 y; rstd equals the reference's whenever the FP32 sum of
 squares is exact (the summation order differs from torch's otherwise).
@@ -39,7 +41,7 @@ from quack.reduce import warp_reduce
 from quack.reduction_base import ReductionBase
 
 from ...mx.cute_device import (abs_max_nan, div_rn, inv_scale, payload_word, rstd_of, scale_byte, store_u8,
-                               store_v2_u32)
+                               store_u32, store_v2_u32)
 
 BLOCK = 32
 STRIP_ROWS = 8
@@ -58,6 +60,7 @@ class NormMXCast(ReductionBase):
         self.normalize, self.rceil, self.blocked = normalize, rceil, blocked
         self.num_warps = tile_k // 64
         self.num_threads = 32 * self.num_warps
+        self.scale_cols = tile_k // BLOCK  # row-scale columns of one CTA
         self.vec = 128 // dtype.width  # elements of one 16-byte copy
         self.k_blocks = K // BLOCK
         # the blocked row-scale matrix [M, K/32] has ceil(K/128) tiles of 4 columns
@@ -90,22 +93,6 @@ class NormMXCast(ReductionBase):
             cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1 and self.normalize) else None,
             stream=stream)
 
-    # ------------------------------------------------------------------ addresses
-
-    @cute.jit
-    def _row_scale_offset(self, r: Int32, c: Int32) -> Int64:
-        """Byte offset of the row scale (row r, 32-column block c)."""
-        if const_expr(self.blocked):
-            return _blocked_offset(r, c, Int32(self.row_scale_tiles))
-        return Int64(r) * self.k_blocks + Int64(c)
-
-    @cute.jit
-    def _col_scale_offset(self, k: Int32, c: Int32, col_blocks: Int32) -> Int64:
-        """Byte offset of the colwise scale (column k of x, 32-row block c) in `[K, col_blocks]`."""
-        if const_expr(self.blocked):
-            return _blocked_offset(k, c, (col_blocks + 3) // 4)
-        return Int64(k) * Int64(col_blocks) + Int64(c)
-
     # ------------------------------------------------------------------ kernel
 
     @cute.kernel
@@ -118,32 +105,12 @@ class NormMXCast(ReductionBase):
         col_blocks = cute.ceil_div(M, BLOCK)
         m0 = bidx * BLOCK
         k0 = cta_k * self.tile_k
-        if m0 >= M:
-            self._padding_only(mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
-        else:
-            self._row_block(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0,
-                            bidx, cta_k, col_blocks, tidx)
+        self._tile(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx, cta_k,
+                   col_blocks, tidx)
 
     @cute.jit
-    def _padding_only(self, mRowS, mColS, m0, k0, bidx, col_blocks, tidx):
-        """A CTA past M (blocked layouts only): zero scale bytes of rows m0.. and of column block `bidx`."""
-        row_s = mRowS.iterator.toint()
-        col_s = mColS.iterator.toint()
-        blocks_here = self.tile_k // BLOCK
-        for it in cutlass.range_constexpr(cute.ceil_div(BLOCK * blocks_here, self.num_threads)):
-            idx = tidx + it * self.num_threads
-            r = idx // blocks_here
-            c = k0 // BLOCK + idx % blocks_here
-            if idx < BLOCK * blocks_here and c < self.row_scale_tiles * 4:
-                store_u8(row_s + self._row_scale_offset(m0 + r, c), 0, Int32(0), Int32(1))
-        for it in cutlass.range_constexpr(cute.ceil_div(self.tile_k, self.num_threads)):
-            k = k0 + tidx + it * self.num_threads
-            if k < self.k_pad128:
-                store_u8(col_s + self._col_scale_offset(k, bidx, col_blocks), 0, Int32(0), Int32(1))
-
-    @cute.jit
-    def _row_block(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx,
-                   cta_k, col_blocks, tidx):
+    def _tile(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx, cta_k,
+              col_blocks, tidx):
         K, tile_k = self.K, self.tile_k
         smem = cutlass.utils.SmemAllocator()
         sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((BLOCK, tile_k), order=(1, 0)),
@@ -158,6 +125,11 @@ class NormMXCast(ReductionBase):
                                              byte_alignment=16)
                 mbar = smem.allocate_array(Int64, num_elems=1)
                 self._initialize_cluster(tidx, mbar, self.num_warps)
+        if const_expr(self.blocked):  # the CTA's scale bytes, gathered before they are stored
+            sRowS = smem.allocate_tensor(cutlass.Uint8,
+                                         cute.make_ordered_layout((BLOCK, self.scale_cols), order=(1, 0)),
+                                         byte_alignment=16)
+            sColS = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_k), byte_alignment=16)
 
         # 1. x tile -> shared memory (zeros past M and past K)
         gX = cute.local_tile(mX, (BLOCK, tile_k), (bidx, cta_k))
@@ -188,6 +160,7 @@ class NormMXCast(ReductionBase):
         kh = (lane // 4) % 2
         mq = lane // 8
         c0 = warp * 64 + kh * BLOCK + kq * STRIP_COLS
+        row0 = mq * STRIP_ROWS  # the strip's first row in the tile
         k = k0 + c0
         k_ok = True
         if const_expr(not self.even_k):
@@ -206,7 +179,7 @@ class NormMXCast(ReductionBase):
         xs = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS)), self.dtype)
         sXv = cute.zipped_divide(sX, (1, STRIP_COLS))  # ((1, 8), (32, tile_k / 8))
         for r in cutlass.range_constexpr(STRIP_ROWS):
-            cute.autovec_copy(sXv[(0, None), (mq * STRIP_ROWS + r, c0 // STRIP_COLS)], xs[None, r])
+            cute.autovec_copy(sXv[(0, None), (row0 + r, c0 // STRIP_COLS)], xs[None, r])
 
         # 2. RMSNorm: rstd of the strip's rows
         rstd = cute.make_rmem_tensor(cute.make_layout(STRIP_ROWS), Float32)
@@ -219,7 +192,7 @@ class NormMXCast(ReductionBase):
                 rstd[r] = warp_reduce(s, operator.add, threads_in_group=8)
             if lane % 8 == 0:
                 for r in cutlass.range_constexpr(STRIP_ROWS):
-                    sSums[warp, mq * STRIP_ROWS + r] = rstd[r]
+                    sSums[warp, row0 + r] = rstd[r]
             if const_expr(self.cluster_n > 1):
                 cute.arch.cluster_wait()  # every peer's barrier is initialized
             cute.arch.barrier()
@@ -242,7 +215,7 @@ class NormMXCast(ReductionBase):
                 sRstd[tidx] = row_rstd
             cute.arch.barrier()
             for r in cutlass.range_constexpr(STRIP_ROWS):
-                rstd[r] = sRstd[mq * STRIP_ROWS + r]
+                rstd[r] = sRstd[row0 + r]
 
         # 3. y of the strip, FP32
         y = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS)), Float32)
@@ -276,21 +249,14 @@ class NormMXCast(ReductionBase):
         # 5. rowwise cast: 8 payload bytes per row of the strip; the block's scale byte from its first lane (kq 0).
         # Addresses: a base per thread plus constant offsets (rows are K bytes apart; in the blocked layout the
         # strip's 8 rows are consecutive rows of one 32-row group, 16 bytes apart).
-        strip_m = m0 + mq * STRIP_ROWS
+        strip_m = m0 + row0
         valid_rows = M - strip_m  # rows r < valid_rows exist
         cb = k >> 5
         k_ok_i = Int32(1)
         if const_expr(not self.even_k):
             k_ok_i = Int32(k_ok)
         row_q = mRowQ.iterator.toint() + Int64(strip_m) * K + Int64(k)
-        if const_expr(self.blocked):
-            row_s = mRowS.iterator.toint() + Int64(((m0 >> 7) * self.row_scale_tiles + (cb >> 2)) * 512
-                                                   + mq * STRIP_ROWS * 16 + ((m0 >> 5) & 3) * 4 + (cb & 3))
-            row_s_step = 16
-        else:
-            row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)
-            row_s_step = self.k_blocks
-        lead_k = Int32(kq == 0) * k_ok_i
+        row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)  # plain layout
         for r in cutlass.range_constexpr(STRIP_ROWS):
             byte = scale_byte(row_amax[r], rceil=self.rceil)
             inv = inv_scale(byte)
@@ -298,41 +264,62 @@ class NormMXCast(ReductionBase):
             hi = payload_word(y[4, r], y[5, r], y[6, r], y[7, r], inv, byte)
             row_ok = Int32(r < valid_rows) * k_ok_i
             store_v2_u32(row_q, r * K, lo, hi, row_ok)
-            if const_expr(self.blocked):  # rows up to the 128-row padding get a byte (0 past M)
-                store_u8(row_s, r * row_s_step, byte * Int32(r < valid_rows), lead_k)
+            if const_expr(self.blocked):  # every row of the tile gets a byte: 0 past M and past K (padding)
+                if kq == 0:
+                    sRowS[row0 + r, c0 // BLOCK] = (byte * row_ok).to(cutlass.Uint8)
             else:
-                store_u8(row_s, r * row_s_step, byte, row_ok * Int32(kq == 0))
-        if const_expr(self.blocked and self.k_blocks % 4 != 0):
-            # the zero columns of the last 4-column group of the row scales, by the lane of the last block
-            if cb == self.k_blocks - 1:
-                for r in cutlass.range_constexpr(STRIP_ROWS):
-                    for extra in cutlass.range_constexpr(4 - self.k_blocks % 4):
-                        store_u8(row_s, r * row_s_step + 1 + extra, Int32(0), lead_k)
+                store_u8(row_s, r * self.k_blocks, byte, row_ok * Int32(kq == 0))
 
         # 6. colwise cast: y^T rows k + v, bytes strip_m .. + 8 (inside the 16-byte aligned row when strip_m < M);
         # the column's scale byte from the first strip (mq 0). In the blocked layout the strip's 8 columns are
         # consecutive rows of one 32-row group of the [K, ceil(M/32)] scale matrix, 16 bytes apart.
         col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
-        if const_expr(self.blocked):
-            col_s = mColS.iterator.toint() + Int64(((k >> 7) * ((col_blocks + 3) >> 2) + (bidx >> 2)) * 512
-                                                   + (k & 31) * 16 + ((k >> 5) & 3) * 4 + (bidx & 3))
-        else:
-            col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)
+        col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)  # plain layout
         strip_ok = Int32(strip_m < M) * k_ok_i
-        lead_m = Int32(mq == 0)
+        lead_m = Int32(mq == 0) * Int32(bidx < col_blocks)
         for v in cutlass.range_constexpr(STRIP_COLS):
             byte = scale_byte(col_amax[v], rceil=self.rceil)
             inv = inv_scale(byte)
             lo = payload_word(y[v, 0], y[v, 1], y[v, 2], y[v, 3], inv, byte)
             hi = payload_word(y[v, 4], y[v, 5], y[v, 6], y[v, 7], inv, byte)
             store_v2_u32(col_q + Int64(v) * Int64(col_stride), 0, lo, hi, strip_ok)
-            if const_expr(self.blocked):
-                if const_expr(self.even_k):
-                    store_u8(col_s, v * 16, byte, lead_m)
-                else:  # columns past K up to 128 are padding rows of the colwise scale matrix: zeros
-                    store_u8(col_s, v * 16, byte * k_ok_i, lead_m * Int32(k + v < self.k_pad128))
+            if const_expr(self.blocked):  # blocks past M hold zeros (y is 0 there); columns past K: 0 (padding)
+                if mq == 0:
+                    sColS[c0 + v] = (byte * k_ok_i).to(cutlass.Uint8)
             else:
                 store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
+        if const_expr(self.blocked):
+            cute.arch.barrier()
+            self._store_blocked_scales(sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
+
+    @cute.jit
+    def _store_blocked_scales(self, sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx):
+        """The tile's scale bytes from shared memory into the 128x4 blocked layouts. A row's 4 scales of one
+        128-column group are one 4-byte word of its 512-byte tile: stored as words, not bytes (single-byte stores
+        were a third of the kernel's L2 requests). A column's scale byte shares its word with 3 other CTAs' row
+        blocks: one byte. Nothing past the layouts' 128-column padding is stored."""
+        row_words = cute.recast_tensor(sRowS, Int32)  # (32, scale_cols / 4)
+        per_row = self.scale_cols // 4
+        n_row_words = BLOCK * per_row
+        row_s = mRowS.iterator.toint()
+        for it in cutlass.range_constexpr(cute.ceil_div(n_row_words, self.num_threads)):
+            idx = tidx + it * self.num_threads
+            inside = Int32(idx < n_row_words)
+            idx = cutlass.min(idx, n_row_words - 1)
+            rr = idx // per_row
+            group = (k0 >> 7) + idx % per_row
+            row = m0 + rr
+            offset = (Int64(row >> 7) * self.row_scale_tiles + Int64(group)) * 512 \
+                + Int64((row & 31) * 16 + ((row >> 5) & 3) * 4)
+            store_u32(row_s + offset, 0, row_words[rr, idx % per_row], inside * Int32(group < self.row_scale_tiles))
+        col_s = mColS.iterator.toint()
+        col_tiles = (col_blocks + 3) >> 2
+        for it in cutlass.range_constexpr(cute.ceil_div(self.tile_k, self.num_threads)):
+            t = tidx + it * self.num_threads  # tile_k is a multiple of the thread count
+            k = k0 + t
+            offset = (Int64(k >> 7) * Int64(col_tiles) + Int64(bidx >> 2)) * 512 \
+                + Int64((k & 31) * 16 + ((k >> 5) & 3) * 4 + (bidx & 3))
+            store_u8(col_s + offset, 0, Int32(sColS[t]), Int32(k < self.k_pad128))
 
     @cute.jit
     def _cluster_sum(self, partial: Float32, sPeer: cute.Tensor, mbar, tidx: Int32) -> Float32:
@@ -347,10 +334,3 @@ class NormMXCast(ReductionBase):
         for peer in cutlass.range_constexpr(self.cluster_n):
             total = total + sPeer[peer, tidx]
         return total
-
-
-@cute.jit
-def _blocked_offset(r: Int32, c: Int32, col_tiles: Int32) -> Int64:
-    """Offset of scale (r, c) in the 128x4 blocked layout of a matrix with `col_tiles` tiles of 4 columns."""
-    tile = Int64(r // 128) * Int64(col_tiles) + Int64(c // 4)
-    return tile * 512 + Int64((r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4)
