@@ -25,6 +25,17 @@ def skips_dispatch(*tensors: torch.Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
+def fake_mode() -> bool:
+    """True under `FakeTensorMode`, where the CuTe kernels are built and not launched (`gem_lp.compile_check`). The
+    eager call answers from the length of the dispatch-mode stack; looking the mode up costs microseconds of host
+    time, twice per kernel call."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
+
+
 @functools.lru_cache(maxsize=None)
 def cute_stack_missing() -> str | None:
     """Why the CuTe DSL stack cannot be imported here (None when it can)."""

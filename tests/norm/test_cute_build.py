@@ -73,3 +73,23 @@ def test_cute_backend_on_cpu_tensors_says_why():
     with pytest.raises(ValueError, match="backend='cute' cannot run: the CuTe kernels need a CUDA device"):
         quantize_dual(x, backend="cute")
     assert resolve_backend("auto", x, kernels=("triton", "cute")) == "reference"
+
+
+def test_fake_mode_is_seen_only_under_fake_tensors():
+    """The kernels' launch functions build and skip the launch exactly under FakeTensorMode (compile checks); other
+    dispatch modes do not count."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gem_lp.backend import fake_mode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert not fake_mode()
+    with Passthrough():
+        assert not fake_mode()
+    with FakeTensorMode():
+        assert fake_mode()
+    assert not fake_mode()

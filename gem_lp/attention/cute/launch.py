@@ -15,9 +15,9 @@ import cutlass
 import cutlass.cute as cute
 from flash_attn.cute import interface as fa4
 from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-from flash_attn.cute.testing import is_fake_mode
 from flash_attn.cute.utils import AuxData
 
+from ...backend import fake_mode
 from .bwd_sm90 import MXAttentionBackwardSm90
 from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_FWD, FwdTiles
 from .fwd_sm90 import MXAttentionForwardSm90
@@ -138,7 +138,7 @@ def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
             options="--enable-tvm-ffi")
 
     fn = _build(key, make)
-    if not is_fake_mode():
+    if not fake_mode():
         fn(q, k, v, out, lse, scale, cu_q, cu_k, None, None, None, None, None, None, None, AuxData(), cu_tiles,
            None)
     return out, lse
@@ -161,7 +161,7 @@ def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
         return dq.zero_(), dk.zero_(), dv.zero_()
     tiles = SM90_BWD[dim]
     batch = cu_q.shape[0] - 1
-    fake = is_fake_mode()
+    fake = fake_mode()
     padded = (tq + batch * tiles.tile_m + tiles.tile_m - 1) // tiles.tile_m * tiles.tile_m
     dq_accum = torch.empty(heads, padded * dim, dtype=torch.float32, device=q.device)
     dpsum = torch.empty(heads, padded, dtype=torch.float32, device=q.device)
@@ -222,7 +222,7 @@ def _mx_forward_sm100(q, k, v, scales: MXScales | None, cu_q, cu_k, *, causal: b
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
 
     fn = _build(key, make)
-    if not is_fake_mode():
+    if not fake_mode():
         # FP8 payloads go to the TVM FFI call as uint8 views, as FA4 passes them
         fn(*(t.view(torch.uint8) for t in (q, k, v)), out, lse, scale, *sf, scales.q_tiles, scales.k_tiles, cu_q,
            cu_k, cu_tiles)

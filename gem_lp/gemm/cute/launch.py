@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from ...backend import fake_mode
 from ...mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div
 from ...mx.layout import blocked_size, to_blocked
 
@@ -167,9 +168,8 @@ def mx_gemm_sm90(a_payload: torch.Tensor, a_scale: torch.Tensor, b_bf16: torch.T
     y = torch.empty(M, N, dtype=out_dtype, device=dev)
     if M == 0:
         return y
-    from flash_attn.cute.testing import is_fake_mode
 
-    fake = is_fake_mode()
+    fake = fake_mode()
     if not fake and dev.type != "cuda":
         raise ValueError(f"mx_gemm_sm90 runs on a CUDA device (sm_90), got tensors on {dev}")
     arch = arch or device_arch(dev)

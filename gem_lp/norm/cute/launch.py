@@ -9,10 +9,10 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from flash_attn.cute.testing import is_fake_mode
 from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import torch2cute_dtype_map
 
+from ...backend import fake_mode
 from ...mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div
 from ...mx.layout import blocked_size
 from .config import MAX_CLUSTER, MAX_TILE_K, NormLaunch, launch_for, max_k
@@ -89,7 +89,7 @@ def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: b
 def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
     """x itself when its rows start at 16-byte aligned addresses with a contiguous last dim (what the kernel's
     16-byte `cp.async` copies need), else a contiguous copy."""
-    if is_fake_mode():  # a build: the layout is the compiled one (16-byte aligned rows)
+    if fake_mode():  # a build: the layout is the compiled one (16-byte aligned rows)
         return x
     rows_aligned = x.shape[0] <= 1 or (x.stride(0) * x.element_size()) % 16 == 0
     if x.stride(1) == 1 and rows_aligned and x.data_ptr() % 16 == 0:
@@ -149,7 +149,7 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     else:
         fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
                     normalize, scaling_key, blocked_scales)
-    if not is_fake_mode():
+    if not fake_mode():
         fn(x, weight, row_data.view(torch.uint8).view(-1), row_scale.view(-1), col_buf.view(torch.uint8),
            col_scale.view(-1), rstd, stride, float(eps))
     return out
