@@ -246,9 +246,8 @@ class NormMXCast(ReductionBase):
             for step in cutlass.range_constexpr(2):
                 col_amax[v] = abs_max_nan(col_amax[v], cute.arch.shuffle_sync_bfly(col_amax[v], offset=8 << step))
 
-        # 5. rowwise cast: 8 payload bytes per row of the strip; the block's scale byte from its first lane (kq 0).
-        # Addresses: a base per thread plus constant offsets (rows are K bytes apart; in the blocked layout the
-        # strip's 8 rows are consecutive rows of one 32-row group, 16 bytes apart).
+        # 5. rowwise cast: 8 payload bytes per row of the strip (a base per thread plus constant offsets: rows are K
+        # bytes apart); the block's scale byte from its first lane (kq 0), to the plain layout or to shared memory.
         strip_m = m0 + row0
         valid_rows = M - strip_m  # rows r < valid_rows exist
         cb = k >> 5
@@ -271,8 +270,7 @@ class NormMXCast(ReductionBase):
                 store_u8(row_s, r * self.k_blocks, byte, row_ok * Int32(kq == 0))
 
         # 6. colwise cast: y^T rows k + v, bytes strip_m .. + 8 (inside the 16-byte aligned row when strip_m < M);
-        # the column's scale byte from the first strip (mq 0). In the blocked layout the strip's 8 columns are
-        # consecutive rows of one 32-row group of the [K, ceil(M/32)] scale matrix, 16 bytes apart.
+        # the column's scale byte from the first strip (mq 0), to the plain layout or to shared memory.
         col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
         col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)  # plain layout
         strip_ok = Int32(strip_m < M) * k_ok_i
