@@ -901,8 +901,8 @@ assert ACTIVATION_BACKWARDS.keys() == INPUT_ACTIVATIONS.keys()
 class MXLinearTritonFunction(torch.autograd.Function):
     """`Y [M, N] = act(X [M, K]) W^T + b` by the MXLinear recipe on the Triton path (see the section comment).
 
-    `activation` None (act the identity) or a key of `reference.INPUT_ACTIVATIONS`: the casts compute act(X) on the fly (it
-    is never stored) and X is kept for the activation's backward. With X kept, the colwise cast of act(X) that dW
+    `activation` None (act the identity) or a key of `reference.INPUT_ACTIVATIONS`: the casts compute act(X) on the fly
+    (it is never stored) and X is kept for the activation's backward. With X kept, the colwise cast of act(X) that dW
     needs is not: the backward makes it again from X (`_col_operand_of`), the same bytes, so that the layer keeps X
     alone (2 bytes per element for BF16, where X and the colwise cast were 3). Arguments as `mx_linear_triton`'s,
     checked by the caller (`mx_linear_triton`, `ops.mx_linear`)."""
