@@ -71,7 +71,7 @@ def main() -> None:
     host_ms = wall_ms - waits_ms
     result = {"config": args.overrides, "steps": args.steps, "wall_ms_per_step": wall_ms,
               "gpu_kernel_ms_per_step": gpu_ms, "host_ms_per_step": host_ms, "host_wait_ms_per_step": waits_ms,
-              "samples_per_s": trainer.dcfg.batch_size * 1e3 / wall_ms}
+              "samples_per_s": trainer.dcfg.batch_size * 1e3 / wall_ms, **trainer._sequence_graph_metrics()}
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if args.trace:
@@ -81,7 +81,8 @@ def main() -> None:
     name = "profile_train_step_" + "_".join(o.replace("=", "-").replace("/", "-") for o in args.overrides)
     (out / f"{name[:150]}.json").write_text(json.dumps(result, indent=1))
     print(f"per step: wall {wall_ms:.2f} ms, GPU kernels {gpu_ms:.2f} ms, host {host_ms:.2f} ms "
-          f"(waiting in syncs {waits_ms:.2f} ms), {result['samples_per_s']:,.0f} samples/s")
+          f"(waiting in syncs {waits_ms:.2f} ms), {result['samples_per_s']:,.0f} samples/s; encoder graphs "
+          f"{result['sequence_graphs']}, eager batches {result['sequence_graph_eager_batches']}")
 
 
 def python_profile(trainer, batches: list, first_step: int, steps: int) -> None:

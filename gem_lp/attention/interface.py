@@ -29,10 +29,48 @@ def _checked(offsets: torch.Tensor, name: str, total: int) -> torch.Tensor:
     return cached_plan(offsets, ("checked", total), lambda: check_offsets(offsets, name, total))
 
 
+def _bound(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
+    return value
+
+
+def _trusted_offsets(q: torch.Tensor, q_offsets, kv_offsets, broadcast_q: bool, max_seqlen_q, max_seqlen_k) -> bool:
+    """Whether the call takes its offsets unchecked (see `jagged_attention`'s `max_seqlen_q`); checks what needs
+    no host sync: the bounds, the offsets' form and device, and q_offsets against kv_offsets in length."""
+    if max_seqlen_q is not None:
+        _bound(max_seqlen_q, "max_seqlen_q")
+    if max_seqlen_k is None:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q needs max_seqlen_k as well (the bounds let the offsets go unchecked)")
+        return False
+    _bound(max_seqlen_k, "max_seqlen_k")
+    if broadcast_q:
+        if kv_offsets is None or q_offsets is not None:
+            raise ValueError("with broadcast_q=True and max_seqlen_k, pass kv_offsets and q_offsets=None")
+        given = (("kv_offsets", kv_offsets),)
+    else:
+        if max_seqlen_q is None:
+            raise ValueError("max_seqlen_k without max_seqlen_q: give both (or neither) unless broadcast_q=True")
+        if q_offsets is None:
+            raise ValueError("q_offsets is required unless broadcast_q=True")
+        given = (("q_offsets", q_offsets),) + ((("kv_offsets", kv_offsets),) if kv_offsets is not None else ())
+    for name, offs in given:
+        check_offsets_form(offs, name)
+        if offs.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device} when max_seqlen_k is given (offsets taken "
+                             f"unchecked stay on the device), got {offs.device}")
+    if len(given) == 2 and q_offsets.shape != kv_offsets.shape:
+        raise ValueError(f"q_offsets and kv_offsets must describe the same number of sequences, got "
+                         f"B={q_offsets.numel() - 1} and B={kv_offsets.numel() - 1}")
+    return True
+
+
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor | None,
                      kv_offsets: torch.Tensor | None = None, *, causal: bool = False, broadcast_q: bool = False,
                      precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
-                     p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None
+                     p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over jagged (variable-length) sequences, differentiable.
 
@@ -57,6 +95,12 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
             the head dim (D a power of two) before any backend runs. Q K^T is unchanged in exact arithmetic and
             outlier channels are spread over all channels, which keeps `mxfp8` accurate on them
             (docs/numerics.md); dq and dk are rotated back by autograd.
+        max_seqlen_q, max_seqlen_k: bounds on the sequence lengths of q (unused with broadcast_q) and of k/v. With
+            `max_seqlen_k` (and `max_seqlen_q` unless broadcast_q) given and the offsets on q's device, the kernel
+            backends take the offsets as they are, the way flash-attn's varlen functions take theirs: never copied
+            to the host nor checked there, so the call makes no host sync and can be captured in a CUDA graph.
+            The caller then guarantees what the check would: offsets start at 0, do not decrease, end at the row
+            count, and no sequence is longer than its bound. The reference backend checks them anyway.
 
     Returns:
         O `[T_out, H, D]` in q's dtype (`T_out` = Tq, or B * Lq with broadcast_q); a query with no
@@ -77,7 +121,10 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     else:
         raise ValueError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
 
-    if broadcast_q:
+    trusted = _trusted_offsets(q, q_offsets, kv_offsets, broadcast_q, max_seqlen_q, max_seqlen_k)
+    if trusted:
+        q_offs = kv_offs = None
+    elif broadcast_q:
         if kv_offsets is None:
             raise ValueError("kv_offsets is required with broadcast_q=True (q is one shared query sequence)")
         if q_offsets is not None:
@@ -116,11 +163,14 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
             from .cute.interface import jagged_attention_cute, varlen_batch
 
             vb = varlen_batch(q_offsets, kv_offsets, q_offs, kv_offs, broadcast_q=broadcast_q, q_rows=q.shape[0],
-                              device=q.device)
+                              device=q.device, max_lengths=(max_seqlen_q, max_seqlen_k) if trusted else None)
             out, lse = jagged_attention_cute(q, k, v, vb, causal=causal, precision=precision, scale=scale,
                                              p_quant=p_quant)
             return (out, lse) if return_lse else out
         resolved = "reference"
+    if trusted:  # the reference builds its plan on the host: it checks them as it would untrusted offsets
+        q_offs = None if broadcast_q else _checked(q_offsets, "q_offsets", q.shape[0])
+        kv_offs = _checked(kv_offsets if kv_offsets is not None else q_offsets, "kv_offsets", k.shape[0])
     plan = make_plan(q_offs, kv_offs, broadcast_q=broadcast_q, q_len=q.shape[0], heads=heads)
     out, lse = attention_reference(q, k, v, plan, causal=causal, precision=precision, scale=scale, p_quant=p_quant)
     return (out, lse) if return_lse else out

@@ -55,10 +55,12 @@ class OpSettings:
         return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend,
                                **self._rotation(qk_features, head_dim))
 
-    def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, broadcast_q=False):
-        """Jagged attention on Q and K from `qk_linear` / `qk_norm_linear` (already rotated)."""
+    def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, broadcast_q=False, max_length=None):
+        """Jagged attention on Q and K from `qk_linear` / `qk_norm_linear` (already rotated). `max_length`: offsets
+        on the device taken unchecked, no sequence longer than this (`jagged_attention`'s `max_seqlen_*`)."""
         return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
-                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant)
+                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant,
+                                max_seqlen_q=max_length, max_seqlen_k=max_length)
 
 
 class FeedForward(nn.Module):
@@ -98,14 +100,15 @@ class JaggedSelfAttentionBlock(nn.Module):
         self.out = ops.linear(num_heads * head_dim, d_model)
         self.mlp = FeedForward(ops, d_model, mlp_hidden, activation)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
+        """`max_length`: see `OpSettings.attention`."""
         t = x.shape[0]
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
         # unbind, not three selects: its backward is one stack into dQKV, where each select's backward would
         # write a zero-filled [T, 3, H, D] tensor and the three would then be added up. The views go to
         # attention as they are: its MXFP8 producer pass reads them in place (its BF16 path copies them).
         q, k, v = qkv.unbind(1)
-        attn = self.ops.attention(q, k, v, offsets, causal=self.causal)
+        attn = self.ops.attention(q, k, v, offsets, causal=self.causal, max_length=max_length)
         x = x + self.out(attn.reshape(t, self.num_heads * self.head_dim))
         return x + self.mlp(x)
 
@@ -166,15 +169,18 @@ class SequenceReadout(nn.Module):
         return q_query, self.target_proj(target).view(target.shape[0], h, d)
 
     def reads(self, tokens: torch.Tensor, offsets: torch.Tensor, q_query: torch.Tensor,
-              q_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the queries read from the encoded tokens: `[B * K, h * d]` and `[B, h * d]`."""
+              q_target: torch.Tensor, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the queries read from the encoded tokens: `[B * K, h * d]` and `[B, h * d]` (B: q_target's rows,
+        one per sequence of `offsets`). `max_length`: see `OpSettings.attention`."""
         t, b = tokens.shape[0], q_target.shape[0]
         h, d = self.num_heads, self.head_dim
         kv = self.kv(tokens).view(t, 2, h, d)
         k, v = kv.unbind(1)  # see JaggedSelfAttentionBlock.forward
         # q_offsets=None: one shared query sequence of K rows, nothing to build or validate each step
-        read_query = self.ops.attention(q_query, k, v, None, offsets, broadcast_q=True)  # [B*K, h, d]
-        read_target = self.ops.attention(q_target, k, v, self.target_offsets(b, tokens.device), offsets)  # [B, h, d]
+        read_query = self.ops.attention(q_query, k, v, None, offsets, broadcast_q=True,
+                                        max_length=max_length)  # [B*K, h, d]
+        read_target = self.ops.attention(q_target, k, v, self.target_offsets(b, tokens.device), offsets,
+                                         max_length=max_length)  # [B, h, d]
         return read_query.reshape(-1, h * d), read_target.reshape(b, h * d)
 
     def summaries(self, read_query: torch.Tensor, read_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,7 @@ from gem_lp.norm_gemm import RMSNorm
 from .blocks import _ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
 from .config import GemModelConfig
 from .packing import lengths_to_offsets, prefix_rows, prepend_tokens
+from .sequence_graphs import SequenceGraphs
 
 
 class GemRanker(nn.Module):
@@ -94,6 +95,7 @@ class GemRanker(nn.Module):
         self.head_mid = ops.linear(cfg.head_hidden, cfg.head_hidden)
         self.logit = nn.Linear(cfg.head_hidden, 1)  # float32 output layer
         self._graphs: _CapturedTowers | None = None  # see capture_cuda_graphs
+        self._sequence_graphs: SequenceGraphs | None = None  # see capture_sequence_graphs
 
     @staticmethod
     def embedding_tables(features: FeatureSpec) -> dict[str, list[str]]:
@@ -148,15 +150,38 @@ class GemRanker(nn.Module):
         tokens, offsets, _ = prepend_tokens(summary, history, lengths)
         # the attention layers validate their offsets on the host: the same offsets made from the host's lengths
         # spare them a copy back from the device
-        attention_offsets = self._host_offsets(batch, k_sum)
-        attention_offsets = offsets if attention_offsets is None else attention_offsets
-        for block in self.encoder:
-            tokens = block(tokens, attention_offsets)
-
-        encoded_summary = tokens[prefix_rows(offsets, k_sum)].reshape(b, -1)  # [B, K_sum * d]
+        host_offsets = self._host_offsets(batch, k_sum)
+        attention_offsets = offsets if host_offsets is None else host_offsets
         q_query, q_target = self._tower("queries", candidate)
-        read_query, read_target = self.readout.reads(tokens, attention_offsets, q_query, q_target)
+        tokens, read_query, read_target = self._sequence_part(tokens, attention_offsets, host_offsets, q_query,
+                                                              q_target)
+        encoded_summary = tokens[prefix_rows(offsets, k_sum)].reshape(b, -1)  # [B, K_sum * d]
         return self._tower("interaction", encoded_summary, read_query, read_target, non_sequence, candidate)
+
+    def _sequence_part(self, tokens: torch.Tensor, offsets: torch.Tensor, host_offsets: torch.Tensor | None,
+                       q_query: torch.Tensor, q_target: torch.Tensor):
+        """The encoder blocks over the packed tokens and the readout's reads of them: (encoded tokens, reads of the
+        learned queries, reads of the targets). From a sequence graph when they are on and the batch has host
+        offsets (`capture_sequence_graphs`), eagerly otherwise."""
+        graphs = self._sequence_graphs
+        if graphs is not None and host_offsets is not None and self.training and torch.is_grad_enabled():
+            out = graphs(tokens, host_offsets, q_query, q_target)
+            if out is not None:
+                return out
+        for block in self.encoder:
+            tokens = block(tokens, offsets)
+        return (tokens, *self.readout.reads(tokens, offsets, q_query, q_target))
+
+    def capture_sequence_graphs(self, max_buckets: int) -> None:
+        """Run the sequence part of training steps (encoder blocks, readout reads) from CUDA graphs, one captured
+        per bucket of token counts when a batch of the bucket first comes, at most `max_buckets` of them
+        (`gem_lp.models.sequence_graphs`). Needs the
+        model on a CUDA device and batches that carry their host sequence lengths (as the trainer's loaders make
+        them); parameters must be updated in place. Call after a training step (every kernel built)."""
+        device = next(self.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"capture_sequence_graphs needs the model on a CUDA device, got {device}")
+        self._sequence_graphs = SequenceGraphs(self.encoder, self.readout, max_buckets)
 
     def _host_offsets(self, batch: RecBatch, k_sum: int) -> torch.Tensor | None:
         """The packed sequences' offsets (`prepend_tokens`'s) on the CPU, from `batch.host_sequence_lengths`; None
@@ -257,12 +282,13 @@ class GemRanker(nn.Module):
         return towers, args
 
     def release_cuda_graphs(self) -> None:
-        """Drop the captured graphs (and their memory pool): every tower runs eagerly again."""
+        """Drop the captured graphs (and their memory pools): every tower and the encoder run eagerly again."""
         self._graphs = None
+        self._sequence_graphs = None
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_graphs"] = None  # CUDA graphs neither pickle nor deep-copy
+        state["_graphs"] = state["_sequence_graphs"] = None  # CUDA graphs neither pickle nor deep-copy
         return state
 
 

@@ -492,6 +492,13 @@ class Trainer:
         self._update(queued)
         return self._checked(queued)
 
+    def _sequence_graph_metrics(self) -> dict:
+        """How many encoder graphs the run captured and how many training batches ran the encoder eagerly because
+        their bucket had none (`GemRanker.capture_sequence_graphs`)."""
+        graphs = self.model._sequence_graphs
+        return {"sequence_graphs": 0 if graphs is None else len(graphs.graphs),
+                "sequence_graph_eager_batches": 0 if graphs is None else graphs.eager_batches}
+
     def _forward_backward(self, batch: RecBatch, step: int) -> _QueuedStep:
         """One process: the forward and backward of a step, and its check made on the device (the loss, each
         gradient's norm and the dense gradients' global norm, all finite), copied to the host asynchronously."""
@@ -499,6 +506,8 @@ class Trainer:
         if self.cuda_graphs and step > 1 and self.model._graphs is None and \
                 batch.batch_size == getattr(self.dcfg, "batch_size", None):  # after a step has built every kernel
             self.model.capture_cuda_graphs(batch.batch_size)
+            if self.tcfg.sequence_graph_buckets > 0:
+                self.model.capture_sequence_graphs(self.tcfg.sequence_graph_buckets)
         logits = self.network(batch)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
         loss.backward()
@@ -721,6 +730,7 @@ class Trainer:
             "samples_per_s_median_step": self.stopwatch.median_rate,
             "kernel_builds_after_warmup": self.kernel_builds_after_warmup,
             "cuda_graphs": self.model._graphs is not None,
+            **self._sequence_graph_metrics(),
             "peak_mem_bytes": peak_mem,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__,

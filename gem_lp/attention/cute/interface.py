@@ -68,14 +68,16 @@ def _max_length(offs: torch.Tensor) -> int:
     return cached_plan(offs, ("max length",), lambda: int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 0)
 
 
-def varlen_batch(q_offsets_arg, kv_offsets_arg, q_offs: torch.Tensor | None, kv_offs: torch.Tensor,
-                 *, broadcast_q: bool, q_rows: int, device: torch.device) -> VarlenBatch:
+def varlen_batch(q_offsets_arg, kv_offsets_arg, q_offs: torch.Tensor | None, kv_offs: torch.Tensor | None,
+                 *, broadcast_q: bool, q_rows: int, device: torch.device,
+                 max_lengths: tuple[int | None, int] | None = None) -> VarlenBatch:
     """The call's layout. `*_arg`: the offsets tensors the caller passed (cache keys, and the device offsets when
-    they are on the device); `q_offs`, `kv_offs`: their validated CPU int64 values (q_offs None with broadcast_q)."""
+    they are on the device); `q_offs`, `kv_offs`: their validated CPU int64 values (q_offs None with broadcast_q),
+    or both None with `max_lengths` (max q, max kv): offsets on the device taken unchecked, those the bounds."""
     key_kv = kv_offsets_arg if kv_offsets_arg is not None else q_offsets_arg
     cu_k, kv64 = _device_offsets(key_kv, lambda: key_kv, device, ("kv",))
-    batch = kv_offs.numel() - 1
-    max_k = _max_length(kv_offs)
+    batch = key_kv.numel() - 1
+    max_k = _max_length(kv_offs) if max_lengths is None else max_lengths[1]
     if broadcast_q:
         cu_q, out64 = _device_offsets(
             key_kv, lambda: torch.arange(batch + 1, dtype=torch.int64, device=device) * q_rows, device,
@@ -86,7 +88,7 @@ def varlen_batch(q_offsets_arg, kv_offsets_arg, q_offs: torch.Tensor | None, kv_
     else:
         cu_q, q64 = _device_offsets(q_offsets_arg, lambda: q_offsets_arg, device, ("q",))
         out64 = q64
-        max_q = _max_length(q_offs)
+        max_q = _max_length(q_offs) if max_lengths is None else max_lengths[0]
     return VarlenBatch(cu_q, cu_k, q64, out64, kv64, max_q, max_k, batch, broadcast_q)
 
 
