@@ -163,3 +163,10 @@ def test_cuda_graphs_default_to_one_process_on_a_cuda_device(tiny_config, tmp_pa
 
     assert tiny_config().trainer.cuda_graphs is None
     assert Trainer(tiny_config(), tmp_path / "run").cuda_graphs is False  # the CPU: towers stay eager
+
+
+def test_sequence_graph_buckets_must_not_be_negative(tiny_config, tmp_path):
+    from gem_lp.train.trainer import Trainer
+
+    with pytest.raises((ConfigError, ValueError), match="trainer.sequence_graph_buckets must be >= 0, got -1"):
+        Trainer(tiny_config("trainer.sequence_graph_buckets=-1"), tmp_path)

@@ -28,6 +28,7 @@ def test_smoke_20_steps(tiny_config, tmp_path, precision):
                 "samples_per_s_median_step"):
         assert math.isfinite(on_disk[key]) and on_disk[key] > 0, key
     assert on_disk["kernel_builds_after_warmup"] == 0  # the CPU path runs no compiled Triton kernel
+    assert on_disk["sequence_graphs"] == on_disk["sequence_graph_eager_batches"] == 0  # graphs need a GPU
     assert on_disk["peak_mem_bytes"] > 0
     assert 0.5 < on_disk["teacher_auc"] <= 1.0
     assert (tmp_path / "checkpoint.pt").is_file()
