@@ -172,16 +172,16 @@ class GemRanker(nn.Module):
             tokens = block(tokens, offsets)
         return (tokens, *self.readout.reads(tokens, offsets, q_query, q_target))
 
-    def capture_sequence_graphs(self, max_buckets: int) -> None:
+    def capture_sequence_graphs(self, max_buckets: int, max_rows: int) -> None:
         """Run the sequence part of training steps (encoder blocks, readout reads) from CUDA graphs, one captured
-        per bucket of token counts when a batch of the bucket first comes, at most `max_buckets` of them
-        (`gem_lp.models.sequence_graphs`). Needs the
-        model on a CUDA device and batches that carry their host sequence lengths (as the trainer's loaders make
-        them); parameters must be updated in place. Call after a training step (every kernel built)."""
+        per bucket of token counts when a batch of the bucket first comes, at most `max_buckets` of them and for
+        buckets of at most `max_rows` rows (`gem_lp.models.sequence_graphs`). Needs the model on a CUDA device and
+        batches that carry their host sequence lengths (as the trainer's loaders make them); parameters must be
+        updated in place. Call after a training step (every kernel built)."""
         device = next(self.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"capture_sequence_graphs needs the model on a CUDA device, got {device}")
-        self._sequence_graphs = SequenceGraphs(self.encoder, self.readout, max_buckets)
+        self._sequence_graphs = SequenceGraphs(self.encoder, self.readout, max_buckets, max_rows)
 
     def _host_offsets(self, batch: RecBatch, k_sum: int) -> torch.Tensor | None:
         """The packed sequences' offsets (`prepend_tokens`'s) on the CPU, from `batch.host_sequence_lengths`; None

@@ -15,8 +15,10 @@ and 1024 samples it captures and replays exactly. A failed capture raises, namin
 off.
 
 Each bucket's graph keeps its own saved activations (what the forward keeps for its backward, for a batch of the
-bucket's rows), so memory grows with the number of buckets: at most `max_buckets` are captured, and a batch of any
-other token count runs eagerly.
+bucket's rows), so memory grows with the number of buckets: at most `max_buckets` are captured, only for buckets of
+at most `max_rows` rows, and any other batch runs eagerly. The row bound keeps long histories eager: there the GPU's
+work per step dwarfs the host's (MXFP8 at 2.9M tokens a batch: about 94 ms a step, GPU-bound) and one bucket would
+keep about 12 GB.
 """
 from __future__ import annotations
 
@@ -84,13 +86,13 @@ class SequenceGraphs:
     """The sequence part's graphs of one model (see the module's docs); `__call__` runs a training batch through
     them."""
 
-    def __init__(self, blocks: nn.ModuleList, readout: nn.Module, max_buckets: int):
-        if max_buckets < 1:
-            raise ValueError(f"max_buckets must be >= 1, got {max_buckets}")
+    def __init__(self, blocks: nn.ModuleList, readout: nn.Module, max_buckets: int, max_rows: int):
+        if max_buckets < 1 or max_rows < 1:
+            raise ValueError(f"max_buckets and max_rows must be >= 1, got {max_buckets} and {max_rows}")
         self.blocks, self.readout = blocks, readout
-        self.max_buckets = max_buckets
+        self.max_buckets, self.max_rows = max_buckets, max_rows
         self.graphs: dict[int, _GraphedPart] = {}  # bucket rows -> the graphed sequence part
-        self.eager_batches = 0  # batches whose bucket had no graph and found no room for one
+        self.eager_batches = 0  # batches whose bucket had no graph and could not have one
 
     def __call__(self, tokens: torch.Tensor, host_offsets: torch.Tensor, q_query: torch.Tensor,
                  q_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -105,7 +107,7 @@ class SequenceGraphs:
         rows = bucket_rows(t)
         graphed = self.graphs.get(rows)
         if graphed is None:
-            if len(self.graphs) >= self.max_buckets:
+            if len(self.graphs) >= self.max_buckets or rows > self.max_rows:
                 self.eager_batches += 1
                 return None
             graphed = self.graphs[rows] = self._capture(rows, tokens, host_offsets, q_query, q_target)

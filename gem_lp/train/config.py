@@ -28,7 +28,8 @@ DECAYS = ("cosine", "linear", "none")
 # The sharding settings may change too: a sharded checkpoint is refused unless the plan they give is the checkpoint's.
 RESUME_MAY_CHANGE = ("max_steps", "stop_after", "eval_every", "eval_batches", "log_every", "checkpoint_every",
                      "checkpoint_path", "device", "num_threads", "num_workers", "progress", "tensorboard", "cuda_graphs",
-                     "sequence_graph_buckets", "sharding", "table_sharding", "dist_timeout_s")
+                     "sequence_graph_buckets", "sequence_graph_max_tokens",
+                     "sharding", "table_sharding", "dist_timeout_s")
 SHARDINGS = ("auto", "table_wise", "row_wise", "column_wise", "data_parallel")
 
 
@@ -67,9 +68,11 @@ class TrainerConfig:
     # CUDA graphs of the model's fixed-shape towers (GemRanker.capture_cuda_graphs), captured after the first step:
     # true needs one process on a CUDA device; None (default) uses them there and not elsewhere
     cuda_graphs: bool | None = None
-    # With cuda_graphs: the encoder blocks of training steps from CUDA graphs too, one per bucket of token counts
-    # (gem_lp.models.sequence_graphs), at most this many (each keeps its own saved activations); 0: eager encoder
+    # With cuda_graphs: the sequence part of training steps from CUDA graphs too, one per bucket of token counts
+    # (gem_lp.models.sequence_graphs), at most this many (each keeps its own saved activations; 0: none), for
+    # batches of at most sequence_graph_max_tokens packed tokens (longer ones are GPU-bound: eager)
     sequence_graph_buckets: int = 4
+    sequence_graph_max_tokens: int = 1 << 20
     tensorboard: bool = True
     # Under torchrun (several processes; see gem_lp.train.sharding): how the embedding tables are spread over the
     # ranks, per-table overrides ({table: table_wise | row_wise | column_wise}), and how long a collective waits
@@ -92,6 +95,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.num_workers must be >= 0, got {self.num_workers}")
         if self.sequence_graph_buckets < 0:
             raise ValueError(f"trainer.sequence_graph_buckets must be >= 0, got {self.sequence_graph_buckets}")
+        if self.sequence_graph_max_tokens < 1:
+            raise ValueError(f"trainer.sequence_graph_max_tokens must be >= 1, got {self.sequence_graph_max_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"trainer.num_threads must be null or >= 1, got {self.num_threads}")
         if self.decay not in DECAYS:

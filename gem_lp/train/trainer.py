@@ -507,7 +507,8 @@ class Trainer:
                 batch.batch_size == getattr(self.dcfg, "batch_size", None):  # after a step has built every kernel
             self.model.capture_cuda_graphs(batch.batch_size)
             if self.tcfg.sequence_graph_buckets > 0:
-                self.model.capture_sequence_graphs(self.tcfg.sequence_graph_buckets)
+                self.model.capture_sequence_graphs(self.tcfg.sequence_graph_buckets,
+                                                   self.tcfg.sequence_graph_max_tokens)
         logits = self.network(batch)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
         loss.backward()

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from gem_lp.attention.layout import check_offsets
 from gem_lp.models.blocks import JaggedSelfAttentionBlock, OpSettings, SequenceReadout
-from gem_lp.models.sequence_graphs import (PAD_SEQUENCE_ROWS, SequencePart, bucket_rows, bucket_step,
-                                           pad_sequences, padded_offsets)
+from gem_lp.models.sequence_graphs import (PAD_SEQUENCE_ROWS, SequenceGraphs, SequencePart, bucket_rows,
+                                           bucket_step, pad_sequences, padded_offsets)
 
 TOKEN_COUNTS = [0, 1, 31, 33, 127, 128, 129, 1000, 4095, 4097, 255_000, 262_143, 262_144, 262_145, 270_001]
 
@@ -41,6 +41,26 @@ def test_the_layout_of_a_bucket_does_not_depend_on_the_batch():
     assert sizes == {2 + pad_sequences(rows)}
     with pytest.raises(ValueError, match="do not fit the bucket"):
         padded_offsets(torch.tensor([0, rows + 1]), rows)
+
+
+def test_batches_past_the_bounds_run_eagerly():
+    """A bucket above `max_rows`, or a new bucket once `max_buckets` are captured, gets no graph: the call says so
+    (None) and counts the batch; nothing is captured (this runs on the CPU)."""
+    ops = OpSettings("fp32", "reference", "const_p", 1e-6)
+    blocks = torch.nn.ModuleList([JaggedSelfAttentionBlock(ops, 64, 2, 32, 96, "silu", causal=True)])
+    graphs = SequenceGraphs(blocks, SequenceReadout(ops, 64, 32, 2, 32, 3), max_buckets=1, max_rows=1000)
+    q_query, q_target = torch.randn(3, 2, 32), torch.randn(2, 2, 32)
+    tokens = torch.randn(1500, 64)
+    assert graphs(tokens, torch.tensor([0, 700, 1500]), q_query, q_target) is None  # bucket 1536 > 1000 rows
+    graphs.graphs[bucket_rows(500)] = object()  # one bucket captured: no room for another
+    assert graphs(tokens[:600], torch.tensor([0, 100, 600]), q_query, q_target) is None
+    assert graphs.eager_batches == 2 and len(graphs.graphs) == 1
+    with pytest.raises(ValueError, match="offsets must end at the number of tokens 600"):
+        graphs(tokens[:600], torch.tensor([0, 100, 601]), q_query, q_target)
+    with pytest.raises(ValueError, match="q_target must have one row per sequence"):
+        graphs(tokens[:600], torch.tensor([0, 100, 600]), q_query, q_target[:1])
+    with pytest.raises(ValueError, match="max_buckets and max_rows must be >= 1"):
+        SequenceGraphs(blocks, graphs.readout, max_buckets=0, max_rows=1000)
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("mxfp8", torch.bfloat16)])
@@ -121,7 +141,7 @@ def test_graphed_training_steps_are_the_eager_ones(precision, batch_size):
         losses[name] = []
         for i, batch in enumerate(batches):
             if name == "graphed" and i == 1:
-                model.capture_sequence_graphs(max_buckets=2)
+                model.capture_sequence_graphs(max_buckets=2, max_rows=1 << 20)
             loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
