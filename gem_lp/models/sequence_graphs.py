@@ -91,7 +91,7 @@ class SequenceGraphs:
             raise ValueError(f"max_buckets and max_rows must be >= 1, got {max_buckets} and {max_rows}")
         self.blocks, self.readout = blocks, readout
         self.max_buckets, self.max_rows = max_buckets, max_rows
-        self.graphs: dict[int, _GraphedPart] = {}  # bucket rows -> the graphed sequence part
+        self.graphs: dict[tuple[int, int], _GraphedPart] = {}  # (bucket rows, batch size) -> the graphed part
         self.eager_batches = 0  # batches whose bucket had no graph and could not have one
 
     def __call__(self, tokens: torch.Tensor, host_offsets: torch.Tensor, q_query: torch.Tensor,
@@ -105,12 +105,13 @@ class SequenceGraphs:
             raise ValueError(f"q_target must have one row per sequence ({host_offsets.numel() - 1}), got "
                              f"{q_target.shape[0]}")
         rows = bucket_rows(t)
-        graphed = self.graphs.get(rows)
+        key = (rows, q_target.shape[0])  # a graph's inputs have the shapes of its bucket and batch size
+        graphed = self.graphs.get(key)
         if graphed is None:
             if len(self.graphs) >= self.max_buckets or rows > self.max_rows:
                 self.eager_batches += 1
                 return None
-            graphed = self.graphs[rows] = self._capture(rows, tokens, host_offsets, q_query, q_target)
+            graphed = self.graphs[key] = self._capture(rows, tokens, host_offsets, q_query, q_target)
         offsets = padded_offsets(host_offsets, rows).pin_memory().to(tokens.device, non_blocking=True)
         padded = torch.cat([tokens, tokens.new_zeros(rows - t, tokens.shape[1])])
         encoded, read_query, read_target = graphed(padded, offsets, q_query, q_target)

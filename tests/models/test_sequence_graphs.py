@@ -52,7 +52,7 @@ def test_batches_past_the_bounds_run_eagerly():
     q_query, q_target = torch.randn(3, 2, 32), torch.randn(2, 2, 32)
     tokens = torch.randn(1500, 64)
     assert graphs(tokens, torch.tensor([0, 700, 1500]), q_query, q_target) is None  # bucket 1536 > 1000 rows
-    graphs.graphs[bucket_rows(500)] = object()  # one bucket captured: no room for another
+    graphs.graphs[(bucket_rows(600), 3)] = object()  # one graph captured (another batch size): no room for another
     assert graphs(tokens[:600], torch.tensor([0, 100, 600]), q_query, q_target) is None
     assert graphs.eager_batches == 2 and len(graphs.graphs) == 1
     with pytest.raises(ValueError, match="offsets must end at the number of tokens 600"):
@@ -148,8 +148,8 @@ def test_graphed_training_steps_are_the_eager_ones(precision, batch_size):
             opt.step()
             losses[name].append(loss.item())
     graphs = graphed._sequence_graphs
-    assert sorted(graphs.graphs) == sorted([a, b]) and graphs.eager_batches == 1, (graphs.graphs.keys(),
-                                                                                    graphs.eager_batches)
+    assert sorted(graphs.graphs) == sorted([(a, batch_size), (b, batch_size)]) and graphs.eager_batches == 1, (
+        graphs.graphs.keys(), graphs.eager_batches)
     torch.testing.assert_close(torch.tensor(losses["graphed"]), torch.tensor(losses["eager"]), rtol=2e-3, atol=2e-3)
     for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=lambda m: f"{name}: {m}")
