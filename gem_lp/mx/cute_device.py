@@ -106,6 +106,33 @@ def store_v2_u32(addr: Int64, offset: int, a: Int32, b: Int32, ok: Int32, *, loc
 
 
 @dsl_user_op
+def store_v4_u32(addr: Int64, offset: int, a: Int32, b: Int32, c: Int32, d: Int32, ok: Int32, *, loc=None,
+                 ip=None) -> None:
+    """Sixteen bytes (a lowest) to global `addr + offset` (16-byte aligned; `offset` a constant) when `ok` != 0."""
+    _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d), Int32(ok)],
+         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $5, 0;\n\t"
+         f"@p st.global.v4.b32 [$0+{int(offset)}], {{$1, $2, $3, $4}};\n\t}}", "l,r,r,r,r,r", loc, ip,
+         side_effects=True)
+
+
+@dsl_user_op
+def dequantized_bf16x2(word: Int32, byte: Int32, high: bool, *, loc=None, ip=None) -> Int32:
+    """Two BF16 values (the lower one in the low half): payload bytes 0-1 (`high` False) or 2-3 (`high` True) of a
+    payload word times the block's scale 2^(byte - 127), the dequantized values `gem_lp.mx.reference` gives, rounded
+    to BF16 (nearest-even; E4M3 times a power of two is exact in FP32, and in BF16 unless it is below BF16's normal
+    range). Byte 0 scales by the FP32 subnormal 2^-127, byte 255 gives NaN."""
+    half = "hi" if high else "lo"
+    body = ("{\n\t.reg .b16 lo, hi, f0, f1;\n\t.reg .b32 h, sb;\n\t.reg .f32 a, b, s;\n\t.reg .pred p;\n\t"
+            "mov.b32 {lo, hi}, $1;\n\t"
+            f"cvt.rn.f16x2.e4m3x2 h, {half};\n\t"
+            "mov.b32 {f0, f1}, h;\n\tcvt.f32.f16 a, f0;\n\tcvt.f32.f16 b, f1;\n\t"
+            "shl.b32 sb, $2, 23;\n\tsetp.eq.u32 p, $2, 0;\n\tselp.b32 sb, 0x00400000, sb, p;\n\t"
+            "setp.eq.u32 p, $2, 255;\n\tselp.b32 sb, 0x7FC00000, sb, p;\n\tmov.b32 s, sb;\n\t"
+            "mul.rn.f32 a, a, s;\n\tmul.rn.f32 b, b, s;\n\tcvt.rn.bf16x2.f32 $0, b, a;\n\t}")
+    return Int32(_asm(T.i32(), [Int32(word), Int32(byte)], body, "=r,r,r", loc, ip))
+
+
+@dsl_user_op
 def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a / b, correctly rounded (as the CPU divides)."""
     return Float32(_asm(T.f32(), [Float32(a), Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip))

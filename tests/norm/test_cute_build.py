@@ -54,6 +54,53 @@ def test_kernel_builds_for_sm90_without_ftz(tmp_path):
     assert any("div.rn.f32" in t and "sqrt.rn.f32" in t for t in ptx)  # rstd correctly rounded
 
 
+_BUILD_OPERANDS = r"""
+import os, sys
+dump = sys.argv[1]
+os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump)
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from gem_lp.norm.cute.launch import norm_mx_cast
+with FakeTensorMode():
+    x = torch.empty(1001, 512, dtype=torch.bfloat16, device="cuda")
+    w = torch.empty(512, dtype=torch.float32, device="cuda")
+    out = norm_mx_cast(x, w, 1e-6, arch="sm_90a", rowwise=False, row_operand=True, operand_rows=1024)
+    print("forward", out.row_data, out.row_scale, tuple(out.col_data.shape), tuple(out.row_operand.shape),
+          out.row_operand.dtype, out.col_operand, flush=True)
+    out = norm_mx_cast(x, None, arch="sm_90a", rowwise=False, colwise=False, row_operand=True, col_operand=True,
+                       operand_rows=1003)
+    print("dual", out.row_data, out.col_data, tuple(out.row_operand.shape), tuple(out.col_operand.shape),
+          out.col_operand.stride(), out.col_operand.dtype, flush=True)
+"""
+
+
+@pytest.mark.skipif(cute_stack_missing() is not None, reason=str(cute_stack_missing()))
+def test_operand_outputs_build_for_sm90(tmp_path):
+    """The casts' dequantized BF16 operands (an RMSNorm + linear forward's, a dY cast's): built for sm_90a, the
+    shapes and strides a GEMM reads, the MX casts not asked for absent; 16-byte stores of E4M3 -> FP16 -> BF16."""
+    dump = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _BUILD_OPERANDS, dump], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "forward None None (512, 1001) (1024, 512) torch.bfloat16 None" in done.stdout
+    assert "dual None None (1003, 512) (512, 1003) (1008, 1) torch.bfloat16" in done.stdout  # rows 16-byte aligned
+    ptx = [open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")]
+    assert len(ptx) == 2, sorted(os.listdir(dump))
+    for text in ptx:
+        assert ".ftz" not in text and "cvt.rn.f16x2.e4m3x2" in text and "cvt.rn.bf16x2.f32" in text
+        assert re.search(r"st\.global\.v4\.b32", text)
+
+
+def test_operand_arguments_are_checked():
+    from gem_lp.norm.cute.launch import norm_mx_cast
+
+    x = torch.empty(10, 64, device="meta")
+    with pytest.raises(ValueError, match="ask for at least one of rowwise, colwise, row_operand, col_operand"):
+        norm_mx_cast(x, None, rowwise=False, colwise=False)
+    with pytest.raises(ValueError, match="operand_rows must be >= M=10, got 9"):
+        norm_mx_cast(x, None, row_operand=True, operand_rows=9)
+
+
 def test_launch_table_covers_every_k():
     from gem_lp.norm.cute.config import MAX_CLUSTER, MAX_TILE_K, SM90, generic_launch, launch_for, max_k
 

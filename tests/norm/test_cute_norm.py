@@ -225,3 +225,33 @@ def test_public_op_dispatches_to_cute():
                 assert_same_floats(dequantize(ma), dequantize(mb), f"{name} values")
     empty = rms_norm_quantize(torch.empty(0, 256, device=DEV), torch.ones(256, device=DEV), backend="cute")
     assert empty.rowwise.data.shape == (0, 256) and empty.colwise.data.shape == (256, 0)
+
+
+OPERAND_CASES = [(M, K, rows_extra) for M in (1, 31, 33, 127, 129, 32767) for K in (256, 1024, 4096)
+                 for rows_extra in (0, 5)]
+
+
+@pytest.mark.parametrize("M,K,extra", OPERAND_CASES, ids=[f"{m}x{k}+{e}" for m, k, e in OPERAND_CASES])
+def test_operands_are_the_dequantized_casts(M, K, extra):
+    """The BF16 operands (an RMSNorm + linear forward's row operand beside its colwise cast; a dY cast's two
+    operands) equal the reference casts dequantized and rounded to BF16, zeros in the `operand_rows` past M, NaN
+    where a block holds NaN or Inf; the MX casts not asked for are None."""
+    x = special_rows(generic_input(M, K, torch.bfloat16, M + K + extra))
+    w = norm_weight(K, torch.float32, M)
+    rows = M + extra
+    fwd = norm_mx_cast(x, w, 1e-6, rowwise=False, row_operand=True, operand_rows=rows)
+    assert fwd.row_data is None and fwd.row_scale is None and fwd.col_operand is None
+    row_ref, col_ref = reference_casts(x, w, fwd.rstd, "rceil")
+    assert_same_bytes(fwd.col_data, col_ref.data, "col payload")
+    assert_same_bytes(fwd.col_scale, to_blocked(col_ref.scale), "col scale")
+    assert fwd.row_operand.shape == (rows, K) and fwd.row_operand.dtype == torch.bfloat16
+    assert_same_floats(fwd.row_operand[:M], dequantize(row_ref).to(torch.bfloat16), "row operand")
+    assert not fwd.row_operand[M:].any()
+    dual = norm_mx_cast(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True,
+                        operand_rows=rows)
+    assert dual.row_data is None and dual.col_data is None and dual.rstd is None
+    row_ref, col_ref = reference_casts(x, None, None, "rceil")
+    assert_same_floats(dual.row_operand[:M], dequantize(row_ref).to(torch.bfloat16), "dual row operand")
+    assert dual.col_operand.shape == (K, rows) and dual.col_operand.stride(0) % 8 == 0
+    assert_same_floats(dual.col_operand[:, :M], dequantize(col_ref).to(torch.bfloat16), "dual col operand")
+    assert not dual.col_operand[:, M:].any() and not dual.row_operand[M:].any()

@@ -16,6 +16,10 @@ rows wider than one CTA holds, and shares the rows' partial sums of squares thro
    (shuffles), colwise maxima over 8 rows then over the 4 strips of the 32 rows (shuffles). Maxima keep NaN
    (`max.NaN.xorsign.abs`). Rowwise payload: 8 bytes per row of the strip; colwise payload (`y^T [K, M]`, rows
    `col_stride` bytes apart, a multiple of 16): 8 bytes per column (the strip's 8 rows are consecutive in `y^T`).
+   The dequantized casts, the operands a BF16 GEMM multiplies exactly on Hopper (which has no block-scaled MMA),
+   come from the same payload words: E4M3 -> FP16 by the hardware conversion, times the block's scale in FP32,
+   rounded to BF16; 16 bytes per row of the strip (`deq(rowwise) [M, K]`) and per column (`deq(colwise)` as
+   `y^T`). Each output is compiled in or out (`rowwise`, `colwise`, `row_operand`, `col_operand`).
 5. Scales: plain matrices straight from the lanes; the 128x4 blocked layout (zero padding included: the grid rounds
    the row blocks up to 128 rows, CTAs past M cast zero rows) through shared memory, so that a row's 4 scales of a
    128-column group leave as one 4-byte word: single-byte stores were a third of the kernel's L2 requests, and the
@@ -40,8 +44,8 @@ import quack.utils as quack_utils
 from quack.reduce import warp_reduce
 from quack.reduction_base import ReductionBase
 
-from ...mx.cute_device import (abs_max_nan, div_rn, inv_scale, payload_word, rstd_of, scale_byte, store_u8,
-                               store_u32, store_v2_u32)
+from ...mx.cute_device import (abs_max_nan, dequantized_bf16x2, div_rn, inv_scale, payload_word, rstd_of, scale_byte,
+                               store_u8, store_u32, store_v2_u32, store_v4_u32)
 
 BLOCK = 32
 STRIP_ROWS = 8
@@ -51,13 +55,19 @@ STRIP_COLS = 8
 class NormMXCast(ReductionBase):
     """The kernel for one configuration (all compile-time): x dtype, K, the CTA's `tile_k` columns, `cluster_n`
     CTAs along K, and what it computes (`normalize`: RMSNorm, else y = x; `rceil` or floor scales; `blocked` or
-    plain scale layouts). `tile_k` is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
+    plain scale layouts) and writes: the `rowwise` and `colwise` MX casts, and their dequantized BF16 values, the
+    operands a BF16 GEMM takes (`row_operand`: `deq(rowwise) [M, K]`; `col_operand`: `deq(colwise)` as `y^T`, rows
+    of `len(mColOp) / K` elements). `tile_k` is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >=
+    K`."""
 
-    def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool):
+    def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool,
+                 rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False):
         super().__init__(dtype, K, stage=1)
         assert K % BLOCK == 0 and tile_k % 128 == 0 and cluster_n * tile_k >= K > (cluster_n - 1) * tile_k
+        assert rowwise or colwise or row_operand or col_operand
         self.K, self.tile_k, self.cluster_n_cfg = K, tile_k, cluster_n
         self.normalize, self.rceil, self.blocked = normalize, rceil, blocked
+        self.rowwise, self.colwise, self.row_operand, self.col_operand = rowwise, colwise, row_operand, col_operand
         self.num_warps = tile_k // 64
         self.num_threads = 32 * self.num_warps
         self.scale_cols = tile_k // BLOCK  # row-scale columns of one CTA
@@ -78,9 +88,10 @@ class NormMXCast(ReductionBase):
         self.cluster_n = self.cluster_n_cfg
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor, mRowS: cute.Tensor,
-                 mColQ: cute.Tensor, mColS: cute.Tensor, mRstd: cute.Tensor | None, col_stride: Int32,
-                 eps: Float32, stream: cuda.CUstream):
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor | None, mRowS: cute.Tensor | None,
+                 mColQ: cute.Tensor | None, mColS: cute.Tensor | None, mRstd: cute.Tensor | None,
+                 mRowOp: cute.Tensor | None, mColOp: cute.Tensor | None, col_stride: Int32, eps: Float32,
+                 stream: cuda.CUstream):
         self._set_cluster_n()
         M = mX.shape[0]
         row_blocks = cute.ceil_div(M, BLOCK)
@@ -88,7 +99,7 @@ class NormMXCast(ReductionBase):
             row_blocks = cute.ceil_div(M, 128) * 4
         tiled_copy = copy_utils.tiled_copy_2d(self.dtype, self._threads_per_row(), self.num_threads, self.vec,
                                               is_async=True)
-        self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy).launch(
+        self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, col_stride, eps, tiled_copy).launch(
             grid=[row_blocks, self.cluster_n, 1], block=[self.num_threads, 1, 1],
             cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1 and self.normalize) else None,
             stream=stream)
@@ -96,21 +107,22 @@ class NormMXCast(ReductionBase):
     # ------------------------------------------------------------------ kernel
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor, mRowS: cute.Tensor,
-               mColQ: cute.Tensor, mColS: cute.Tensor, mRstd: cute.Tensor | None, col_stride: Int32,
-               eps: Float32, tiled_copy: cute.TiledCopy):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor | None, mRowS: cute.Tensor | None,
+               mColQ: cute.Tensor | None, mColS: cute.Tensor | None, mRstd: cute.Tensor | None,
+               mRowOp: cute.Tensor | None, mColOp: cute.Tensor | None, col_stride: Int32, eps: Float32,
+               tiled_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, cta_k, _ = cute.arch.block_idx()
         M = mX.shape[0]
         col_blocks = cute.ceil_div(M, BLOCK)
         m0 = bidx * BLOCK
         k0 = cta_k * self.tile_k
-        self._tile(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx, cta_k,
-                   col_blocks, tidx)
+        self._tile(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, col_stride, eps, tiled_copy, M, m0, k0,
+                   bidx, cta_k, col_blocks, tidx)
 
     @cute.jit
-    def _tile(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, col_stride, eps, tiled_copy, M, m0, k0, bidx, cta_k,
-              col_blocks, tidx):
+    def _tile(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, col_stride, eps, tiled_copy, M, m0,
+              k0, bidx, cta_k, col_blocks, tidx):
         K, tile_k = self.K, self.tile_k
         smem = cutlass.utils.SmemAllocator()
         sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((BLOCK, tile_k), order=(1, 0)),
@@ -125,10 +137,12 @@ class NormMXCast(ReductionBase):
                                              byte_alignment=16)
                 mbar = smem.allocate_array(Int64, num_elems=1)
                 self._initialize_cluster(tidx, mbar, self.num_warps)
-        if const_expr(self.blocked):  # the CTA's scale bytes, gathered before they are stored
+        sRowS = sColS = None
+        if const_expr(self.blocked and self.rowwise):  # the CTA's scale bytes, gathered before they are stored
             sRowS = smem.allocate_tensor(cutlass.Uint8,
                                          cute.make_ordered_layout((BLOCK, self.scale_cols), order=(1, 0)),
                                          byte_alignment=16)
+        if const_expr(self.blocked and self.colwise):
             sColS = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_k), byte_alignment=16)
 
         # 1. x tile -> shared memory (zeros past M and past K)
@@ -254,39 +268,61 @@ class NormMXCast(ReductionBase):
         k_ok_i = Int32(1)
         if const_expr(not self.even_k):
             k_ok_i = Int32(k_ok)
-        row_q = mRowQ.iterator.toint() + Int64(strip_m) * K + Int64(k)
-        row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)  # plain layout
+        row_q = row_s = row_op = None
+        if const_expr(self.rowwise):
+            row_q = mRowQ.iterator.toint() + Int64(strip_m) * K + Int64(k)
+            row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)  # plain layout
+        if const_expr(self.row_operand):  # BF16 [M, K]: 16 bytes per row of the strip
+            row_op = mRowOp.iterator.toint() + (Int64(strip_m) * K + Int64(k)) * 2
         for r in cutlass.range_constexpr(STRIP_ROWS):
             byte = scale_byte(row_amax[r], rceil=self.rceil)
             inv = inv_scale(byte)
             lo = payload_word(y[0, r], y[1, r], y[2, r], y[3, r], inv, byte)
             hi = payload_word(y[4, r], y[5, r], y[6, r], y[7, r], inv, byte)
             row_ok = Int32(r < valid_rows) * k_ok_i
-            store_v2_u32(row_q, r * K, lo, hi, row_ok)
-            if const_expr(self.blocked):  # every row of the tile gets a byte: 0 past M and past K (padding)
-                if kq == 0:
-                    sRowS[row0 + r, c0 // BLOCK] = (byte * row_ok).to(cutlass.Uint8)
-            else:
-                store_u8(row_s, r * self.k_blocks, byte, row_ok * Int32(kq == 0))
+            if const_expr(self.rowwise):
+                store_v2_u32(row_q, r * K, lo, hi, row_ok)
+                if const_expr(self.blocked):  # every row of the tile gets a byte: 0 past M and past K (padding)
+                    if kq == 0:
+                        sRowS[row0 + r, c0 // BLOCK] = (byte * row_ok).to(cutlass.Uint8)
+                else:
+                    store_u8(row_s, r * self.k_blocks, byte, row_ok * Int32(kq == 0))
+            if const_expr(self.row_operand):
+                store_v4_u32(row_op, r * K * 2, dequantized_bf16x2(lo, byte, False), dequantized_bf16x2(lo, byte, True),
+                             dequantized_bf16x2(hi, byte, False), dequantized_bf16x2(hi, byte, True), row_ok)
 
         # 6. colwise cast: y^T rows k + v, bytes strip_m .. + 8 (inside the 16-byte aligned row when strip_m < M);
         # the column's scale byte from the first strip (mq 0), to the plain layout or to shared memory.
-        col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
-        col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)  # plain layout
+        # The colwise operand's rows (`y^T`) are `len(mColOp) / K` elements apart, a multiple of 8: a strip's 8 rows
+        # are one 16-byte store, zeros past M (y is 0 there).
+        col_q = col_s = col_op = col_op_stride = lead_m = None
+        if const_expr(self.colwise):
+            col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
+            col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)  # plain layout
         strip_ok = Int32(strip_m < M) * k_ok_i
-        lead_m = Int32(mq == 0) * Int32(bidx < col_blocks)
-        for v in cutlass.range_constexpr(STRIP_COLS):
-            byte = scale_byte(col_amax[v], rceil=self.rceil)
-            inv = inv_scale(byte)
-            lo = payload_word(y[v, 0], y[v, 1], y[v, 2], y[v, 3], inv, byte)
-            hi = payload_word(y[v, 4], y[v, 5], y[v, 6], y[v, 7], inv, byte)
-            store_v2_u32(col_q + Int64(v) * Int64(col_stride), 0, lo, hi, strip_ok)
-            if const_expr(self.blocked):  # blocks past M hold zeros (y is 0 there); columns past K: 0 (padding)
-                if mq == 0:
-                    sColS[c0 + v] = (byte * k_ok_i).to(cutlass.Uint8)
-            else:
-                store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
-        if const_expr(self.blocked):
+        if const_expr(self.colwise):
+            lead_m = Int32(mq == 0) * Int32(bidx < col_blocks)
+        if const_expr(self.col_operand):
+            col_op_stride = Int64(mColOp.shape[0] // K) * 2  # bytes
+            col_op = mColOp.iterator.toint() + Int64(k) * col_op_stride + Int64(strip_m) * 2
+        if const_expr(self.colwise or self.col_operand):
+            for v in cutlass.range_constexpr(STRIP_COLS):
+                byte = scale_byte(col_amax[v], rceil=self.rceil)
+                inv = inv_scale(byte)
+                lo = payload_word(y[v, 0], y[v, 1], y[v, 2], y[v, 3], inv, byte)
+                hi = payload_word(y[v, 4], y[v, 5], y[v, 6], y[v, 7], inv, byte)
+                if const_expr(self.colwise):
+                    store_v2_u32(col_q + Int64(v) * Int64(col_stride), 0, lo, hi, strip_ok)
+                    if const_expr(self.blocked):  # blocks past M hold zeros (y is 0 there); columns past K: 0
+                        if mq == 0:
+                            sColS[c0 + v] = (byte * k_ok_i).to(cutlass.Uint8)
+                    else:
+                        store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
+                if const_expr(self.col_operand):
+                    store_v4_u32(col_op + Int64(v) * col_op_stride, 0, dequantized_bf16x2(lo, byte, False),
+                                 dequantized_bf16x2(lo, byte, True), dequantized_bf16x2(hi, byte, False),
+                                 dequantized_bf16x2(hi, byte, True), strip_ok)
+        if const_expr(self.blocked and (self.rowwise or self.colwise)):
             cute.arch.barrier()
             self._store_blocked_scales(sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
 
@@ -296,6 +332,13 @@ class NormMXCast(ReductionBase):
         128-column group are one 4-byte word of its 512-byte tile: stored as words, not bytes (single-byte stores
         were a third of the kernel's L2 requests). A column's scale byte shares its word with 3 other CTAs' row
         blocks: one byte. Nothing past the layouts' 128-column padding is stored."""
+        if const_expr(self.rowwise):
+            self._store_blocked_row_scales(sRowS, mRowS, m0, k0, tidx)
+        if const_expr(self.colwise):
+            self._store_blocked_col_scales(sColS, mColS, k0, bidx, col_blocks, tidx)
+
+    @cute.jit
+    def _store_blocked_row_scales(self, sRowS, mRowS, m0, k0, tidx):
         row_words = cute.recast_tensor(sRowS, Int32)  # (32, scale_cols / 4)
         per_row = self.scale_cols // 4
         n_row_words = BLOCK * per_row
@@ -310,6 +353,9 @@ class NormMXCast(ReductionBase):
             offset = (Int64(row >> 7) * self.row_scale_tiles + Int64(group)) * 512 \
                 + Int64((row & 31) * 16 + ((row >> 5) & 3) * 4)
             store_u32(row_s + offset, 0, row_words[rr, idx % per_row], inside * Int32(group < self.row_scale_tiles))
+
+    @cute.jit
+    def _store_blocked_col_scales(self, sColS, mColS, k0, bidx, col_blocks, tidx):
         col_s = mColS.iterator.toint()
         col_tiles = (col_blocks + 3) >> 2
         for it in cutlass.range_constexpr(cute.ceil_div(self.tile_k, self.num_threads)):

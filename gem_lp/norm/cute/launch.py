@@ -31,13 +31,17 @@ _DEFAULT_BUILDS: dict[tuple, object] = {}
 class NormCastOutputs:
     """Payloads (float8_e4m3fn) and E8M0 scale bytes (uint8) of `y [M, K]` (rowwise) and `y^T [K, M]` (colwise),
     and rstd `[M]` (None without the norm). `col_data` is a `[K, M]` view whose rows are `colwise_row_stride(M)`
-    bytes apart. Scales are flat 128x4 blocked layouts, or plain `[M, K/32]` / `[K, ceil(M/32)]` matrices."""
+    bytes apart. Scales are flat 128x4 blocked layouts, or plain `[M, K/32]` / `[K, ceil(M/32)]` matrices.
+    `row_operand` `[R, K]` and `col_operand` `[K, R]` (a view, rows `operand_row_stride(R)` elements apart): the
+    dequantized casts in BF16, R >= M rows, zeros past M. Outputs not asked for are None."""
 
-    row_data: torch.Tensor
-    row_scale: torch.Tensor
-    col_data: torch.Tensor
-    col_scale: torch.Tensor
+    row_data: torch.Tensor | None
+    row_scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
     rstd: torch.Tensor | None
+    row_operand: torch.Tensor | None = None
+    col_operand: torch.Tensor | None = None
 
 
 def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -47,6 +51,12 @@ def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 def colwise_row_stride(M: int) -> int:
     return max(1, ceil_div(M, COLWISE_ROW_ALIGN)) * COLWISE_ROW_ALIGN
+
+
+def operand_row_stride(rows: int) -> int:
+    """Elements between the rows of the colwise operand `[K, rows]`: a multiple of 8 (16 bytes), so that a strip's
+    8 tokens are one 16-byte store (a GEMM reads it through its leading dimension)."""
+    return max(1, ceil_div(rows, 8)) * 8
 
 
 def device_arch(device: torch.device) -> str:
@@ -69,19 +79,39 @@ def unsupported(x: torch.Tensor) -> str | None:
     return None
 
 
-def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: bool, blocked: bool):
-    key = (dtype, w_dtype, K, launch, normalize, rceil, blocked)
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """Which outputs a build writes (see `NormMXCast`)."""
+    rowwise: bool = True
+    colwise: bool = True
+    row_operand: bool = False
+    col_operand: bool = False
+
+
+_MX_CASTS = _Outputs()
+
+
+def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: bool, blocked: bool,
+           outputs: _Outputs = _MX_CASTS):
+    key = (dtype, w_dtype, K, launch, normalize, rceil, blocked, outputs)
     fn = _COMPILED.get(key)
     if fn is None:
         vec = 128 // dtype.width
         m = cute.sym_int()
         x = make_fake_tensor(dtype, (m, K), divisibility=vec)
         w = make_fake_tensor(w_dtype, (K,), divisibility=1) if normalize else None
-        flat = [make_fake_tensor(cutlass.Uint8, (cute.sym_int(),), divisibility=16) for _ in range(4)]
+
+        def flat(dt, wanted: bool, divisibility: int = 16):
+            return make_fake_tensor(dt, (cute.sym_int(),), divisibility=divisibility) if wanted else None
+
+        casts = [flat(cutlass.Uint8, outputs.rowwise), flat(cutlass.Uint8, outputs.rowwise),
+                 flat(cutlass.Uint8, outputs.colwise), flat(cutlass.Uint8, outputs.colwise)]
         rstd = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), divisibility=1) if normalize else None
-        kernel = NormMXCast(dtype, K, launch.tile_k, launch.cluster_n, normalize, rceil, blocked)
+        operands = [flat(cutlass.BFloat16, outputs.row_operand, 8), flat(cutlass.BFloat16, outputs.col_operand, 8)]
+        kernel = NormMXCast(dtype, K, launch.tile_k, launch.cluster_n, normalize, rceil, blocked,
+                            **dataclasses.asdict(outputs))
         fn = _COMPILED[key] = cute.compile(
-            kernel, x, w, *flat, rstd, cutlass.Int32(16), cutlass.Float32(0.0),
+            kernel, x, w, *casts, rstd, *operands, cutlass.Int32(16), cutlass.Float32(0.0),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
     return fn
 
@@ -98,8 +128,9 @@ def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str = "rceil",
-                 blocked_scales: bool = True, arch: str | None = None,
-                 launch: NormLaunch | None = None) -> NormCastOutputs:
+                 blocked_scales: bool = True, arch: str | None = None, launch: NormLaunch | None = None,
+                 rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
+                 operand_rows: int | None = None) -> NormCastOutputs:
     """RMSNorm of `x [M, K]` (or x itself when `weight` is None) cast to MXFP8 rowwise and colwise, one launch.
 
     Args:
@@ -111,47 +142,70 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         arch: the build's target (default: the device's); for builds without a GPU.
         launch: another launch than the table's (`config.NormLaunch`; benchmarks compare them). The bytes written do
             not depend on it.
+        rowwise, colwise: write the MX casts (payloads and scales).
+        row_operand, col_operand: write the dequantized casts in BF16, the operands a BF16 GEMM multiplies exactly
+            (`row_operand [R, K]`, `col_operand` the `[K, R]` view of `y^T`), with `operand_rows` = R >= M rows
+            (default M; rows M.. are zeros, e.g. for a GEMM that runs at a bucketed M).
+    At least one output must be asked for.
     """
     M, K = x.shape
     dev = x.device
+    if not (rowwise or colwise or row_operand or col_operand):
+        raise ValueError("norm_mx_cast: ask for at least one of rowwise, colwise, row_operand, col_operand")
+    rows = M if operand_rows is None else operand_rows
+    if rows < M:
+        raise ValueError(f"operand_rows must be >= M={M}, got {operand_rows}")
     x = _aligned_rows(x)
     normalize = weight is not None
     if normalize:
         weight = weight.contiguous()
     k_blocks, m_blocks = K // BLOCK, ceil_div(M, BLOCK)
-    row_data = _new_buffer((M, K), PAYLOAD_DTYPE, dev)
+    row_data = row_scale = col_data = col_scale = col_buf = row_op = col_op = col_op_buf = None
     stride = colwise_row_stride(M)
-    col_buf = _new_buffer((K * stride,), PAYLOAD_DTYPE, dev)
-    col_data = col_buf.as_strided((K, M), (stride, 1))
-    if blocked_scales:
-        row_scale = _new_buffer((blocked_size(M, k_blocks),), SCALE_DTYPE, dev)
-        col_scale = _new_buffer((blocked_size(K, m_blocks),), SCALE_DTYPE, dev)
-    else:
-        row_scale = _new_buffer((M, k_blocks), SCALE_DTYPE, dev)
-        col_scale = _new_buffer((K, m_blocks), SCALE_DTYPE, dev)
+    if rowwise:
+        row_data = _new_buffer((M, K), PAYLOAD_DTYPE, dev)
+        row_scale = _new_buffer((blocked_size(M, k_blocks),) if blocked_scales else (M, k_blocks), SCALE_DTYPE, dev)
+    if colwise:
+        col_buf = _new_buffer((K * stride,), PAYLOAD_DTYPE, dev)
+        col_data = col_buf.as_strided((K, M), (stride, 1))
+        col_scale = _new_buffer((blocked_size(K, m_blocks),) if blocked_scales else (K, m_blocks), SCALE_DTYPE, dev)
+    fake = fake_mode()  # a build: nothing is written
+    if row_operand:
+        row_op = _new_buffer((rows, K), torch.bfloat16, dev)
+        if rows > M and not fake:
+            row_op[M:].zero_()
+    if col_operand:
+        op_stride = operand_row_stride(rows)
+        col_op_buf = _new_buffer((K * op_stride,), torch.bfloat16, dev)
+        col_op = col_op_buf.as_strided((K, rows), (op_stride, 1))
+        if op_stride > M and not fake:  # the kernel writes its 8-row strips whole: the zeros past M from here
+            col_op_buf.view(K, op_stride)[:, M:].zero_()
     rstd = _new_buffer((M,), torch.float32, dev) if normalize else None
-    out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd)
+    out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd, row_op, col_op)
     if M == 0:
         return out
     scaling_key = scaling == "rceil"
     w_dtype = weight.dtype if normalize else None
+    outputs = _Outputs(rowwise, colwise, row_operand, col_operand)
     if launch is None:  # the common call: one dict lookup for the built kernel (host time counts at small M)
-        key = (x.dtype, w_dtype, K, scaling_key, blocked_scales, arch or dev)
+        key = (x.dtype, w_dtype, K, scaling_key, blocked_scales, arch or dev, outputs)
         fn = _DEFAULT_BUILDS.get(key)
         if fn is None:
             fn = _DEFAULT_BUILDS[key] = _build(
                 torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K,
-                launch_for(arch or device_arch(dev), K), normalize, scaling_key, blocked_scales)
+                launch_for(arch or device_arch(dev), K), normalize, scaling_key, blocked_scales, outputs)
     elif not (launch.tile_k % 128 == 0 and 0 < launch.tile_k <= MAX_TILE_K and launch.cluster_n <= MAX_CLUSTER
               and launch.cluster_n * launch.tile_k >= K > (launch.cluster_n - 1) * launch.tile_k):
         raise ValueError(f"launch {launch} does not cover K={K} (tile_k a multiple of 128 up to {MAX_TILE_K}, "
                          f"cluster_n up to {MAX_CLUSTER}, every CTA holding columns)")
     else:
         fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
-                    normalize, scaling_key, blocked_scales)
-    if not fake_mode():
-        fn(x, weight, row_data.view(torch.uint8).view(-1), row_scale.view(-1), col_buf.view(torch.uint8),
-           col_scale.view(-1), rstd, stride, float(eps))
+                    normalize, scaling_key, blocked_scales, outputs)
+    if not fake:
+        fn(x, weight, None if row_data is None else row_data.view(torch.uint8).view(-1),
+           None if row_scale is None else row_scale.view(-1), None if col_buf is None else col_buf.view(torch.uint8),
+           None if col_scale is None else col_scale.view(-1), rstd, None if row_op is None else row_op.view(-1),
+           col_op_buf, stride, float(eps))
     return out
 
 
