@@ -116,6 +116,12 @@ def store_v4_u32(addr: Int64, offset: int, a: Int32, b: Int32, c: Int32, d: Int3
 
 
 @dsl_user_op
+def byte_perm(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """`prmt.b32`: the bytes of `a` (0-3) and `b` (4-7) picked by the four nibbles of `selector` (lowest first)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], f"prmt.b32 $0, $1, $2, {int(selector):#x};", "=r,r,r", loc, ip))
+
+
+@dsl_user_op
 def dequantized_bf16x2(word: Int32, byte: Int32, high: bool, *, loc=None, ip=None) -> Int32:
     """Two BF16 values (the lower one in the low half): payload bytes 0-1 (`high` False) or 2-3 (`high` True) of a
     payload word times the block's scale 2^(byte - 127), the dequantized values `gem_lp.mx.reference` gives, rounded

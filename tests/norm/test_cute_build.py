@@ -76,19 +76,20 @@ with FakeTensorMode():
 
 @pytest.mark.skipif(cute_stack_missing() is not None, reason=str(cute_stack_missing()))
 def test_operand_outputs_build_for_sm90(tmp_path):
-    """The casts' dequantized BF16 operands (an RMSNorm + linear forward's, a dY cast's): built for sm_90a, the
-    shapes and strides a GEMM reads, the MX casts not asked for absent; 16-byte stores of E4M3 -> FP16 -> BF16."""
+    """The casts' dequantized BF16 operands (an RMSNorm + linear forward's, a dY cast's): built for sm_90a, laid out
+    as y, the MX casts not asked for absent; 16-byte stores of E4M3 -> FP16 -> BF16, colwise pairs by `prmt`."""
     dump = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", _BUILD_OPERANDS, dump], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "forward None None (512, 1001) (1024, 512) torch.bfloat16 None" in done.stdout
-    assert "dual None None (1003, 512) (512, 1003) (1008, 1) torch.bfloat16" in done.stdout  # rows 16-byte aligned
+    assert "dual None None (1003, 512) (1003, 512) (512, 1) torch.bfloat16" in done.stdout  # both laid out as y
     ptx = [open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")]
     assert len(ptx) == 2, sorted(os.listdir(dump))
     for text in ptx:
         assert ".ftz" not in text and "cvt.rn.f16x2.e4m3x2" in text and "cvt.rn.bf16x2.f32" in text
         assert re.search(r"st\.global\.v4\.b32", text)
+    assert any("prmt.b32" in text for text in ptx)
 
 
 def test_operand_arguments_are_checked():

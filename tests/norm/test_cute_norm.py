@@ -234,8 +234,8 @@ OPERAND_CASES = [(M, K, rows_extra) for M in (1, 31, 33, 127, 129, 32767) for K 
 @pytest.mark.parametrize("M,K,extra", OPERAND_CASES, ids=[f"{m}x{k}+{e}" for m, k, e in OPERAND_CASES])
 def test_operands_are_the_dequantized_casts(M, K, extra):
     """The BF16 operands (an RMSNorm + linear forward's row operand beside its colwise cast; a dY cast's two
-    operands) equal the reference casts dequantized and rounded to BF16, zeros in the `operand_rows` past M, NaN
-    where a block holds NaN or Inf; the MX casts not asked for are None."""
+    operands, both laid out as y) equal the reference casts dequantized and rounded to BF16, zeros in the
+    `operand_rows` past M, NaN where a block holds NaN or Inf; the MX casts not asked for are None."""
     x = special_rows(generic_input(M, K, torch.bfloat16, M + K + extra))
     w = norm_weight(K, torch.float32, M)
     rows = M + extra
@@ -252,6 +252,6 @@ def test_operands_are_the_dequantized_casts(M, K, extra):
     assert dual.row_data is None and dual.col_data is None and dual.rstd is None
     row_ref, col_ref = reference_casts(x, None, None, "rceil")
     assert_same_floats(dual.row_operand[:M], dequantize(row_ref).to(torch.bfloat16), "dual row operand")
-    assert dual.col_operand.shape == (K, rows) and dual.col_operand.stride(0) % 8 == 0
-    assert_same_floats(dual.col_operand[:, :M], dequantize(col_ref).to(torch.bfloat16), "dual col operand")
-    assert not dual.col_operand[:, M:].any() and not dual.row_operand[M:].any()
+    assert dual.col_operand.shape == (rows, K) and dual.col_operand.is_contiguous()
+    assert_same_floats(dual.col_operand[:M], dequantize(col_ref).t().to(torch.bfloat16), "dual col operand")
+    assert not dual.col_operand[M:].any() and not dual.row_operand[M:].any()

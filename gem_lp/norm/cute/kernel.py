@@ -44,8 +44,8 @@ import quack.utils as quack_utils
 from quack.reduce import warp_reduce
 from quack.reduction_base import ReductionBase
 
-from ...mx.cute_device import (abs_max_nan, dequantized_bf16x2, div_rn, inv_scale, payload_word, rstd_of, scale_byte,
-                               store_u8, store_u32, store_v2_u32, store_v4_u32)
+from ...mx.cute_device import (abs_max_nan, byte_perm, dequantized_bf16x2, div_rn, inv_scale, payload_word, rstd_of,
+                               scale_byte, store_u8, store_u32, store_v2_u32, store_v4_u32)
 
 BLOCK = 32
 STRIP_ROWS = 8
@@ -56,9 +56,9 @@ class NormMXCast(ReductionBase):
     """The kernel for one configuration (all compile-time): x dtype, K, the CTA's `tile_k` columns, `cluster_n`
     CTAs along K, and what it computes (`normalize`: RMSNorm, else y = x; `rceil` or floor scales; `blocked` or
     plain scale layouts) and writes: the `rowwise` and `colwise` MX casts, and their dequantized BF16 values, the
-    operands a BF16 GEMM takes (`row_operand`: `deq(rowwise) [M, K]`; `col_operand`: `deq(colwise)` as `y^T`, rows
-    of `len(mColOp) / K` elements). `tile_k` is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >=
-    K`."""
+    operands a BF16 GEMM takes (`row_operand`: `deq(rowwise) [M, K]`; `col_operand`: `deq(colwise)` laid out as
+    y, `[M, K]`, which a GEMM contracting over M reads transposed). `tile_k` is a multiple of 128 with
+    `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
 
     def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool,
                  rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False):
@@ -293,18 +293,15 @@ class NormMXCast(ReductionBase):
 
         # 6. colwise cast: y^T rows k + v, bytes strip_m .. + 8 (inside the 16-byte aligned row when strip_m < M);
         # the column's scale byte from the first strip (mq 0), to the plain layout or to shared memory.
-        # The colwise operand's rows (`y^T`) are `len(mColOp) / K` elements apart, a multiple of 8: a strip's 8 rows
-        # are one 16-byte store, zeros past M (y is 0 there).
-        col_q = col_s = col_op = col_op_stride = lead_m = None
+        col_q = col_s = lead_m = col_words = None
         if const_expr(self.colwise):
             col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
             col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)  # plain layout
         strip_ok = Int32(strip_m < M) * k_ok_i
         if const_expr(self.colwise):
             lead_m = Int32(mq == 0) * Int32(bidx < col_blocks)
-        if const_expr(self.col_operand):
-            col_op_stride = Int64(mColOp.shape[0] // K) * 2  # bytes
-            col_op = mColOp.iterator.toint() + Int64(k) * col_op_stride + Int64(strip_m) * 2
+        if const_expr(self.col_operand):  # the strip's BF16 pairs of rows (2 i, 2 i + 1) of column v: [v, i]
+            col_words = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS // 2)), Int32)
         if const_expr(self.colwise or self.col_operand):
             for v in cutlass.range_constexpr(STRIP_COLS):
                 byte = scale_byte(col_amax[v], rceil=self.rceil)
@@ -319,9 +316,17 @@ class NormMXCast(ReductionBase):
                     else:
                         store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
                 if const_expr(self.col_operand):
-                    store_v4_u32(col_op + Int64(v) * col_op_stride, 0, dequantized_bf16x2(lo, byte, False),
-                                 dequantized_bf16x2(lo, byte, True), dequantized_bf16x2(hi, byte, False),
-                                 dequantized_bf16x2(hi, byte, True), strip_ok)
+                    col_words[v, 0] = dequantized_bf16x2(lo, byte, False)
+                    col_words[v, 1] = dequantized_bf16x2(lo, byte, True)
+                    col_words[v, 2] = dequantized_bf16x2(hi, byte, False)
+                    col_words[v, 3] = dequantized_bf16x2(hi, byte, True)
+        if const_expr(self.col_operand):  # laid out as y: 16 bytes per row of the strip, columns paired by `prmt`
+            col_op = mColOp.iterator.toint() + (Int64(strip_m) * K + Int64(k)) * 2
+            for i in cutlass.range_constexpr(STRIP_ROWS // 2):
+                even = [byte_perm(col_words[2 * j, i], col_words[2 * j + 1, i], 0x5410) for j in range(4)]
+                odd = [byte_perm(col_words[2 * j, i], col_words[2 * j + 1, i], 0x7632) for j in range(4)]
+                store_v4_u32(col_op, 2 * i * K * 2, *even, Int32(2 * i < valid_rows) * k_ok_i)
+                store_v4_u32(col_op, (2 * i + 1) * K * 2, *odd, Int32(2 * i + 1 < valid_rows) * k_ok_i)
         if const_expr(self.blocked and (self.rowwise or self.colwise)):
             cute.arch.barrier()
             self._store_blocked_scales(sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx)

@@ -32,8 +32,8 @@ class NormCastOutputs:
     """Payloads (float8_e4m3fn) and E8M0 scale bytes (uint8) of `y [M, K]` (rowwise) and `y^T [K, M]` (colwise),
     and rstd `[M]` (None without the norm). `col_data` is a `[K, M]` view whose rows are `colwise_row_stride(M)`
     bytes apart. Scales are flat 128x4 blocked layouts, or plain `[M, K/32]` / `[K, ceil(M/32)]` matrices.
-    `row_operand` `[R, K]` and `col_operand` `[K, R]` (a view, rows `operand_row_stride(R)` elements apart): the
-    dequantized casts in BF16, R >= M rows, zeros past M. Outputs not asked for are None."""
+    `row_operand` and `col_operand`: the dequantized casts in BF16, both laid out as y, `[R, K]` with R >= M rows
+    (zeros past M); a GEMM contracting over M reads `col_operand` transposed. Outputs not asked for are None."""
 
     row_data: torch.Tensor | None
     row_scale: torch.Tensor | None
@@ -52,11 +52,6 @@ def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def colwise_row_stride(M: int) -> int:
     return max(1, ceil_div(M, COLWISE_ROW_ALIGN)) * COLWISE_ROW_ALIGN
 
-
-def operand_row_stride(rows: int) -> int:
-    """Elements between the rows of the colwise operand `[K, rows]`: a multiple of 8 (16 bytes), so that a strip's
-    8 tokens are one 16-byte store (a GEMM reads it through its leading dimension)."""
-    return max(1, ceil_div(rows, 8)) * 8
 
 
 def device_arch(device: torch.device) -> str:
@@ -144,8 +139,8 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
             not depend on it.
         rowwise, colwise: write the MX casts (payloads and scales).
         row_operand, col_operand: write the dequantized casts in BF16, the operands a BF16 GEMM multiplies exactly
-            (`row_operand [R, K]`, `col_operand` the `[K, R]` view of `y^T`), with `operand_rows` = R >= M rows
-            (default M; rows M.. are zeros, e.g. for a GEMM that runs at a bucketed M).
+            (`[R, K]` both, laid out as y), with `operand_rows` = R >= M rows (default M; rows M.. are zeros, e.g.
+            for a GEMM that runs at a bucketed M).
     At least one output must be asked for.
     """
     M, K = x.shape
@@ -160,7 +155,7 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     if normalize:
         weight = weight.contiguous()
     k_blocks, m_blocks = K // BLOCK, ceil_div(M, BLOCK)
-    row_data = row_scale = col_data = col_scale = col_buf = row_op = col_op = col_op_buf = None
+    row_data = row_scale = col_data = col_scale = col_buf = row_op = col_op = None
     stride = colwise_row_stride(M)
     if rowwise:
         row_data = _new_buffer((M, K), PAYLOAD_DTYPE, dev)
@@ -175,11 +170,9 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         if rows > M and not fake:
             row_op[M:].zero_()
     if col_operand:
-        op_stride = operand_row_stride(rows)
-        col_op_buf = _new_buffer((K * op_stride,), torch.bfloat16, dev)
-        col_op = col_op_buf.as_strided((K, rows), (op_stride, 1))
-        if op_stride > M and not fake:  # the kernel writes its 8-row strips whole: the zeros past M from here
-            col_op_buf.view(K, op_stride)[:, M:].zero_()
+        col_op = _new_buffer((rows, K), torch.bfloat16, dev)
+        if rows > M and not fake:
+            col_op[M:].zero_()
     rstd = _new_buffer((M,), torch.float32, dev) if normalize else None
     out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd, row_op, col_op)
     if M == 0:
@@ -205,7 +198,7 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         fn(x, weight, None if row_data is None else row_data.view(torch.uint8).view(-1),
            None if row_scale is None else row_scale.view(-1), None if col_buf is None else col_buf.view(torch.uint8),
            None if col_scale is None else col_scale.view(-1), rstd, None if row_op is None else row_op.view(-1),
-           col_op_buf, stride, float(eps))
+           None if col_op is None else col_op.view(-1), stride, float(eps))
     return out
 
 
