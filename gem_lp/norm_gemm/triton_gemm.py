@@ -44,8 +44,8 @@ from ..mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTens
 from ..mx.layout import blocked_size
 from ..mx.triton_numerics import abs_bits, encode, scale_byte
 from .reference import INPUT_ACTIVATIONS, check_input_activation
-from .triton_norm import (e4m3_value, load_f32, rms_norm_backward, rms_norm_mx, scale_offset, scale_value,
-                          store_operand)
+from .triton_norm import (NormMXOutputs, e4m3_value, load_f32, rms_norm_backward, rms_norm_mx, scale_offset,
+                          scale_value, store_operand)
 
 GEMM_VARIANTS = ("fp8", "dot_scaled", "dequant_triton", "dequant_cublas")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -652,6 +652,46 @@ def clear_weight_cache() -> None:
     _BIAS_CACHE.clear()
 
 
+# The MX linears' casts on the CuTe norm kernel (`gem_lp.norm.cute`, 2.5-3x the Triton kernel's bandwidth as a norm
+# at jagged token counts) where it writes what a call asks for (BF16 operands, no column sums, no input activation),
+# the same bytes as `rms_norm_mx`. Off until its GPU tests pass and a training step measures it faster.
+CUTE_CASTS = False
+
+
+def _casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str, rowwise: bool = True,
+           colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
+           operand_dtype: torch.dtype = torch.bfloat16, operand_rows: int | None = None, column_sums: bool = False,
+           activation: str | None = None) -> NormMXOutputs:
+    """`rms_norm_mx`'s outputs (blocked scales), from the CuTe kernel when `CUTE_CASTS` and it can write them."""
+    kw = dict(scaling=scaling, rowwise=rowwise, colwise=colwise, row_operand=row_operand, col_operand=col_operand,
+              operand_dtype=operand_dtype, operand_rows=operand_rows, column_sums=column_sums, activation=activation)
+    if not (CUTE_CASTS and operand_dtype == torch.bfloat16 and not column_sums and activation is None
+            and _cute_casts_run(x)):
+        return rms_norm_mx(x, weight, eps, **kw)
+    from ..norm.cute.launch import norm_mx_cast
+
+    out = norm_mx_cast(x, weight, eps, scaling=scaling, blocked_scales=True, rowwise=rowwise, colwise=colwise,
+                       row_operand=row_operand, col_operand=col_operand, operand_rows=operand_rows)
+    orig = x.dtype if weight is None else torch.float32  # as rms_norm_mx's: the normalized y is FP32
+    return NormMXOutputs(
+        rowwise=None if out.row_data is None else MXTensor(out.row_data, out.row_scale, "1d", 1, scaling, orig,
+                                                           "blocked"),
+        colwise=None if out.col_data is None else MXTensor(out.col_data, out.col_scale, "1d", 1, scaling, orig,
+                                                           "blocked"),
+        rstd=out.rstd, row_operand=out.row_operand, col_operand=out.col_operand)
+
+
+def _cute_casts_run(x: torch.Tensor) -> bool:
+    """The CuTe norm kernel can cast `x [M, K]` here (a GPU it is built for, the CuTe stack, K within its tables)."""
+    from ..backend import cute_unavailable
+
+    if not x.is_cuda or interpreter_enabled() or cute_unavailable(x.device) is not None:
+        return False
+    from ..norm.cute.launch import unsupported
+
+    return unsupported(x) is None
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """A CUDA graph is being captured: the cache is neither read nor written. A graph that read a cached entry would
     replay that entry's quantization of the weight forever (and read freed memory once the entry is remade); one made
@@ -672,10 +712,10 @@ def weight_operands(weight: torch.Tensor, scaling: str, gemm: str, operand_dtype
     w = weight.detach()
     w = w if w.stride(-1) == 1 else w.contiguous()
     if gemm in _MX_GEMMS:
-        out = rms_norm_mx(w, None, scaling=scaling, rowwise=True, colwise=need_col)
+        out = _casts(w, None, scaling=scaling, rowwise=True, colwise=need_col)
         row, col = out.rowwise, out.colwise
     else:
-        out = rms_norm_mx(w, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
+        out = _casts(w, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
                           col_operand=need_col, operand_dtype=operand_dtype)
         row, col = out.row_operand, out.col_operand
     entry = WeightOperands(weight._version, weight.data_ptr(), row, col)
@@ -763,9 +803,9 @@ def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = 
     """
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     if gemm in _MX_GEMMS:
-        out = rms_norm_mx(dy, None, scaling=scaling, rowwise=row, colwise=col, column_sums=column_sums)
+        out = _casts(dy, None, scaling=scaling, rowwise=row, colwise=col, column_sums=column_sums)
         return out.rowwise, out.colwise, out.column_sums
-    out = rms_norm_mx(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=row, col_operand=col,
+    out = _casts(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=row, col_operand=col,
                       operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums, operand_rows=rows)
     return out.row_operand, None if out.col_operand is None else out.col_operand.t(), out.column_sums
 
@@ -790,8 +830,8 @@ def _col_operand_of(x: torch.Tensor, activation: str | None, scaling: str, gemm:
     """The dW GEMM's B operand made from `x [M, K]` itself (its input activation computed again): the values
     `_saved_col_operand` gives from the colwise cast of `activation(x)` the forward would have saved."""
     if gemm in _MX_GEMMS:
-        return rms_norm_mx(x, None, scaling=scaling, rowwise=False, colwise=True, activation=activation).colwise
-    out = rms_norm_mx(x, None, scaling=scaling, rowwise=False, colwise=False, col_operand=True,
+        return _casts(x, None, scaling=scaling, rowwise=False, colwise=True, activation=activation).colwise
+    out = _casts(x, None, scaling=scaling, rowwise=False, colwise=False, col_operand=True,
                       operand_dtype=operand_dtype_for(x.dtype), operand_rows=rows, activation=activation)
     return out.col_operand.t()
 
@@ -871,18 +911,18 @@ def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, b
     mx_ops = gemm in _MX_GEMMS
     row_bytes = K * opd.itemsize
     if gemm != "cublas" or M * row_bytes <= FORWARD_OPERAND_MAX_BYTES or x.dtype != out_dtype:
-        out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=colwise, row_operand=not mx_ops,
+        out = _casts(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=colwise, row_operand=not mx_ops,
                           operand_dtype=opd, operand_rows=_rows(M, gemm), activation=activation)
         y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_row, gemm, out_dtype, _bias_for(bias, gemm))
         return _first_rows(y, M), out
     out = None  # the colwise cast (and with the norm rstd, which the pass makes as well) by a pass of their own
     if colwise or g is not None:
-        out = rms_norm_mx(x, g, eps, scaling=scaling, rowwise=False, colwise=True, activation=activation)
+        out = _casts(x, g, eps, scaling=scaling, rowwise=False, colwise=True, activation=activation)
     chunk = 1 << max(5, (FORWARD_OPERAND_CHUNK_BYTES // row_bytes).bit_length() - 1)
     y = torch.empty(M, w_row.shape[0], dtype=out_dtype, device=x.device)
     for m0 in range(0, M, chunk):
         rows = min(chunk, M - m0)
-        op = rms_norm_mx(x[m0:m0 + rows], g, eps, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
+        op = _casts(x[m0:m0 + rows], g, eps, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
                          operand_dtype=opd, operand_rows=_rows(rows, gemm), activation=activation).row_operand
         if op.shape[0] == rows:  # a full chunk (or a partial one the buckets left unpadded): Y's rows in place
             _gemm_nt(op, w_row, gemm, out_dtype, bias, out=y[m0:m0 + rows])

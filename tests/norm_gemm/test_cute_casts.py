@@ -1,0 +1,92 @@
+"""The MX linears' casts on the CuTe norm kernel (`triton_gemm.CUTE_CASTS`): every cast the layers make gives the
+bytes of `rms_norm_mx`'s, and a layer's forward and backward give the same tensors either way (sm_90 / sm_100 with
+the CuTe DSL stack only)."""
+import pytest
+import torch
+from byte_checks import assert_same_bytes
+
+from cute_gpu import require_cute_gpu
+
+pytestmark = pytest.mark.gpu
+require_cute_gpu()
+
+from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
+
+DEV = "cuda"
+
+
+@pytest.fixture
+def cute_casts(monkeypatch):
+    def use(on: bool):
+        monkeypatch.setattr(tg, "CUTE_CASTS", on)
+    return use
+
+
+CALLS = {  # what each call site of the MX linears asks for (cuBLAS route)
+    "forward operand": dict(norm=True, rowwise=False, colwise=True, row_operand=True, padded=True),
+    "forward operand, no norm": dict(norm=False, rowwise=False, colwise=True, row_operand=True, padded=True),
+    "weight operands": dict(norm=False, rowwise=False, colwise=False, row_operand=True, col_operand=True),
+    "dY operands": dict(norm=False, rowwise=False, colwise=False, row_operand=True, col_operand=True, padded=True),
+    "MX casts": dict(norm=False, rowwise=True, colwise=True),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("M,K", [(1, 256), (33, 1024), (129, 768), (32767, 1024), (4097, 4096)])
+def test_each_cast_writes_the_triton_bytes(cute_casts, call, M, K):
+    opts = dict(CALLS[call])
+    norm, padded = opts.pop("norm"), opts.pop("padded", False)
+    g = torch.Generator().manual_seed(M + K)
+    # integers times a power of two per row: exact sums of squares, so both kernels' rstd (and bytes) are equal
+    x = (torch.randint(-15, 16, (M, K), generator=g) * torch.exp2(torch.randint(-8, 9, (M, 1), generator=g).float()))
+    x = x.to(torch.bfloat16).to(DEV)
+    if M > 2:
+        x[M // 2, :32] = float("nan")  # a NaN block: NaN scale byte, NaN operand values
+    w = (torch.rand(K, generator=g) + 0.5).to(DEV) if norm else None
+    rows = tg.gemm_rows(M) + 3 if padded else None  # zero rows past M
+    outs = []
+    for on in (False, True):
+        cute_casts(on)
+        outs.append(tg._casts(x, w, 1e-6, scaling="rceil", operand_rows=rows, **opts))
+    triton, cute = outs
+    for name in ("rowwise", "colwise"):
+        a, b = getattr(triton, name), getattr(cute, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.scale_layout == b.scale_layout == "blocked" and a.orig_dtype == b.orig_dtype
+            assert a.data.shape == b.data.shape and a.data.stride() == b.data.stride(), name
+            assert_same_bytes(b.data, a.data, f"{call} {name} payload")
+            assert_same_bytes(b.scale, a.scale, f"{call} {name} scale")
+    for name in ("row_operand", "col_operand"):
+        a, b = getattr(triton, name), getattr(cute, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype == torch.bfloat16, name
+            assert_same_bytes(b, a, f"{call} {name}")
+    if norm:
+        assert_same_bytes(cute.rstd, triton.rstd, f"{call} rstd")
+
+
+@pytest.mark.parametrize("layer", ["linear", "norm_linear"])
+@pytest.mark.parametrize("M,K,N", [(32767, 1024, 3072), (4097, 256, 768), (33, 512, 1536)])
+def test_a_layer_trains_the_same(cute_casts, layer, M, K, N):
+    """Forward and backward of an MX linear / RMSNorm + MX linear with the CuTe casts: the Triton casts' outputs
+    and gradients (the norm's rstd may differ in its last bits: the two kernels sum the squares in other orders)."""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
+    weight = (torch.randn(N, K, generator=g) * K ** -0.5).to(DEV)
+    bias = torch.randn(N, generator=g).to(DEV)
+    gamma = (torch.rand(K, generator=g) + 0.5).to(DEV)
+    dy = torch.randn(M, N, generator=g).to(torch.bfloat16).to(DEV)
+    results = []
+    for on in (False, True):
+        cute_casts(on)
+        tg.clear_weight_cache()
+        leaves = [t.clone().requires_grad_() for t in ((x, weight, bias) if layer == "linear"
+                                                        else (x, gamma, weight, bias))]
+        y = tg.mx_linear_triton(*leaves) if layer == "linear" else tg.rms_norm_mx_linear_triton(*leaves)
+        y.backward(dy)
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    tol = dict(rtol=0, atol=0) if layer == "linear" else dict(rtol=2e-2, atol=2e-2)
+    for i, (a, b) in enumerate(zip(*results)):
+        torch.testing.assert_close(b, a, **tol, msg=lambda m: f"output {i}: {m}")
