@@ -116,6 +116,14 @@ def store_v4_u32(addr: Int64, offset: int, a: Int32, b: Int32, c: Int32, d: Int3
 
 
 @dsl_user_op
+def red_add_f32(addr: Int64, offset: int, v: Float32, ok: Int32, *, loc=None, ip=None) -> None:
+    """Atomically add `v` to the FP32 at global `addr + offset` (`offset` a constant) when `ok` != 0."""
+    _asm(None, [Int64(addr), Float32(v), Int32(ok)],
+         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
+         f"@p red.global.add.f32 [$0+{int(offset)}], $1;\n\t}}", "l,f,r", loc, ip, side_effects=True)
+
+
+@dsl_user_op
 def byte_perm(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
     """`prmt.b32`: the bytes of `a` (0-3) and `b` (4-7) picked by the four nibbles of `selector` (lowest first)."""
     return Int32(_asm(T.i32(), [Int32(a), Int32(b)], f"prmt.b32 $0, $1, $2, {int(selector):#x};", "=r,r,r", loc, ip))

@@ -255,3 +255,11 @@ def test_operands_are_the_dequantized_casts(M, K, extra):
     assert dual.col_operand.shape == (rows, K) and dual.col_operand.is_contiguous()
     assert_same_floats(dual.col_operand[:M], dequantize(col_ref).t().to(torch.bfloat16), "dual col operand")
     assert not dual.col_operand[M:].any() and not dual.row_operand[M:].any()
+    sums = norm_mx_cast(x, None, rowwise=False, colwise=False, row_operand=True, column_sums=True).column_sums
+    # each row block's partial sums added atomically in any order: within M FP32 roundings of the exact sums
+    exact, magnitude = x.double().sum(0), x.double().abs().sum(0)
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isnan(sums), torch.isnan(exact.float())) and torch.equal(sums[~finite].isinf(),
+                                                                                       exact[~finite].isinf())
+    bound = M * torch.finfo(torch.float32).eps * magnitude[finite] + 1e-30
+    assert bool(((sums[finite].double() - exact[finite]).abs() <= bound).all()), "column sums beyond FP32 rounding"

@@ -26,7 +26,8 @@ CALLS = {  # what each call site of the MX linears asks for (cuBLAS route)
     "forward operand": dict(norm=True, rowwise=False, colwise=True, row_operand=True, padded=True),
     "forward operand, no norm": dict(norm=False, rowwise=False, colwise=True, row_operand=True, padded=True),
     "weight operands": dict(norm=False, rowwise=False, colwise=False, row_operand=True, col_operand=True),
-    "dY operands": dict(norm=False, rowwise=False, colwise=False, row_operand=True, col_operand=True, padded=True),
+    "dY operands": dict(norm=False, rowwise=False, colwise=False, row_operand=True, col_operand=True, padded=True,
+                        column_sums=True),
     "MX casts": dict(norm=False, rowwise=True, colwise=True),
 }
 
@@ -65,6 +66,8 @@ def test_each_cast_writes_the_triton_bytes(cute_casts, call, M, K):
             assert_same_bytes(b, a, f"{call} {name}")
     if norm:
         assert_same_bytes(cute.rstd, triton.rstd, f"{call} rstd")
+    if opts.get("column_sums"):  # atomics in other orders: within FP32 rounding of each other
+        torch.testing.assert_close(cute.column_sums, triton.column_sums, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("layer", ["linear", "norm_linear"])
@@ -87,6 +90,9 @@ def test_a_layer_trains_the_same(cute_casts, layer, M, K, N):
         y = tg.mx_linear_triton(*leaves) if layer == "linear" else tg.rms_norm_mx_linear_triton(*leaves)
         y.backward(dy)
         results.append([y.detach(), *(t.grad for t in leaves)])
-    tol = dict(rtol=0, atol=0) if layer == "linear" else dict(rtol=2e-2, atol=2e-2)
     for i, (a, b) in enumerate(zip(*results)):
+        # the bias gradient comes from column sums added atomically (in another order each run); with the norm,
+        # the two kernels' rstd may differ in the last bits (other summation orders), and so may the casts
+        exact = layer == "linear" and i != len(results[0]) - 1
+        tol = dict(rtol=0, atol=0) if exact else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(b, a, **tol, msg=lambda m: f"output {i}: {m}")

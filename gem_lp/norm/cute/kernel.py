@@ -44,8 +44,8 @@ import quack.utils as quack_utils
 from quack.reduce import warp_reduce
 from quack.reduction_base import ReductionBase
 
-from ...mx.cute_device import (abs_max_nan, byte_perm, dequantized_bf16x2, div_rn, inv_scale, payload_word, rstd_of,
-                               scale_byte, store_u8, store_u32, store_v2_u32, store_v4_u32)
+from ...mx.cute_device import (abs_max_nan, byte_perm, dequantized_bf16x2, div_rn, inv_scale, payload_word,
+                               red_add_f32, rstd_of, scale_byte, store_u8, store_u32, store_v2_u32, store_v4_u32)
 
 BLOCK = 32
 STRIP_ROWS = 8
@@ -57,17 +57,21 @@ class NormMXCast(ReductionBase):
     CTAs along K, and what it computes (`normalize`: RMSNorm, else y = x; `rceil` or floor scales; `blocked` or
     plain scale layouts) and writes: the `rowwise` and `colwise` MX casts, and their dequantized BF16 values, the
     operands a BF16 GEMM takes (`row_operand`: `deq(rowwise) [M, K]`; `col_operand`: `deq(colwise)` laid out as
-    y, `[M, K]`, which a GEMM contracting over M reads transposed). `tile_k` is a multiple of 128 with
-    `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
+    y, `[M, K]`, which a GEMM contracting over M reads transposed); `column_sums` (without the norm): x's FP32
+    column sums added into `mSums [K]` (a linear layer's bias gradient from the pass that casts its dY). `tile_k`
+    is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
 
     def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool,
-                 rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False):
+                 rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
+                 column_sums: bool = False):
         super().__init__(dtype, K, stage=1)
         assert K % BLOCK == 0 and tile_k % 128 == 0 and cluster_n * tile_k >= K > (cluster_n - 1) * tile_k
         assert rowwise or colwise or row_operand or col_operand
+        assert not (column_sums and normalize)
         self.K, self.tile_k, self.cluster_n_cfg = K, tile_k, cluster_n
         self.normalize, self.rceil, self.blocked = normalize, rceil, blocked
         self.rowwise, self.colwise, self.row_operand, self.col_operand = rowwise, colwise, row_operand, col_operand
+        self.column_sums = column_sums
         self.num_warps = tile_k // 64
         self.num_threads = 32 * self.num_warps
         self.scale_cols = tile_k // BLOCK  # row-scale columns of one CTA
@@ -90,8 +94,8 @@ class NormMXCast(ReductionBase):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor | None, mRowS: cute.Tensor | None,
                  mColQ: cute.Tensor | None, mColS: cute.Tensor | None, mRstd: cute.Tensor | None,
-                 mRowOp: cute.Tensor | None, mColOp: cute.Tensor | None, col_stride: Int32, eps: Float32,
-                 stream: cuda.CUstream):
+                 mRowOp: cute.Tensor | None, mColOp: cute.Tensor | None, mSums: cute.Tensor | None,
+                 col_stride: Int32, eps: Float32, stream: cuda.CUstream):
         self._set_cluster_n()
         M = mX.shape[0]
         row_blocks = cute.ceil_div(M, BLOCK)
@@ -99,7 +103,8 @@ class NormMXCast(ReductionBase):
             row_blocks = cute.ceil_div(M, 128) * 4
         tiled_copy = copy_utils.tiled_copy_2d(self.dtype, self._threads_per_row(), self.num_threads, self.vec,
                                               is_async=True)
-        self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, col_stride, eps, tiled_copy).launch(
+        self.kernel(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, mSums, col_stride, eps,
+                    tiled_copy).launch(
             grid=[row_blocks, self.cluster_n, 1], block=[self.num_threads, 1, 1],
             cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1 and self.normalize) else None,
             stream=stream)
@@ -109,20 +114,20 @@ class NormMXCast(ReductionBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor | None, mRowQ: cute.Tensor | None, mRowS: cute.Tensor | None,
                mColQ: cute.Tensor | None, mColS: cute.Tensor | None, mRstd: cute.Tensor | None,
-               mRowOp: cute.Tensor | None, mColOp: cute.Tensor | None, col_stride: Int32, eps: Float32,
-               tiled_copy: cute.TiledCopy):
+               mRowOp: cute.Tensor | None, mColOp: cute.Tensor | None, mSums: cute.Tensor | None,
+               col_stride: Int32, eps: Float32, tiled_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, cta_k, _ = cute.arch.block_idx()
         M = mX.shape[0]
         col_blocks = cute.ceil_div(M, BLOCK)
         m0 = bidx * BLOCK
         k0 = cta_k * self.tile_k
-        self._tile(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, col_stride, eps, tiled_copy, M, m0, k0,
-                   bidx, cta_k, col_blocks, tidx)
+        self._tile(mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, mSums, col_stride, eps, tiled_copy, M,
+                   m0, k0, bidx, cta_k, col_blocks, tidx)
 
     @cute.jit
-    def _tile(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, col_stride, eps, tiled_copy, M, m0,
-              k0, bidx, cta_k, col_blocks, tidx):
+    def _tile(self, mX, mW, mRowQ, mRowS, mColQ, mColS, mRstd, mRowOp, mColOp, mSums, col_stride, eps, tiled_copy,
+              M, m0, k0, bidx, cta_k, col_blocks, tidx):
         K, tile_k = self.K, self.tile_k
         smem = cutlass.utils.SmemAllocator()
         sX = smem.allocate_tensor(self.dtype, cute.make_ordered_layout((BLOCK, tile_k), order=(1, 0)),
@@ -239,6 +244,19 @@ class NormMXCast(ReductionBase):
                     y[v, r] = (xs[v, r].to(Float32) * rstd[r]) * w[v]
                 else:
                     y[v, r] = xs[v, r].to(Float32)
+
+        if const_expr(self.column_sums):  # over the strip's 8 rows, the 4 strips of the block (mq), then atomically
+            sums = mSums.iterator.toint() + Int64(k) * 4
+            for v in cutlass.range_constexpr(STRIP_COLS):
+                c = y[v, 0]
+                for r in cutlass.range_constexpr(1, STRIP_ROWS):
+                    c = c + y[v, r]
+                for step in cutlass.range_constexpr(2):
+                    c = c + cute.arch.shuffle_sync_bfly(c, offset=8 << step)
+                lead = Int32(mq == 0)
+                if const_expr(not self.even_k):
+                    lead = lead * Int32(k_ok)
+                red_add_f32(sums, v * 4, c, lead)
 
         # 4. block maxima: rows over the block's 4 lanes (kq), columns over the 4 strips (mq)
         row_amax = cute.make_rmem_tensor(cute.make_layout(STRIP_ROWS), Float32)

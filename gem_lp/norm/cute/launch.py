@@ -33,7 +33,8 @@ class NormCastOutputs:
     and rstd `[M]` (None without the norm). `col_data` is a `[K, M]` view whose rows are `colwise_row_stride(M)`
     bytes apart. Scales are flat 128x4 blocked layouts, or plain `[M, K/32]` / `[K, ceil(M/32)]` matrices.
     `row_operand` and `col_operand`: the dequantized casts in BF16, both laid out as y, `[R, K]` with R >= M rows
-    (zeros past M); a GEMM contracting over M reads `col_operand` transposed. Outputs not asked for are None."""
+    (zeros past M); a GEMM contracting over M reads `col_operand` transposed. `column_sums`: x's FP32 column sums
+    `[K]`. Outputs not asked for are None."""
 
     row_data: torch.Tensor | None
     row_scale: torch.Tensor | None
@@ -42,6 +43,7 @@ class NormCastOutputs:
     rstd: torch.Tensor | None
     row_operand: torch.Tensor | None = None
     col_operand: torch.Tensor | None = None
+    column_sums: torch.Tensor | None = None
 
 
 def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -81,6 +83,7 @@ class _Outputs:
     colwise: bool = True
     row_operand: bool = False
     col_operand: bool = False
+    column_sums: bool = False
 
 
 _MX_CASTS = _Outputs()
@@ -102,7 +105,8 @@ def _build(dtype, w_dtype, K: int, launch: NormLaunch, normalize: bool, rceil: b
         casts = [flat(cutlass.Uint8, outputs.rowwise), flat(cutlass.Uint8, outputs.rowwise),
                  flat(cutlass.Uint8, outputs.colwise), flat(cutlass.Uint8, outputs.colwise)]
         rstd = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), divisibility=1) if normalize else None
-        operands = [flat(cutlass.BFloat16, outputs.row_operand, 8), flat(cutlass.BFloat16, outputs.col_operand, 8)]
+        operands = [flat(cutlass.BFloat16, outputs.row_operand, 8), flat(cutlass.BFloat16, outputs.col_operand, 8),
+                    flat(cutlass.Float32, outputs.column_sums, 4)]
         kernel = NormMXCast(dtype, K, launch.tile_k, launch.cluster_n, normalize, rceil, blocked,
                             **dataclasses.asdict(outputs))
         fn = _COMPILED[key] = cute.compile(
@@ -125,7 +129,7 @@ def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
 def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str = "rceil",
                  blocked_scales: bool = True, arch: str | None = None, launch: NormLaunch | None = None,
                  rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
-                 operand_rows: int | None = None) -> NormCastOutputs:
+                 operand_rows: int | None = None, column_sums: bool = False) -> NormCastOutputs:
     """RMSNorm of `x [M, K]` (or x itself when `weight` is None) cast to MXFP8 rowwise and colwise, one launch.
 
     Args:
@@ -141,7 +145,10 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         row_operand, col_operand: write the dequantized casts in BF16, the operands a BF16 GEMM multiplies exactly
             (`[R, K]` both, laid out as y), with `operand_rows` = R >= M rows (default M; rows M.. are zeros, e.g.
             for a GEMM that runs at a bucketed M).
-    At least one output must be asked for.
+        column_sums: also x's FP32 column sums `[K]` (`weight` None: a linear layer's bias gradient from the pass
+            that casts its dY), added atomically per 32-row block: equal to `x.float().sum(0)` within FP32
+            rounding, in an order that changes from run to run.
+    At least one cast or operand must be asked for.
     """
     M, K = x.shape
     dev = x.device
@@ -150,6 +157,8 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     rows = M if operand_rows is None else operand_rows
     if rows < M:
         raise ValueError(f"operand_rows must be >= M={M}, got {operand_rows}")
+    if column_sums and weight is not None:
+        raise ValueError("column_sums=True needs weight=None (the sums are of x, for a dual cast without the norm)")
     x = _aligned_rows(x)
     normalize = weight is not None
     if normalize:
@@ -174,12 +183,13 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         if rows > M and not fake:
             col_op[M:].zero_()
     rstd = _new_buffer((M,), torch.float32, dev) if normalize else None
-    out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd, row_op, col_op)
+    sums = torch.zeros(K, dtype=torch.float32, device=dev) if column_sums else None
+    out = NormCastOutputs(row_data, row_scale, col_data, col_scale, rstd, row_op, col_op, sums)
     if M == 0:
         return out
     scaling_key = scaling == "rceil"
     w_dtype = weight.dtype if normalize else None
-    outputs = _Outputs(rowwise, colwise, row_operand, col_operand)
+    outputs = _Outputs(rowwise, colwise, row_operand, col_operand, column_sums)
     if launch is None:  # the common call: one dict lookup for the built kernel (host time counts at small M)
         key = (x.dtype, w_dtype, K, scaling_key, blocked_scales, arch or dev, outputs)
         fn = _DEFAULT_BUILDS.get(key)
@@ -198,7 +208,7 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         fn(x, weight, None if row_data is None else row_data.view(torch.uint8).view(-1),
            None if row_scale is None else row_scale.view(-1), None if col_buf is None else col_buf.view(torch.uint8),
            None if col_scale is None else col_scale.view(-1), rstd, None if row_op is None else row_op.view(-1),
-           None if col_op is None else col_op.view(-1), stride, float(eps))
+           None if col_op is None else col_op.view(-1), sums, stride, float(eps))
     return out
 
 

@@ -14,9 +14,9 @@ _TOKENS = 1000  # M is dynamic in the builds
 
 
 # The outputs of the casts a BF16 GEMM consumes (`norm_mx_cast`'s): the forward of an RMSNorm + linear layer (its
-# GEMM operand, and the colwise cast kept for dW) and the dual cast of dY into both operands.
+# GEMM operand, and the colwise cast kept for dW) and the dual cast of dY into both operands with its column sums.
 FORWARD_OPERAND = dict(rowwise=False, colwise=True, row_operand=True)
-BOTH_OPERANDS = dict(rowwise=False, colwise=False, row_operand=True, col_operand=True)
+BOTH_OPERANDS = dict(rowwise=False, colwise=False, row_operand=True, col_operand=True, column_sums=True)
 
 
 def _build(K: int, dtype: torch.dtype, normalize: bool, blocked: bool, scaling: str, outputs: dict, arch: str) -> None:
