@@ -96,9 +96,9 @@ class SequenceGraphs:
 
     def __call__(self, tokens: torch.Tensor, host_offsets: torch.Tensor, q_query: torch.Tensor,
                  q_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """`SequencePart`'s outputs for `tokens` `[T, d]` (the encoded tokens `[T, d]`) with their offsets on the CPU
-        (`[B + 1]`), from the bucket's graph (captured now when there is room for it); None when the batch must
-        run eagerly."""
+        """`SequencePart`'s outputs (the encoded tokens cut back to `[T, d]`, the two reads) for `tokens [T, d]` and
+        their offsets on the CPU (`[B + 1]`), from the graph of the batch's bucket (captured now when there is room
+        for it); None when the batch must run eagerly."""
         t = tokens.shape[0]
         host_offsets = check_offsets(host_offsets, "offsets", t)
         if host_offsets.numel() - 1 != q_target.shape[0]:
