@@ -653,8 +653,8 @@ def clear_weight_cache() -> None:
 
 
 # The MX linears' casts on the CuTe norm kernel (`gem_lp.norm.cute`, 2.5-3x the Triton kernel's bandwidth as a norm
-# at jagged token counts) where it writes what a call asks for (BF16 operands, no input activation), the same bytes
-# as `rms_norm_mx`. Off until its GPU tests pass and a training step measures it faster.
+# at jagged token counts) where it writes what a call asks for (BF16 operands), the same bytes as `rms_norm_mx`. Off
+# until its GPU tests pass and a training step measures it faster.
 CUTE_CASTS = False
 
 
@@ -665,13 +665,13 @@ def _casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, sc
     """`rms_norm_mx`'s outputs (blocked scales), from the CuTe kernel when `CUTE_CASTS` and it can write them."""
     kw = dict(scaling=scaling, rowwise=rowwise, colwise=colwise, row_operand=row_operand, col_operand=col_operand,
               operand_dtype=operand_dtype, operand_rows=operand_rows, column_sums=column_sums, activation=activation)
-    if not (CUTE_CASTS and operand_dtype == torch.bfloat16 and activation is None and _cute_casts_run(x)):
+    if not (CUTE_CASTS and operand_dtype == torch.bfloat16 and _cute_casts_run(x)):
         return rms_norm_mx(x, weight, eps, **kw)
     from ..norm.cute.launch import norm_mx_cast
 
     out = norm_mx_cast(x, weight, eps, scaling=scaling, blocked_scales=True, rowwise=rowwise, colwise=colwise,
                        row_operand=row_operand, col_operand=col_operand, operand_rows=operand_rows,
-                       column_sums=column_sums)
+                       column_sums=column_sums, activation=activation)
     orig = x.dtype if weight is None else torch.float32  # as rms_norm_mx's: the normalized y is FP32
     return NormMXOutputs(
         rowwise=None if out.row_data is None else MXTensor(out.row_data, out.row_scale, "1d", 1, scaling, orig,

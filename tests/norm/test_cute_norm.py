@@ -263,3 +263,18 @@ def test_operands_are_the_dequantized_casts(M, K, extra):
                                                                                        exact[~finite].isinf())
     bound = M * torch.finfo(torch.float32).eps * magnitude[finite] + 1e-30
     assert bool(((sums[finite].double() - exact[finite]).abs() <= bound).all()), "column sums beyond FP32 rounding"
+
+
+@pytest.mark.parametrize("M,K", [(1, 1024), (33, 1024), (129, 4096), (32767, 1024)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_operands_are_those_of_torch_silu(M, K, dtype):
+    """activation="silu": the operands equal the casts of torch's `F.silu(x)` on the GPU, dequantized (x's dtype;
+    NaN, Inf and zero rows included), so an MLP's hidden activation needs not be stored."""
+    x = special_rows(generic_input(M, K, dtype, M + K) * 0.01)  # the interesting range of SiLU, and the extremes
+    act = torch.nn.functional.silu(x)
+    row_ref, col_ref = reference_casts(act, None, None, "rceil")
+    out = norm_mx_cast(x, None, rowwise=False, colwise=False, row_operand=True, col_operand=True, activation="silu")
+    assert_same_floats(out.row_operand, dequantize(row_ref).to(torch.bfloat16), "silu row operand")
+    assert_same_floats(out.col_operand, dequantize(col_ref).t().to(torch.bfloat16), "silu col operand")
+    casts = norm_mx_cast(x, None, blocked_scales=False, activation="silu")
+    check_casts(casts, (row_ref, col_ref), False, f"silu {M}x{K}")

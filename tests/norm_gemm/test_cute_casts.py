@@ -29,6 +29,10 @@ CALLS = {  # what each call site of the MX linears asks for (cuBLAS route)
     "dY operands": dict(norm=False, rowwise=False, colwise=False, row_operand=True, col_operand=True, padded=True,
                         column_sums=True),
     "MX casts": dict(norm=False, rowwise=True, colwise=True),
+    "SiLU row operand": dict(norm=False, rowwise=False, colwise=False, row_operand=True, padded=True,
+                             activation="silu"),
+    "SiLU col operand": dict(norm=False, rowwise=False, colwise=False, col_operand=True, padded=True,
+                             activation="silu"),
 }
 
 
@@ -70,11 +74,12 @@ def test_each_cast_writes_the_triton_bytes(cute_casts, call, M, K):
         torch.testing.assert_close(cute.column_sums, triton.column_sums, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("layer", ["linear", "norm_linear"])
+@pytest.mark.parametrize("layer", ["linear", "linear_silu", "norm_linear"])
 @pytest.mark.parametrize("M,K,N", [(32767, 1024, 3072), (4097, 256, 768), (33, 512, 1536)])
 def test_a_layer_trains_the_same(cute_casts, layer, M, K, N):
-    """Forward and backward of an MX linear / RMSNorm + MX linear with the CuTe casts: the Triton casts' outputs
-    and gradients (the norm's rstd may differ in its last bits: the two kernels sum the squares in other orders)."""
+    """Forward and backward of an MX linear (with a SiLU input activation too) and an RMSNorm + MX linear with the
+    CuTe casts: the Triton casts' outputs and gradients (the norm's rstd may differ in its last bits: the two kernels
+    sum the squares in other orders)."""
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
     weight = (torch.randn(N, K, generator=g) * K ** -0.5).to(DEV)
@@ -85,14 +90,17 @@ def test_a_layer_trains_the_same(cute_casts, layer, M, K, N):
     for on in (False, True):
         cute_casts(on)
         tg.clear_weight_cache()
-        leaves = [t.clone().requires_grad_() for t in ((x, weight, bias) if layer == "linear"
-                                                        else (x, gamma, weight, bias))]
-        y = tg.mx_linear_triton(*leaves) if layer == "linear" else tg.rms_norm_mx_linear_triton(*leaves)
+        leaves = [t.clone().requires_grad_() for t in ((x, gamma, weight, bias) if layer == "norm_linear"
+                                                        else (x, weight, bias))]
+        if layer == "norm_linear":
+            y = tg.rms_norm_mx_linear_triton(*leaves)
+        else:
+            y = tg.mx_linear_triton(*leaves, activation="silu" if layer == "linear_silu" else None)
         y.backward(dy)
         results.append([y.detach(), *(t.grad for t in leaves)])
     for i, (a, b) in enumerate(zip(*results)):
         # the bias gradient comes from column sums added atomically (in another order each run); with the norm,
         # the two kernels' rstd may differ in the last bits (other summation orders), and so may the casts
-        exact = layer == "linear" and i != len(results[0]) - 1
+        exact = layer != "norm_linear" and i != len(results[0]) - 1
         tol = dict(rtol=0, atol=0) if exact else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(b, a, **tol, msg=lambda m: f"output {i}: {m}")

@@ -58,20 +58,22 @@ class NormMXCast(ReductionBase):
     plain scale layouts) and writes: the `rowwise` and `colwise` MX casts, and their dequantized BF16 values, the
     operands a BF16 GEMM takes (`row_operand`: `deq(rowwise) [M, K]`; `col_operand`: `deq(colwise)` laid out as
     y, `[M, K]`, which a GEMM contracting over M reads transposed); `column_sums` (without the norm): x's FP32
-    column sums added into `mSums [K]` (a linear layer's bias gradient from the pass that casts its dY). `tile_k`
-    is a multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
+    column sums added into `mSums [K]` (a linear layer's bias gradient from the pass that casts its dY). `silu`
+    (without the norm): y = SiLU(x) as torch's CUDA kernel computes it (`x / (1 + expf(-x))` in FP32, libdevice's
+    expf, IEEE division, rounded to x's dtype), an MLP's hidden activation cast without being stored. `tile_k` is a
+    multiple of 128 with `tile_k / 64` warps; `cluster_n * tile_k >= K`."""
 
     def __init__(self, dtype, K: int, tile_k: int, cluster_n: int, normalize: bool, rceil: bool, blocked: bool,
                  rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
-                 column_sums: bool = False):
+                 column_sums: bool = False, silu: bool = False):
         super().__init__(dtype, K, stage=1)
         assert K % BLOCK == 0 and tile_k % 128 == 0 and cluster_n * tile_k >= K > (cluster_n - 1) * tile_k
         assert rowwise or colwise or row_operand or col_operand
-        assert not (column_sums and normalize)
+        assert not ((column_sums or silu) and normalize) and not (column_sums and silu)
         self.K, self.tile_k, self.cluster_n_cfg = K, tile_k, cluster_n
         self.normalize, self.rceil, self.blocked = normalize, rceil, blocked
         self.rowwise, self.colwise, self.row_operand, self.col_operand = rowwise, colwise, row_operand, col_operand
-        self.column_sums = column_sums
+        self.column_sums, self.silu = column_sums, silu
         self.num_warps = tile_k // 64
         self.num_threads = 32 * self.num_warps
         self.scale_cols = tile_k // BLOCK  # row-scale columns of one CTA
@@ -242,6 +244,9 @@ class NormMXCast(ReductionBase):
             for v in cutlass.range_constexpr(STRIP_COLS):
                 if const_expr(self.normalize):
                     y[v, r] = (xs[v, r].to(Float32) * rstd[r]) * w[v]
+                elif const_expr(self.silu):
+                    xv = xs[v, r].to(Float32)
+                    y[v, r] = div_rn(xv, Float32(1.0) + cute.math.exp(-xv)).to(self.dtype).to(Float32)
                 else:
                     y[v, r] = xs[v, r].to(Float32)
 

@@ -84,6 +84,7 @@ class _Outputs:
     row_operand: bool = False
     col_operand: bool = False
     column_sums: bool = False
+    silu: bool = False
 
 
 _MX_CASTS = _Outputs()
@@ -129,7 +130,8 @@ def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
 def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str = "rceil",
                  blocked_scales: bool = True, arch: str | None = None, launch: NormLaunch | None = None,
                  rowwise: bool = True, colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
-                 operand_rows: int | None = None, column_sums: bool = False) -> NormCastOutputs:
+                 operand_rows: int | None = None, column_sums: bool = False,
+                 activation: str | None = None) -> NormCastOutputs:
     """RMSNorm of `x [M, K]` (or x itself when `weight` is None) cast to MXFP8 rowwise and colwise, one launch.
 
     Args:
@@ -148,6 +150,8 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         column_sums: also x's FP32 column sums `[K]` (`weight` None: a linear layer's bias gradient from the pass
             that casts its dY), added atomically per 32-row block: equal to `x.float().sum(0)` within FP32
             rounding, in an order that changes from run to run.
+        activation: None, or "silu" (`weight` None, no column sums): the outputs are those of y = SiLU(x) as torch
+            computes it on the GPU in x's dtype, made on the fly (y is never stored).
     At least one cast or operand must be asked for.
     """
     M, K = x.shape
@@ -159,6 +163,11 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         raise ValueError(f"operand_rows must be >= M={M}, got {operand_rows}")
     if column_sums and weight is not None:
         raise ValueError("column_sums=True needs weight=None (the sums are of x, for a dual cast without the norm)")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    if activation is not None and (weight is not None or column_sums):
+        raise ValueError(f"activation={activation!r} needs weight=None and column_sums=False (an input activation is "
+                         "applied to x before the casts, without the norm)")
     x = _aligned_rows(x)
     normalize = weight is not None
     if normalize:
@@ -189,7 +198,7 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
         return out
     scaling_key = scaling == "rceil"
     w_dtype = weight.dtype if normalize else None
-    outputs = _Outputs(rowwise, colwise, row_operand, col_operand, column_sums)
+    outputs = _Outputs(rowwise, colwise, row_operand, col_operand, column_sums, activation == "silu")
     if launch is None:  # the common call: one dict lookup for the built kernel (host time counts at small M)
         key = (x.dtype, w_dtype, K, scaling_key, blocked_scales, arch or dev, outputs)
         fn = _DEFAULT_BUILDS.get(key)

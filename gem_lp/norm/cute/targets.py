@@ -17,6 +17,9 @@ _TOKENS = 1000  # M is dynamic in the builds
 # GEMM operand, and the colwise cast kept for dW) and the dual cast of dY into both operands with its column sums.
 FORWARD_OPERAND = dict(rowwise=False, colwise=True, row_operand=True)
 BOTH_OPERANDS = dict(rowwise=False, colwise=False, row_operand=True, col_operand=True, column_sums=True)
+# an MLP down-projection's input SiLU(h) made on the fly: its forward operand and (in the backward) its dW operand
+SILU_OPERANDS = (dict(rowwise=False, colwise=False, row_operand=True, activation="silu"),
+                 dict(rowwise=False, colwise=False, col_operand=True, activation="silu"))
 
 
 def _build(K: int, dtype: torch.dtype, normalize: bool, blocked: bool, scaling: str, outputs: dict, arch: str) -> None:
@@ -37,6 +40,9 @@ def builds() -> list[tuple[str, int, torch.dtype, bool, bool, str, dict]]:
         out.append((f"rmsnorm K{K} bf16 blocked colwise + row operand", K, torch.bfloat16, True, True, "rceil",
                     FORWARD_OPERAND))
         out.append((f"dual-cast K{K} bf16 operands", K, torch.bfloat16, False, True, "rceil", BOTH_OPERANDS))
+    for K in (1024, 4096):
+        for name, outputs in zip(("row", "col"), SILU_OPERANDS):
+            out.append((f"silu-cast K{K} bf16 {name} operand", K, torch.bfloat16, False, True, "rceil", outputs))
     out.append(("rmsnorm K1024 fp32 plain", 1024, torch.float32, True, False, "rceil", {}))
     out.append(("rmsnorm K1024 fp16 plain floor", 1024, torch.float16, True, False, "floor", {}))
     out.append(("dual-cast K1024 fp32 blocked", 1024, torch.float32, False, True, "rceil", {}))
