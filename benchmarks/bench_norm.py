@@ -11,7 +11,10 @@ Rows per shape (group `norm MxK`):
   triton               `rms_norm_quantize(backend="triton")`
   torch.compile        of `rms_norm_quantize_reference` (RMSNorm + both casts, unfused)
   quack rmsnorm_fwd    BF16 RMSNorm only (reads x, writes BF16 y): what copy speed looks like for a norm
-and per shape a `dual MxK` group: `quantize_dual` on cute beside Triton and the copy.
+and per shape a `dual MxK` group: `quantize_dual` on cute beside Triton and the copy; with `--casts`, a `casts MxK`
+group: each cast the MX linears make on the cuBLAS route (`triton_gemm._casts`: the forward operand with and
+without the norm, the SiLU operand, dY's two operands with its column sums) by the CuTe kernel and by the Triton
+kernel (`triton_gemm.CUTE_CASTS` on / off), the outputs compared byte for byte (`same` in the JSON).
 TB/s counts x read once plus every byte written (payloads, scales, rstd); quack's rows count its own bytes. Each
 of our rows is checked byte for byte (`exact` in the JSON): payloads and scales against the reference quantization of
 y computed with the kernel's rstd, rstd within 4 ulp of the FP64 value.
@@ -141,6 +144,65 @@ def dual_group(bench: Bench, M: int, K: int) -> None:
     torch.cuda.empty_cache()
 
 
+# what each call site of the MX linears asks `_casts` for (`benchmarks.bench_norm --casts`)
+CAST_CALLS = {
+    "forward operand + colwise, norm": dict(norm=True, rowwise=False, colwise=True, row_operand=True),
+    "forward operand + colwise": dict(norm=False, rowwise=False, colwise=True, row_operand=True),
+    "SiLU forward operand": dict(norm=False, rowwise=False, colwise=False, row_operand=True, activation="silu"),
+    "dY operands + column sums": dict(norm=False, rowwise=False, colwise=False, row_operand=True, col_operand=True,
+                                      column_sums=True),
+}
+
+
+def _cast_tensors(out) -> list:
+    """Every tensor a `_casts` call wrote (None where not asked for), in a fixed order."""
+    mx = [t for m in (out.rowwise, out.colwise) for t in ((None, None) if m is None else (m.data, m.scale))]
+    return [out.row_operand, out.col_operand, out.rstd, *mx]
+
+
+def _same_bytes(a, b) -> bool:
+    if (a is None) != (b is None):
+        return False
+    return a is None or (a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                            b.contiguous().view(torch.uint8)))
+
+
+def casts_group(bench: Bench, M: int, K: int) -> None:
+    from gem_lp.norm_gemm import triton_gemm as tg
+
+    group = f"casts {M}x{K}"
+    g = torch.Generator(device=DEV).manual_seed(M + 3 * K)
+    x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+    w = (torch.rand(K, device=DEV, generator=g) + 0.5).bfloat16()
+    rows = tg.gemm_rows(M)
+    saved = tg.CUTE_CASTS
+    try:
+        for call, opts in CAST_CALLS.items():
+            opts = dict(opts)
+            weight = w if opts.pop("norm") else None
+
+            def run(opts=opts, weight=weight):
+                return tg._casts(x, weight, EPS, scaling="rceil", operand_rows=rows, **opts)
+
+            outs = {}
+            for on in (True, False):
+                tg.CUTE_CASTS = on
+                outs[on] = run()
+            # rstd and the normalized casts may differ in last bits (the kernels sum squares in other orders);
+            # column sums are atomic adds in any order: neither is compared
+            same = all(_same_bytes(a, b) for a, b in zip(_cast_tensors(outs[True]), _cast_tensors(outs[False]))) \
+                if weight is None else None
+            nbytes = moved_bytes(x, [*_cast_tensors(outs[True]), outs[True].column_sums])
+            for on, name in ((True, "ours cute"), (False, "triton")):
+                tg.CUTE_CASTS = on
+                label = f"{call}: {name}" + ("" if same is None or not on else tag(same))
+                bench.time(group, label, run, nbytes=nbytes, same=same, peer=not on)
+    finally:
+        tg.CUTE_CASTS = saved
+    del x
+    torch.cuda.empty_cache()
+
+
 def _ints(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
@@ -157,6 +219,7 @@ def main() -> None:
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="row widths K (multiples of 32), comma-separated")
     ap.add_argument("--no-candidates", action="store_true", help="time only the launch table's launch")
     ap.add_argument("--no-dual", action="store_true", help="skip the dual cast groups")
+    ap.add_argument("--casts", action="store_true", help="also the MX linears' casts, CuTe against Triton")
     args = ap.parse_args()
     ms, ks = _ints(args.ms, "--ms", ap), _ints(args.ks, "--ks", ap)
     if any(k % 32 for k in ks):
@@ -170,6 +233,8 @@ def main() -> None:
             groups = [("norm", lambda: norm_group(bench, M, K, candidates=not args.no_candidates))]
             if not args.no_dual:
                 groups.append(("dual", lambda: dual_group(bench, M, K)))
+            if args.casts:
+                groups.append(("casts", lambda: casts_group(bench, M, K)))
             for what, run in groups:
                 try:
                     run()
