@@ -1,0 +1,40 @@
+"""`triton_gemm._casts` on the CPU: the Triton kernels' call unless `CUTE_CASTS` and the CuTe kernel can run; what it
+hands the CuTe launch and how it assembles the outputs (the launch replaced by a recorder)."""
+import torch
+
+from gem_lp.norm.cute import launch as cute_launch
+from gem_lp.norm_gemm import triton_gemm as tg
+
+
+def test_off_or_not_runnable_goes_to_triton(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tg, "rms_norm_mx", lambda x, w, eps, **kw: calls.append(kw) or "triton")
+    x = torch.randn(8, 64)
+    assert tg._casts(x, None, scaling="rceil", row_operand=True) == "triton"  # CUTE_CASTS is off
+    monkeypatch.setattr(tg, "CUTE_CASTS", True)
+    assert tg._casts(x, None, scaling="rceil", row_operand=True) == "triton"  # a CPU tensor: the CuTe kernel cannot
+    assert tg._casts(x, None, scaling="rceil", operand_dtype=torch.float32) == "triton"
+    assert len(calls) == 3 and calls[0]["row_operand"] and calls[0]["rowwise"] and calls[0]["colwise"]
+
+
+def test_cute_launch_gets_the_call_and_its_outputs_are_assembled(monkeypatch):
+    seen = {}
+
+    def record(x, weight, eps, **kw):
+        seen.update(kw, eps=eps, weight=weight)
+        M, K = x.shape
+        blocked = torch.zeros(512, dtype=torch.uint8)
+        return cute_launch.NormCastOutputs(
+            None, None, torch.zeros(K, M, dtype=torch.uint8), blocked, torch.ones(M), torch.zeros(kw["operand_rows"], K),
+            None, None)
+
+    monkeypatch.setattr(tg, "CUTE_CASTS", True)
+    monkeypatch.setattr(tg, "_cute_casts_run", lambda x: True)
+    monkeypatch.setattr(cute_launch, "norm_mx_cast", record)
+    x, g = torch.randn(8, 64), torch.ones(64)
+    out = tg._casts(x, g, 1e-5, scaling="floor", rowwise=False, colwise=True, row_operand=True, operand_rows=16)
+    assert seen == dict(scaling="floor", blocked_scales=True, rowwise=False, colwise=True, row_operand=True,
+                        col_operand=False, operand_rows=16, column_sums=False, activation=None, eps=1e-5, weight=g)
+    assert out.rowwise is None and out.col_operand is None and out.column_sums is None
+    assert out.colwise.scale_layout == "blocked" and out.colwise.orig_dtype == torch.float32  # normalized: FP32 y
+    assert out.colwise.scaling == "floor" and out.row_operand.shape == (16, 64) and out.rstd.shape == (8,)
