@@ -35,7 +35,8 @@ def _bound(value, name: str) -> int:
     return value
 
 
-def _trusted_offsets(q: torch.Tensor, q_offsets, kv_offsets, broadcast_q: bool, max_seqlen_q, max_seqlen_k) -> bool:
+def _trusted_offsets(q: torch.Tensor, k_rows: int, q_offsets, kv_offsets, broadcast_q: bool, max_seqlen_q,
+                     max_seqlen_k) -> bool:
     """Whether the call takes its offsets unchecked (see `jagged_attention`'s `max_seqlen_q`); checks what needs
     no host sync: the bounds, the offsets' form and device, and q_offsets against kv_offsets in length."""
     if max_seqlen_q is not None:
@@ -63,6 +64,8 @@ def _trusted_offsets(q: torch.Tensor, q_offsets, kv_offsets, broadcast_q: bool, 
     if len(given) == 2 and q_offsets.shape != kv_offsets.shape:
         raise ValueError(f"q_offsets and kv_offsets must describe the same number of sequences, got "
                          f"B={q_offsets.numel() - 1} and B={kv_offsets.numel() - 1}")
+    if not broadcast_q and kv_offsets is None and k_rows != q.shape[0]:
+        raise ValueError(f"kv_offsets=None means self-attention: k must have Tq={q.shape[0]} rows, got {k_rows}")
     return True
 
 
@@ -121,7 +124,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     else:
         raise ValueError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
 
-    trusted = _trusted_offsets(q, q_offsets, kv_offsets, broadcast_q, max_seqlen_q, max_seqlen_k)
+    trusted = _trusted_offsets(q, k.shape[0], q_offsets, kv_offsets, broadcast_q, max_seqlen_q, max_seqlen_k)
     if trusted:
         q_offs = kv_offs = None
     elif broadcast_q:

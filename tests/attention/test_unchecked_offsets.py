@@ -48,6 +48,8 @@ def test_unchecked_offsets_argument_errors():
         jagged_attention(q[:4], k, v, torch.tensor([0, 4]), offs, broadcast_q=True, max_seqlen_k=64)
     with pytest.raises(ValueError, match="same number of sequences"):
         jagged_attention(q, k, v, offs, offs[:-1], max_seqlen_q=64, max_seqlen_k=64)
+    with pytest.raises(ValueError, match="self-attention: k must have Tq=70 rows, got 69"):
+        jagged_attention(q, k[:-1], v[:-1], offs, max_seqlen_q=64, max_seqlen_k=64)
     with pytest.raises(TypeError, match="q_offsets must be int32 or int64"):
         jagged_attention(q, k, v, offs.float(), max_seqlen_q=64, max_seqlen_k=64)
 
