@@ -18,8 +18,9 @@ rows wider than one CTA holds, and shares the rows' partial sums of squares thro
    `col_stride` bytes apart, a multiple of 16): 8 bytes per column (the strip's 8 rows are consecutive in `y^T`).
    The dequantized casts, the operands a BF16 GEMM multiplies exactly on Hopper (which has no block-scaled MMA),
    come from the same payload words: E4M3 -> FP16 by the hardware conversion, times the block's scale in FP32,
-   rounded to BF16; 16 bytes per row of the strip (`deq(rowwise) [M, K]`) and per column (`deq(colwise)` as
-   `y^T`). Each output is compiled in or out (`rowwise`, `colwise`, `row_operand`, `col_operand`).
+   rounded to BF16; both laid out as y, 16 bytes per row of the strip (the colwise one's 8x8 strip turned by
+   `prmt`). Each output is compiled in or out (`rowwise`, `colwise`, `row_operand`, `col_operand`; without the
+   norm also x's column sums, atomically per 32-row block, and y = SiLU(x) computed on the fly).
 5. Scales: plain matrices straight from the lanes; the 128x4 blocked layout (zero padding included: the grid rounds
    the row blocks up to 128 rows, CTAs past M cast zero rows) through shared memory, so that a row's 4 scales of a
    128-column group leave as one 4-byte word: single-byte stores were a third of the kernel's L2 requests, and the
