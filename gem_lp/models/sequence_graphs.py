@@ -14,11 +14,12 @@ backward fails on the H200 ("operation would make the legacy stream depend on a 
 and 1024 samples it captures and replays exactly. A failed capture raises, naming the setting that turns the graphs
 off.
 
-Each bucket's graph keeps its own saved activations (what the forward keeps for its backward, for a batch of the
-bucket's rows), so memory grows with the number of buckets: at most `max_buckets` are captured, only for buckets of
-at most `max_rows` rows, and any other batch runs eagerly. The row bound keeps long histories eager: there the GPU's
-work per step dwarfs the host's (MXFP8 at 2.9M tokens a batch: about 94 ms a step, GPU-bound) and one bucket would
-keep about 12 GB.
+The graphs of all buckets share one memory pool: a step replays one bucket's forward and then its backward, never
+another bucket's in between, so what one bucket keeps from its forward for its backward can take the memory that
+another's kept; only each graph's outputs and gradients are its own. At most `max_buckets` are captured, only for
+buckets of at most `max_rows` rows, and any other batch runs eagerly. The row bound keeps long histories eager:
+there the GPU's work per step dwarfs the host's (4x the GPU config's history, about 900k rows: GPU-bound, and
+graphs measured no faster) and a capture costs as much memory again as an eager step.
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class SequenceGraphs:
         self.max_buckets, self.max_rows = max_buckets, max_rows
         self.graphs: dict[tuple[int, int], _GraphedPart] = {}  # (bucket rows, batch size) -> the graphed part
         self.eager_batches = 0  # batches whose bucket had no graph and could not have one
+        self.pool = None  # the memory pool all the graphs share, made at the first capture
 
     def __call__(self, tokens: torch.Tensor, host_offsets: torch.Tensor, q_query: torch.Tensor,
                  q_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -127,8 +129,11 @@ class SequenceGraphs:
             return sample.requires_grad_(t.requires_grad)
 
         offsets = padded_offsets(host_offsets, rows).to(tokens.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         try:
-            return _GraphedPart(part, (like(tokens, (rows, tokens.shape[1])), offsets, like(q_query), like(q_target)))
+            return _GraphedPart(part, (like(tokens, (rows, tokens.shape[1])), offsets, like(q_query), like(q_target)),
+                                self.pool)
         except RuntimeError as e:
             raise RuntimeError(f"capturing the sequence part for {rows} rows ({offsets.numel() - 1} sequences) "
                                f"failed: {e}. Run it eagerly: trainer.sequence_graph_buckets=0 (or do not call "
@@ -137,11 +142,11 @@ class SequenceGraphs:
 
 class _GraphedPart:
     """`module` captured as two CUDA graphs, its forward and the backward of its outputs to its differentiable inputs
-    and parameters, replayed under autograd by `__call__` (as `torch.cuda.make_graphed_callables` does). Captured
-    with `capture_error_mode="thread_local"`: the data loader's pinning thread calls CUDA while a step runs, which
-    the global mode counts against the capture."""
+    and parameters, replayed under autograd by `__call__` (as `torch.cuda.make_graphed_callables` does), both in the
+    memory pool `pool`. Captured with `capture_error_mode="thread_local"`: the data loader's pinning thread calls
+    CUDA while a step runs, which the global mode counts against the capture."""
 
-    def __init__(self, module: nn.Module, sample_args: tuple, warmup_iters: int = 3):
+    def __init__(self, module: nn.Module, sample_args: tuple, pool, warmup_iters: int = 3):
         self.inputs = tuple(sample_args)
         self.surface = self.inputs + tuple(module.parameters())
         differentiable = tuple(t for t in self.surface if t.requires_grad)
@@ -153,10 +158,10 @@ class _GraphedPart:
             del outputs
         torch.cuda.synchronize()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = tuple(module(*sample_args))
         self.grad_outputs = tuple(torch.empty_like(o) for o in self.outputs)
-        with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
             grads = iter(torch.autograd.grad(self.outputs, differentiable, self.grad_outputs))
         self.grad_inputs = tuple(next(grads) if t.requires_grad else None for t in self.surface)
 

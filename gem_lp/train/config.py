@@ -69,10 +69,10 @@ class TrainerConfig:
     # true needs one process on a CUDA device; None (default) uses them there and not elsewhere
     cuda_graphs: bool | None = None
     # With cuda_graphs: the sequence part of training steps from CUDA graphs too, one per bucket of token counts
-    # (gem_lp.models.sequence_graphs), at most this many (each keeps its own saved activations; 0: none), for
+    # (gem_lp.models.sequence_graphs), at most this many (sharing one memory pool; 0: none), for
     # batches of at most sequence_graph_max_tokens packed tokens (longer ones are GPU-bound: eager)
     sequence_graph_buckets: int = 4
-    sequence_graph_max_tokens: int = 1 << 20
+    sequence_graph_max_tokens: int = 1 << 19
     tensorboard: bool = True
     # Under torchrun (several processes; see gem_lp.train.sharding): how the embedding tables are spread over the
     # ranks, per-table overrides ({table: table_wise | row_wise | column_wise}), and how long a collective waits
