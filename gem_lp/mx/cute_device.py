@@ -116,11 +116,12 @@ def store_v4_u32(addr: Int64, offset: int, a: Int32, b: Int32, c: Int32, d: Int3
 
 
 @dsl_user_op
-def red_add_f32(addr: Int64, offset: int, v: Float32, ok: Int32, *, loc=None, ip=None) -> None:
-    """Atomically add `v` to the FP32 at global `addr + offset` (`offset` a constant) when `ok` != 0."""
-    _asm(None, [Int64(addr), Float32(v), Int32(ok)],
-         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
-         f"@p red.global.add.f32 [$0+{int(offset)}], $1;\n\t}}", "l,f,r", loc, ip, side_effects=True)
+def red_add_f32x2(addr: Int64, offset: int, a: Float32, b: Float32, ok: Int32, *, loc=None, ip=None) -> None:
+    """Atomically add `a` and `b` to the two FP32 at global `addr + offset` (8-byte aligned; `offset` a constant)
+    when `ok` != 0: one vector reduction (sm_90 and later)."""
+    _asm(None, [Int64(addr), Float32(a), Float32(b), Int32(ok)],
+         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\t"
+         f"@p red.global.add.v2.f32 [$0+{int(offset)}], {{$1, $2}};\n\t}}", "l,f,f,r", loc, ip, side_effects=True)
 
 
 @dsl_user_op

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.gpu
 require_cute_gpu()
 
 from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
+from gem_lp.numerics import sqnr_db  # noqa: E402
 
 DEV = "cuda"
 
@@ -70,8 +71,14 @@ def test_each_cast_writes_the_triton_bytes(cute_casts, call, M, K):
             assert_same_bytes(b, a, f"{call} {name}")
     if norm:
         assert_same_bytes(cute.rstd, triton.rstd, f"{call} rstd")
-    if opts.get("column_sums"):  # atomics in other orders: within FP32 rounding of each other
-        torch.testing.assert_close(cute.column_sums, triton.column_sums, rtol=1e-5, atol=1e-5, equal_nan=True)
+    if opts.get("column_sums"):
+        # atomics in other orders: each within FP32 rounding of the exact sum, which scales with the column's sum of
+        # magnitudes (x's columns cancel, so the sums themselves can be far smaller)
+        finite = ~torch.isnan(triton.column_sums)
+        assert torch.equal(finite, ~torch.isnan(cute.column_sums)), "NaN columns"
+        bound = 1e-5 * x.float().abs().sum(0)
+        error = (cute.column_sums - triton.column_sums).abs()
+        assert (error[finite] <= bound[finite]).all(), f"column sums differ by up to {error[finite].max()}"
 
 
 @pytest.mark.parametrize("layer", ["linear", "linear_silu", "norm_linear"])
@@ -99,8 +106,11 @@ def test_a_layer_trains_the_same(cute_casts, layer, M, K, N):
         y.backward(dy)
         results.append([y.detach(), *(t.grad for t in leaves)])
     for i, (a, b) in enumerate(zip(*results)):
-        # the bias gradient comes from column sums added atomically (in another order each run); with the norm,
-        # the two kernels' rstd may differ in the last bits (other summation orders), and so may the casts
-        exact = layer != "norm_linear" and i != len(results[0]) - 1
-        tol = dict(rtol=0, atol=0) if exact else dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(b, a, **tol, msg=lambda m: f"output {i}: {m}")
+        if layer != "norm_linear" and i != len(results[0]) - 1:
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"output {i}: {m}")
+        else:
+            # the bias gradient comes from column sums added atomically (in another order each run); with the
+            # norm, the two kernels' rstd may differ in the last bits (other summation orders), which moves an
+            # element across an E4M3 rounding boundary now and then: a few elements of Y and the gradients differ
+            # by one E4M3 step of one product, far below the MX recipe's own error (~30 dB)
+            assert sqnr_db(b.float(), a.float()) >= 45, f"output {i}: {sqnr_db(b.float(), a.float()):.1f} dB"
