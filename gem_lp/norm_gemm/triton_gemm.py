@@ -652,20 +652,23 @@ def clear_weight_cache() -> None:
     _BIAS_CACHE.clear()
 
 
-# The MX linears' casts on the CuTe norm kernel (`gem_lp.norm.cute`, 2.5-3x the Triton kernel's bandwidth as a norm
-# at jagged token counts) where it writes what a call asks for (BF16 operands), the same bytes as `rms_norm_mx`. Off
-# until its GPU tests pass and a training step measures it faster.
-CUTE_CASTS = False
+# Which of the MX linears' casts run on the CuTe norm kernel (`gem_lp.norm.cute`), per arch: those with the RMSNorm
+# at K >= the entry. Measured on the H200 (docs/PERF.md, the casts table): the norm's casts ran 1.3-2.6x faster on the
+# CuTe kernel at K = 1024 and 4096 and slower at K = 256; the casts without the norm, as fast or slower. The CuTe
+# kernel writes the same bytes (GPU tests). Other arches: no measurement, the Triton kernels.
+CUTE_NORM_CASTS_FROM_K = {"sm_90a": 1024}
+# Tests force one kernel: True, every cast the CuTe kernel can write; False, none; None, the table above.
+CUTE_CASTS: bool | None = None
 
 
 def _casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str, rowwise: bool = True,
            colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
            operand_dtype: torch.dtype = torch.bfloat16, operand_rows: int | None = None, column_sums: bool = False,
            activation: str | None = None) -> NormMXOutputs:
-    """`rms_norm_mx`'s outputs (blocked scales), from the CuTe kernel when `CUTE_CASTS` and it can write them."""
+    """`rms_norm_mx`'s outputs (blocked scales), from the CuTe kernel where `_cute_cast` chooses it."""
     kw = dict(scaling=scaling, rowwise=rowwise, colwise=colwise, row_operand=row_operand, col_operand=col_operand,
               operand_dtype=operand_dtype, operand_rows=operand_rows, column_sums=column_sums, activation=activation)
-    if not (CUTE_CASTS and operand_dtype == torch.bfloat16 and _cute_casts_run(x)):
+    if not (operand_dtype == torch.bfloat16 and _cute_cast(x, weight)):
         return rms_norm_mx(x, weight, eps, **kw)
     from ..norm.cute.launch import norm_mx_cast
 
@@ -679,6 +682,19 @@ def _casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, sc
         colwise=None if out.col_data is None else MXTensor(out.col_data, out.col_scale, "1d", 1, scaling, orig,
                                                            "blocked"),
         rstd=out.rstd, row_operand=out.row_operand, col_operand=out.col_operand, column_sums=out.column_sums)
+
+
+def _cute_cast(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """The cast of `x` (normalized by `weight` unless None) runs on the CuTe kernel: `CUTE_CASTS` when set, else
+    `CUTE_NORM_CASTS_FROM_K` for the device's arch; and only where the kernel can run."""
+    if CUTE_CASTS is False or not _cute_casts_run(x):
+        return False
+    if CUTE_CASTS:
+        return True
+    from ..norm.cute.launch import device_arch
+
+    from_k = CUTE_NORM_CASTS_FROM_K.get(device_arch(x.device))
+    return weight is not None and from_k is not None and x.shape[-1] >= from_k
 
 
 def _cute_casts_run(x: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""`triton_gemm._casts` on the CPU: the Triton kernels' call unless `CUTE_CASTS` and the CuTe kernel can run; what it
+"""`triton_gemm._casts` on the CPU: the Triton kernels' call unless the CuTe kernel can run and is chosen (`CUTE_CASTS`,
+else the per-arch table); what it
 hands the CuTe launch and how it assembles the outputs (the launch replaced by a recorder)."""
 import torch
 
@@ -10,7 +11,7 @@ def test_off_or_not_runnable_goes_to_triton(monkeypatch):
     calls = []
     monkeypatch.setattr(tg, "rms_norm_mx", lambda x, w, eps, **kw: calls.append(kw) or "triton")
     x = torch.randn(8, 64)
-    assert tg._casts(x, None, scaling="rceil", row_operand=True) == "triton"  # CUTE_CASTS is off
+    assert tg._casts(x, None, scaling="rceil", row_operand=True) == "triton"  # the table's choice, and a CPU tensor
     monkeypatch.setattr(tg, "CUTE_CASTS", True)
     assert tg._casts(x, None, scaling="rceil", row_operand=True) == "triton"  # a CPU tensor: the CuTe kernel cannot
     assert tg._casts(x, None, scaling="rceil", operand_dtype=torch.float32) == "triton"
@@ -38,3 +39,20 @@ def test_cute_launch_gets_the_call_and_its_outputs_are_assembled(monkeypatch):
     assert out.rowwise is None and out.col_operand is None and out.column_sums is None
     assert out.colwise.scale_layout == "blocked" and out.colwise.orig_dtype == torch.float32  # normalized: FP32 y
     assert out.colwise.scaling == "floor" and out.row_operand.shape == (16, 64) and out.rstd.shape == (8,)
+
+
+def test_the_table_chooses_the_norm_casts_from_its_width(monkeypatch):
+    monkeypatch.setattr(tg, "_cute_casts_run", lambda x: True)
+    monkeypatch.setattr(cute_launch, "device_arch", lambda device: "sm_90a")
+    from_k = tg.CUTE_NORM_CASTS_FROM_K["sm_90a"]
+    g = torch.ones(from_k)
+    assert tg._cute_cast(torch.randn(4, from_k), g)
+    assert not tg._cute_cast(torch.randn(4, from_k - 32), g[32:])
+    assert not tg._cute_cast(torch.randn(4, from_k), None)  # no norm: the Triton casts
+    monkeypatch.setattr(cute_launch, "device_arch", lambda device: "sm_100a")  # not measured there
+    assert not tg._cute_cast(torch.randn(4, from_k), g)
+    monkeypatch.setattr(tg, "CUTE_CASTS", True)
+    assert tg._cute_cast(torch.randn(4, 64), None)
+    monkeypatch.setattr(tg, "CUTE_CASTS", False)
+    monkeypatch.setattr(cute_launch, "device_arch", lambda device: "sm_90a")
+    assert not tg._cute_cast(torch.randn(4, from_k), g)
