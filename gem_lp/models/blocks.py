@@ -106,7 +106,7 @@ class JaggedSelfAttentionBlock(nn.Module):
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
         # unbind, not three selects: its backward is one stack into dQKV, where each select's backward would
         # write a zero-filled [T, 3, H, D] tensor and the three would then be added up. The views go to
-        # attention as they are: its MXFP8 producer pass reads them in place (its BF16 path copies them).
+        # attention as they are: its MXFP8 producer pass and FA4 (BF16) read them in place.
         q, k, v = qkv.unbind(1)
         attn = self.ops.attention(q, k, v, offsets, causal=self.causal, max_length=max_length)
         x = x + self.out(attn.reshape(t, self.num_heads * self.head_dim))

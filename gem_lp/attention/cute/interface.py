@@ -124,7 +124,9 @@ class CuteAttention(torch.autograd.Function):
 
         if precision == "bf16":
             dt = _kernel_dtype(q)
-            q_, k_, v_ = (t.to(dt).contiguous() for t in (q, k, v))
+            # views into a fused projection go to FA4 as they are: it takes token rows at any 16-byte aligned
+            # stride (its `maybe_contiguous` copies only what its kernels cannot read)
+            q_, k_, v_ = (t.to(dt) for t in (q, k, v))
             out, lse = fa4._flash_attn_fwd(
                 _repeat_q(q_, vb), k_, v_, cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=vb.max_q,
                 max_seqlen_k=vb.max_k, softmax_scale=scale, causal=causal, return_lse=True)[:2]
@@ -159,7 +161,7 @@ class CuteAttention(torch.autograd.Function):
         if ctx.precision == "bf16":
             q, k, v = inputs
             dt = _kernel_dtype(q)
-            q_, k_, v_ = (t.to(dt).contiguous() for t in (q, k, v))
+            q_, k_, v_ = (t.to(dt) for t in (q, k, v))
             dq, dk, dv = fa4._flash_attn_bwd(
                 _repeat_q(q_, vb), k_, v_, out, d_out.to(out.dtype), lse, softmax_scale=ctx.scale, causal=ctx.causal,
                 cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=max(vb.max_q, _BWD_MAX_SEQLEN_FLOOR),
