@@ -177,7 +177,8 @@ class GemRanker(nn.Module):
         per bucket of token counts when a batch of the bucket first comes, at most `max_buckets` of them and for
         buckets of at most `max_rows` rows (`gem_lp.models.sequence_graphs`). Needs the model on a CUDA device and
         batches that carry their host sequence lengths (as the trainer's loaders make them); parameters must be
-        updated in place. Call after a training step (every kernel built)."""
+        updated in place; each training forward's backward must run before the next training forward (the graphs
+        share their buffers and one memory pool). Call after a training step (every kernel built)."""
         device = next(self.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"capture_sequence_graphs needs the model on a CUDA device, got {device}")
