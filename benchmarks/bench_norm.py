@@ -14,7 +14,9 @@ Rows per shape (group `norm MxK`):
 and per shape a `dual MxK` group: `quantize_dual` on cute beside Triton and the copy; with `--casts`, a `casts MxK`
 group: each cast the MX linears make on the cuBLAS route (`triton_gemm._casts`: the forward operand with and
 without the norm, the SiLU operand, dY's two operands with its column sums) by the CuTe kernel and by the Triton
-kernel (`triton_gemm.CUTE_CASTS` on / off), the outputs compared byte for byte (`same` in the JSON).
+kernel (`triton_gemm.CUTE_CASTS` on / off), the outputs compared byte for byte (`same` in the JSON); with
+`--backward`, a `norm backward MxK` group: the Triton norm backward the MX linears use (its launch candidates too)
+beside quack's `rmsnorm_bwd` (`--only casts|backward` runs just those groups).
 TB/s counts x read once plus every byte written (payloads, scales, rstd); quack's rows count its own bytes. Each
 of our rows is checked byte for byte (`exact` in the JSON): payloads and scales against the reference quantization of
 y computed with the kernel's rstd, rstd within 4 ulp of the FP64 value.
@@ -203,6 +205,54 @@ def casts_group(bench: Bench, M: int, K: int) -> None:
     torch.cuda.empty_cache()
 
 
+# (block_m, num_warps) of the Triton norm backward timed beside its launch table's
+BACKWARD_CANDIDATES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8), (64, 16))
+
+
+def backward_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
+    """The RMSNorm backward as the MX linears run it (dY of the normalized x in FP32, from the GEMM that makes it):
+    ours (Triton, `rms_norm_backward`) at its table's launch and the candidates, beside quack's `rmsnorm_bwd` on the
+    same FP32 dY and on BF16 dY (what the BF16 model's norm sees), and a copy of the same bytes. dx checked against
+    the FP64 formula (largest error over the largest |dx|, `dx_rel_err` in the JSON; BF16 rounding alone: ~2^-9)."""
+    from gem_lp.norm_gemm.triton_norm import rms_norm_backward
+
+    group = f"norm backward {M}x{K}"
+    g = torch.Generator(device=DEV).manual_seed(M + 5 * K)
+    x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+    w = torch.rand(K, device=DEV, generator=g) + 0.5  # the modules keep the norm weight in FP32
+    dy = torch.randn(M, K, device=DEV, generator=g)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + EPS)
+    xhat = x.double() * rstd.double()[:, None]
+    dxhat = dy.double() * w.double()
+    want = rstd.double()[:, None] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+
+    def rel_err(dx: torch.Tensor) -> float:
+        return float((dx.double() - want).abs().max() / want.abs().max())
+
+    nbytes = x.numel() * (x.element_size() + dy.element_size() + x.element_size())
+    copy_row(bench, group, nbytes)
+    runs = [("ours triton (table)", {})]
+    if candidates:
+        runs += [(f"ours triton block_m={bm} warps={nw}", dict(block_m=bm, num_warps=nw))
+                 for bm, nw in BACKWARD_CANDIDATES]
+    for name, kw in runs:
+        dx, _ = rms_norm_backward(x, w, rstd, dy, **kw)
+        err = rel_err(dx)
+        bench.time(group, name, lambda kw=kw: rms_norm_backward(x, w, rstd, dy, **kw), nbytes=nbytes, dx_rel_err=err)
+    try:
+        from quack.rmsnorm import rmsnorm_bwd
+
+        for label, d in (("FP32 dy", dy), ("BF16 dy", dy.bfloat16())):
+            dx = rmsnorm_bwd(x, w, d, rstd)[0]
+            err = rel_err(dx) if d is dy else None
+            bench.time(group, f"quack rmsnorm_bwd, {label}", lambda d=d: rmsnorm_bwd(x, w, d, rstd), peer=True,
+                       nbytes=x.numel() * (2 * x.element_size() + d.element_size()), dx_rel_err=err)
+    except Exception as e:  # one failing peer must not hide the others
+        print(f"  [{group}] quack: FAILED {type(e).__name__}: {e}", flush=True)
+    del x, dy, want, xhat, dxhat
+    torch.cuda.empty_cache()
+
+
 def _ints(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
@@ -220,6 +270,8 @@ def main() -> None:
     ap.add_argument("--no-candidates", action="store_true", help="time only the launch table's launch")
     ap.add_argument("--no-dual", action="store_true", help="skip the dual cast groups")
     ap.add_argument("--casts", action="store_true", help="also the MX linears' casts, CuTe against Triton")
+    ap.add_argument("--backward", action="store_true", help="also the norm backward, ours against quack's")
+    ap.add_argument("--only", choices=("casts", "backward"), help="only these groups (no norm or dual groups)")
     args = ap.parse_args()
     ms, ks = _ints(args.ms, "--ms", ap), _ints(args.ks, "--ks", ap)
     if any(k % 32 for k in ks):
@@ -230,11 +282,15 @@ def main() -> None:
     bench.copy_bandwidth()
     for K in ks:
         for M in ms:
-            groups = [("norm", lambda: norm_group(bench, M, K, candidates=not args.no_candidates))]
-            if not args.no_dual:
-                groups.append(("dual", lambda: dual_group(bench, M, K)))
-            if args.casts:
+            groups = []
+            if args.only is None:
+                groups.append(("norm", lambda: norm_group(bench, M, K, candidates=not args.no_candidates)))
+                if not args.no_dual:
+                    groups.append(("dual", lambda: dual_group(bench, M, K)))
+            if args.casts or args.only == "casts":
                 groups.append(("casts", lambda: casts_group(bench, M, K)))
+            if args.backward or args.only == "backward":
+                groups.append(("backward", lambda: backward_group(bench, M, K, candidates=not args.no_candidates)))
             for what, run in groups:
                 try:
                     run()
