@@ -686,15 +686,26 @@ def _casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, sc
 
 def _cute_cast(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """The cast of `x` (normalized by `weight` unless None) runs on the CuTe kernel: `CUTE_CASTS` when set, else
-    `CUTE_NORM_CASTS_FROM_K` for the device's arch; and only where the kernel can run."""
-    if CUTE_CASTS is False or not _cute_casts_run(x):
+    `CUTE_NORM_CASTS_FROM_K` for the device's arch; and only where the kernel can run. The table's cheap tests come
+    first: most casts of a training step have no norm or a narrow one."""
+    if CUTE_CASTS is None:
+        if weight is None:
+            return False
+        from_k = CUTE_NORM_CASTS_FROM_K.get(_arch(x))
+        if from_k is None or x.shape[-1] < from_k:
+            return False
+    elif not CUTE_CASTS:
         return False
-    if CUTE_CASTS:
-        return True
+    return _cute_casts_run(x)
+
+
+def _arch(x: torch.Tensor) -> str | None:
+    """The arch of x's GPU (`sm_90a`, ...), None off a GPU."""
+    if not x.is_cuda:
+        return None
     from ..norm.cute.launch import device_arch
 
-    from_k = CUTE_NORM_CASTS_FROM_K.get(device_arch(x.device))
-    return weight is not None and from_k is not None and x.shape[-1] >= from_k
+    return device_arch(x.device)
 
 
 def _cute_casts_run(x: torch.Tensor) -> bool:

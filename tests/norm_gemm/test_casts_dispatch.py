@@ -43,16 +43,16 @@ def test_cute_launch_gets_the_call_and_its_outputs_are_assembled(monkeypatch):
 
 def test_the_table_chooses_the_norm_casts_from_its_width(monkeypatch):
     monkeypatch.setattr(tg, "_cute_casts_run", lambda x: True)
-    monkeypatch.setattr(cute_launch, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(tg, "_arch", lambda x: "sm_90a")
     from_k = tg.CUTE_NORM_CASTS_FROM_K["sm_90a"]
     g = torch.ones(from_k)
     assert tg._cute_cast(torch.randn(4, from_k), g)
     assert not tg._cute_cast(torch.randn(4, from_k - 32), g[32:])
     assert not tg._cute_cast(torch.randn(4, from_k), None)  # no norm: the Triton casts
-    monkeypatch.setattr(cute_launch, "device_arch", lambda device: "sm_100a")  # not measured there
+    monkeypatch.setattr(tg, "_arch", lambda x: "sm_100a")  # not measured there
     assert not tg._cute_cast(torch.randn(4, from_k), g)
     monkeypatch.setattr(tg, "CUTE_CASTS", True)
     assert tg._cute_cast(torch.randn(4, 64), None)
     monkeypatch.setattr(tg, "CUTE_CASTS", False)
-    monkeypatch.setattr(cute_launch, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(tg, "_arch", lambda x: "sm_90a")
     assert not tg._cute_cast(torch.randn(4, from_k), g)
