@@ -743,7 +743,7 @@ def weight_operands(weight: torch.Tensor, scaling: str, gemm: str, operand_dtype
         row, col = out.rowwise, out.colwise
     else:
         out = _casts(w, None, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
-                          col_operand=need_col, operand_dtype=operand_dtype)
+                     col_operand=need_col, operand_dtype=operand_dtype)
         row, col = out.row_operand, out.col_operand
     entry = WeightOperands(weight._version, weight.data_ptr(), row, col)
     if not capturing:
@@ -833,7 +833,7 @@ def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = 
         out = _casts(dy, None, scaling=scaling, rowwise=row, colwise=col, column_sums=column_sums)
         return out.rowwise, out.colwise, out.column_sums
     out = _casts(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=row, col_operand=col,
-                      operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums, operand_rows=rows)
+                 operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums, operand_rows=rows)
     return out.row_operand, None if out.col_operand is None else out.col_operand.t(), out.column_sums
 
 
@@ -859,7 +859,7 @@ def _col_operand_of(x: torch.Tensor, activation: str | None, scaling: str, gemm:
     if gemm in _MX_GEMMS:
         return _casts(x, None, scaling=scaling, rowwise=False, colwise=True, activation=activation).colwise
     out = _casts(x, None, scaling=scaling, rowwise=False, colwise=False, col_operand=True,
-                      operand_dtype=operand_dtype_for(x.dtype), operand_rows=rows, activation=activation)
+                 operand_dtype=operand_dtype_for(x.dtype), operand_rows=rows, activation=activation)
     return out.col_operand.t()
 
 
@@ -939,7 +939,7 @@ def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, b
     row_bytes = K * opd.itemsize
     if gemm != "cublas" or M * row_bytes <= FORWARD_OPERAND_MAX_BYTES or x.dtype != out_dtype:
         out = _casts(x, g, eps, scaling=scaling, rowwise=mx_ops, colwise=colwise, row_operand=not mx_ops,
-                          operand_dtype=opd, operand_rows=_rows(M, gemm), activation=activation)
+                     operand_dtype=opd, operand_rows=_rows(M, gemm), activation=activation)
         y = _gemm_nt(out.rowwise if mx_ops else out.row_operand, w_row, gemm, out_dtype, _bias_for(bias, gemm))
         return _first_rows(y, M), out
     out = None  # the colwise cast (and with the norm rstd, which the pass makes as well) by a pass of their own
@@ -950,7 +950,7 @@ def _cast_and_gemm(x: torch.Tensor, g: torch.Tensor | None, eps: float, w_row, b
     for m0 in range(0, M, chunk):
         rows = min(chunk, M - m0)
         op = _casts(x[m0:m0 + rows], g, eps, scaling=scaling, rowwise=False, colwise=False, row_operand=True,
-                         operand_dtype=opd, operand_rows=_rows(rows, gemm), activation=activation).row_operand
+                    operand_dtype=opd, operand_rows=_rows(rows, gemm), activation=activation).row_operand
         if op.shape[0] == rows:  # a full chunk (or a partial one the buckets left unpadded): Y's rows in place
             _gemm_nt(op, w_row, gemm, out_dtype, bias, out=y[m0:m0 + rows])
         else:

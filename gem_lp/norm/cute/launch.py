@@ -55,7 +55,6 @@ def colwise_row_stride(M: int) -> int:
     return max(1, ceil_div(M, COLWISE_ROW_ALIGN)) * COLWISE_ROW_ALIGN
 
 
-
 def device_arch(device: torch.device) -> str:
     return _arch_of(torch.cuda.current_device() if device.index is None else device.index)
 
