@@ -6,9 +6,9 @@
 Builds the trainer from the same Hydra configs as `train.py` (a temporary run directory), runs warm-up steps
 (every kernel built), then profiles `--steps` steps and prints per step: the wall time, the GPU's kernel time, the
 host time (wall less the time the host waits in synchronizing calls), and the kernels and host ops that cost the
-most. When host time is above GPU time, the GPU waits for the host. `--python` runs the same steps under cProfile
-instead (no torch.profiler), prints the Python functions that take the host's time and writes the profile to
-`$OUT/profile_train_step_python.prof`.
+most; the JSON under `$OUT` lists every kernel's time and calls per step. When host time is above GPU time, the GPU
+waits for the host. `--python` runs the same steps under cProfile instead (no torch.profiler), prints the Python
+functions that take the host's time and writes the profile to `$OUT/profile_train_step_python.prof`.
 """
 from __future__ import annotations
 
@@ -71,7 +71,12 @@ def main() -> None:
     host_ms = wall_ms - waits_ms
     result = {"config": args.overrides, "steps": args.steps, "wall_ms_per_step": wall_ms,
               "gpu_kernel_ms_per_step": gpu_ms, "host_ms_per_step": host_ms, "host_wait_ms_per_step": waits_ms,
-              "samples_per_s": trainer.dcfg.batch_size * 1e3 / wall_ms, **trainer._sequence_graph_metrics()}
+              "samples_per_s": trainer.dcfg.batch_size * 1e3 / wall_ms, **trainer._sequence_graph_metrics(),
+              # every kernel of the step (the tables below show the top 15): where two precisions differ
+              "kernels": sorted(({"name": e.key, "ms_per_step": e.self_device_time_total / 1e3 / args.steps,
+                                  "calls_per_step": e.count / args.steps}
+                                 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                                 and e.self_device_time_total > 0), key=lambda k: -k["ms_per_step"])}
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if args.trace:

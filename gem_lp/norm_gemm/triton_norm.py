@@ -840,6 +840,14 @@ def _rms_norm_mx_strips_kernel(
 # ----------------------------------------------------------------------------- backward kernel
 
 
+# (largest K, block_m, num_warps) of `rms_norm_backward`, first match; a row in one tile up to K = 2048, wider rows
+# (16, 8) over 1024-column chunks.
+# Measured on the H200 (`bench_norm --only backward`, docs/PERF.md): at K = 256, 32 rows on 4 warps ran 2.1x the
+# (16, 8) launch at 262143 rows and 1.6x at 32767; at K = 1024, (16, 8) was the fastest of six candidates (32 or
+# more rows spill: 6-8x slower).
+BWD_LAUNCHES = ((256, 32, 4), (2048, 16, 8))
+
+
 @triton.jit(do_not_specialize=["M"])  # M (tokens) changes every batch and is used only in masks
 def _rms_norm_bwd_kernel(
     x_ptr, stride_xm, dy_ptr, stride_dym, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, K: tl.constexpr,
@@ -1407,10 +1415,9 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                          f"{rstd.dtype} {tuple(rstd.shape)} on {rstd.device}")
     if interpreter_enabled():
         bm, bk, nw = 16, min(_pow2_at_least(K, 16), 128), 1
-    elif K <= 2048:
-        bm, bk, nw = 16, _pow2_at_least(K, 16), 8
     else:
-        bm, bk, nw = 16, 1024, 8
+        bm, nw = next(((b, w) for k_max, b, w in BWD_LAUNCHES if K <= k_max), (16, 8))
+        bk = _pow2_at_least(K, 16) if K <= 2048 else 1024
     block_m = bm if block_m is None else block_m
     block_k = bk if block_k is None else block_k
     num_warps = nw if num_warps is None else num_warps
