@@ -696,7 +696,7 @@ def _cute_cast(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
             return False
     elif not CUTE_CASTS:
         return False
-    return _cute_casts_run(x)
+    return _cute_norm_runs(x)
 
 
 def _arch(x: torch.Tensor) -> str | None:
@@ -708,8 +708,9 @@ def _arch(x: torch.Tensor) -> str | None:
     return device_arch(x.device)
 
 
-def _cute_casts_run(x: torch.Tensor) -> bool:
-    """The CuTe norm kernel can cast `x [M, K]` here (a GPU it is built for, the CuTe stack, K within its tables)."""
+def _cute_norm_runs(x: torch.Tensor) -> bool:
+    """The CuTe norm kernels can take `x [M, K]` here (a GPU they are built for, the CuTe stack, K within the cast
+    kernel's tables)."""
     from ..backend import cute_unavailable
 
     if not x.is_cuda or interpreter_enabled() or cute_unavailable(x.device) is not None:
@@ -717,6 +718,26 @@ def _cute_casts_run(x: torch.Tensor) -> bool:
     from ..norm.cute.launch import unsupported
 
     return unsupported(x) is None
+
+
+# Where the norm layers' backward runs on the CuTe kernel (quack's, `gem_lp.norm.cute.backward`) instead of the Triton
+# kernel: measured on the H200 (docs/PERF.md, `bench_norm --only backward`), 1.2x the Triton kernel at its best launch
+# at 262143 x 256 and at 32767 x 1024 (FP32 dY, the GEMM's). Other arches: no measurement, the Triton kernel.
+CUTE_NORM_BACKWARD_ARCHES = ("sm_90a",)
+# Tests force one kernel: True, the CuTe kernel wherever it can run; False, the Triton kernel; None, the table.
+CUTE_NORM_BACKWARD: bool | None = None
+
+
+def _norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                   dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_backward`'s dx and dweight, from the CuTe kernel where `CUTE_NORM_BACKWARD` (or its table) chooses it
+    and it can run."""
+    wanted = _arch(x) in CUTE_NORM_BACKWARD_ARCHES if CUTE_NORM_BACKWARD is None else CUTE_NORM_BACKWARD
+    if not (wanted and _cute_norm_runs(x)):
+        return rms_norm_backward(x, weight, rstd, dy)
+    from ..norm.cute.backward import rms_norm_backward_cute
+
+    return rms_norm_backward_cute(x, weight, rstd, dy)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -1048,7 +1069,7 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
             torch.float32, w_dtype, need_dyn, need_w, need_b, rows)
         dx = dg = None
         if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
-            dx, dg = rms_norm_backward(x, norm_weight, rstd, dyn)
+            dx, dg = _norm_backward(x, norm_weight, rstd, dyn)
             dg = _as_dtype(dg, g_dtype)
         return dx, dg, dw, _as_dtype(db, b_dtype), None, None, None
 

@@ -1,6 +1,6 @@
-"""`triton_gemm._casts` on the CPU: the Triton kernels' call unless the CuTe kernel can run and is chosen (`CUTE_CASTS`,
-else the per-arch table); what it
-hands the CuTe launch and how it assembles the outputs (the launch replaced by a recorder)."""
+"""`triton_gemm._casts` and `_norm_backward` on the CPU: the Triton kernels' call unless the CuTe kernel can run and is
+chosen (`CUTE_CASTS` / `CUTE_NORM_BACKWARD`, else the per-arch tables); what `_casts` hands the CuTe launch and how it
+assembles the outputs (the launch replaced by a recorder)."""
 import torch
 
 from gem_lp.norm.cute import launch as cute_launch
@@ -30,7 +30,7 @@ def test_cute_launch_gets_the_call_and_its_outputs_are_assembled(monkeypatch):
             None, None)
 
     monkeypatch.setattr(tg, "CUTE_CASTS", True)
-    monkeypatch.setattr(tg, "_cute_casts_run", lambda x: True)
+    monkeypatch.setattr(tg, "_cute_norm_runs", lambda x: True)
     monkeypatch.setattr(cute_launch, "norm_mx_cast", record)
     x, g = torch.randn(8, 64), torch.ones(64)
     out = tg._casts(x, g, 1e-5, scaling="floor", rowwise=False, colwise=True, row_operand=True, operand_rows=16)
@@ -42,7 +42,7 @@ def test_cute_launch_gets_the_call_and_its_outputs_are_assembled(monkeypatch):
 
 
 def test_the_table_chooses_the_norm_casts_from_its_width(monkeypatch):
-    monkeypatch.setattr(tg, "_cute_casts_run", lambda x: True)
+    monkeypatch.setattr(tg, "_cute_norm_runs", lambda x: True)
     monkeypatch.setattr(tg, "_arch", lambda x: "sm_90a")
     from_k = tg.CUTE_NORM_CASTS_FROM_K["sm_90a"]
     g = torch.ones(from_k)
@@ -56,3 +56,24 @@ def test_the_table_chooses_the_norm_casts_from_its_width(monkeypatch):
     monkeypatch.setattr(tg, "CUTE_CASTS", False)
     monkeypatch.setattr(tg, "_arch", lambda x: "sm_90a")
     assert not tg._cute_cast(torch.randn(4, from_k), g)
+
+
+def test_the_norm_backward_goes_where_its_table_says(monkeypatch):
+    import gem_lp.norm.cute.backward as cute_backward
+
+    calls = []
+    monkeypatch.setattr(tg, "rms_norm_backward", lambda *a: calls.append("triton") or "triton")
+    monkeypatch.setattr(cute_backward, "rms_norm_backward_cute", lambda *a: calls.append("cute") or "cute")
+    args = (torch.randn(4, 256), torch.ones(256), torch.ones(4), torch.randn(4, 256))
+    assert tg._norm_backward(*args) == "triton"  # a CPU tensor
+    monkeypatch.setattr(tg, "_cute_norm_runs", lambda x: True)
+    monkeypatch.setattr(tg, "_arch", lambda x: "sm_90a")
+    assert tg._norm_backward(*args) == "cute"
+    monkeypatch.setattr(tg, "_arch", lambda x: "sm_100a")  # not measured there
+    assert tg._norm_backward(*args) == "triton"
+    monkeypatch.setattr(tg, "CUTE_NORM_BACKWARD", True)
+    assert tg._norm_backward(*args) == "cute"
+    monkeypatch.setattr(tg, "CUTE_NORM_BACKWARD", False)
+    monkeypatch.setattr(tg, "_arch", lambda x: "sm_90a")
+    assert tg._norm_backward(*args) == "triton"
+    assert calls == ["triton", "cute", "triton", "cute", "triton"]

@@ -1,5 +1,6 @@
 """The RMSNorm + MX cast builds the public ops launch on the cute backend (`rms_norm_quantize`: plain scales;
-`quantize_dual` and the GEMM operand casts: blocked scales), as `gem_lp.compile_check` builds them."""
+`quantize_dual` and the GEMM operand casts: blocked scales), and the RMSNorm backward builds of the MX linears, as
+`gem_lp.compile_check` builds them."""
 from __future__ import annotations
 
 from functools import partial
@@ -50,7 +51,23 @@ def builds() -> list[tuple[str, int, torch.dtype, bool, bool, str, dict]]:
     return out
 
 
+def _build_backward(K: int, dy_dtype: torch.dtype, arch: str) -> None:
+    from .backward import rms_norm_backward_cute
+
+    x = torch.empty(_TOKENS, K, dtype=torch.bfloat16, device="cuda")
+    rms_norm_backward_cute(x, torch.empty(K, device="cuda"), torch.empty(_TOKENS, device="cuda"),
+                           torch.empty(_TOKENS, K, dtype=dy_dtype, device="cuda"), arch=arch)
+
+
+# the MX linears' norm backward: BF16 x, FP32 norm weight and FP32 dY (the GEMM's dYn); BF16 dY once
+BACKWARD_BUILDS = tuple((K, torch.float32) for K in KS) + ((1024, torch.bfloat16),)
+
+
 def compile_targets(arch: str) -> list[CompileTarget]:
-    return [CompileTarget("norm", "fwd", "mxfp8", mode,
-                          partial(_build, K, dtype, normalize, blocked, scaling, outputs, arch), needs_mma=False)
-            for mode, K, dtype, normalize, blocked, scaling, outputs in builds()]
+    fwd = [CompileTarget("norm", "fwd", "mxfp8", mode,
+                         partial(_build, K, dtype, normalize, blocked, scaling, outputs, arch), needs_mma=False)
+           for mode, K, dtype, normalize, blocked, scaling, outputs in builds()]
+    bwd = [CompileTarget("norm", "bwd", "mxfp8", f"rmsnorm K{K} bf16 x, {str(dy).removeprefix('torch.')} dy",
+                         partial(_build_backward, K, dy, arch), needs_mma=False)
+           for K, dy in BACKWARD_BUILDS]
+    return fwd + bwd
