@@ -68,8 +68,9 @@ def test_the_norm_backward_goes_where_its_table_says(monkeypatch):
     assert tg._norm_backward(*args) == "triton"  # a CPU tensor
     monkeypatch.setattr(tg, "_cute_norm_runs", lambda x: True)
     monkeypatch.setattr(tg, "_arch", lambda x: "sm_90a")
+    monkeypatch.setattr(tg, "CUTE_NORM_BACKWARD_ARCHES", ("sm_90a",))
     assert tg._norm_backward(*args) == "cute"
-    monkeypatch.setattr(tg, "_arch", lambda x: "sm_100a")  # not measured there
+    monkeypatch.setattr(tg, "_arch", lambda x: "sm_100a")  # not in the table
     assert tg._norm_backward(*args) == "triton"
     monkeypatch.setattr(tg, "CUTE_NORM_BACKWARD", True)
     assert tg._norm_backward(*args) == "cute"
