@@ -212,8 +212,9 @@ BACKWARD_CANDIDATES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8), (64, 16))
 def backward_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
     """The RMSNorm backward as the MX linears run it (dY of the normalized x in FP32, from the GEMM that makes it):
     ours (Triton, `rms_norm_backward`) at its table's launch and the candidates, and on the CuTe kernel (quack's kernel
-    built by `gem_lp.norm.cute.backward`, which the MX linears take where `CUTE_NORM_BACKWARD_ARCHES` says), beside quack's `rmsnorm_bwd` on the
-    same FP32 dY and on BF16 dY (what the BF16 model's norm sees), and a copy of the same bytes. dx checked against
+    built by `gem_lp.norm.cute.backward`, which the MX linears take where `CUTE_NORM_BACKWARD_ARCHES` says), beside
+    quack's `rmsnorm_bwd` on the same FP32 dY and on BF16 dY (what the BF16 model's norm sees), and a copy of the same
+    bytes. dx checked against
     the FP64 formula (largest error over the largest |dx|, `dx_rel_err` in the JSON; BF16 rounding alone: ~2^-9)."""
     from gem_lp.norm_gemm.triton_norm import rms_norm_backward
 
