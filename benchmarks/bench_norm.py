@@ -214,8 +214,8 @@ def backward_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
     ours (Triton, `rms_norm_backward`) at its table's launch and the candidates, and on the CuTe kernel (quack's kernel
     built by `gem_lp.norm.cute.backward`, which the MX linears take where `CUTE_NORM_BACKWARD_ARCHES` says), beside
     quack's `rmsnorm_bwd` on the same FP32 dY and on BF16 dY (what the BF16 model's norm sees), and a copy of the same
-    bytes. dx checked against
-    the FP64 formula (largest error over the largest |dx|, `dx_rel_err` in the JSON; BF16 rounding alone: ~2^-9)."""
+    bytes. dx checked against the FP64 formula (largest error over the largest |dx|, `dx_rel_err` in the JSON; BF16
+    rounding alone: ~2^-9)."""
     from gem_lp.norm_gemm.triton_norm import rms_norm_backward
 
     group = f"norm backward {M}x{K}"

@@ -70,8 +70,8 @@ def rms_norm_backward_cute(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Te
                            arch: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm_backward`'s result on the CuTe kernel: `dx [M, K]` in x's dtype and `dweight [K]` FP32.
 
-    Args (checked by the caller, `gem_lp.norm_gemm.triton_norm.rms_norm_backward`'s contract): x `[M, K]` float
-    (K a multiple of the 16-byte vector), weight `[K]`, rstd `[M]` FP32 contiguous, dy `[M, K]` float; arch: the
+    Args as `gem_lp.norm_gemm.triton_norm.rms_norm_backward`'s, not checked here (the MX norm linears pass tensors of
+    their own making): x `[M, K]` float, weight `[K]`, rstd `[M]` FP32 contiguous, dy `[M, K]` float; arch: the
     build's target (default: the device's), for builds without a GPU.
     """
     M, K = x.shape
