@@ -733,7 +733,10 @@ def _norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                    dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm_backward`'s dx and dweight, from the CuTe kernel where `CUTE_NORM_BACKWARD` (or its table) chooses it
     and it can run."""
-    wanted = _arch(x) in CUTE_NORM_BACKWARD_ARCHES if CUTE_NORM_BACKWARD is None else CUTE_NORM_BACKWARD
+    if CUTE_NORM_BACKWARD is None:
+        wanted = bool(CUTE_NORM_BACKWARD_ARCHES) and _arch(x) in CUTE_NORM_BACKWARD_ARCHES
+    else:
+        wanted = CUTE_NORM_BACKWARD
     if not (wanted and _cute_norm_runs(x)):
         return rms_norm_backward(x, weight, rstd, dy)
     from ..norm.cute.backward import rms_norm_backward_cute

@@ -840,12 +840,11 @@ def _rms_norm_mx_strips_kernel(
 # ----------------------------------------------------------------------------- backward kernel
 
 
-# (largest K, block_m, num_warps) of `rms_norm_backward`, first match; a row in one tile up to K = 2048, wider rows
-# (16, 8) over 1024-column chunks.
-# Measured on the H200 (`bench_norm --only backward`, docs/PERF.md): at K = 256, 32 rows on 4 warps ran 2.1x the
-# (16, 8) launch at 262143 rows and 1.6x at 32767; at K = 1024, (16, 8) was the fastest of six candidates (32 or
-# more rows spill: 6-8x slower).
-BWD_LAUNCHES = ((256, 32, 4), (2048, 16, 8))
+# (largest K, block_m, num_warps) of `rms_norm_backward`, first match; otherwise 16 rows on 8 warps. A row is one tile
+# up to K = 2048, wider rows go in 1024-column chunks. Measured on the H200 (`bench_norm --only backward`,
+# docs/PERF.md): at K = 256, 32 rows on 4 warps ran 2.1x the (16, 8) launch at 262143 rows and 1.6x at 32767; at
+# K = 1024, (16, 8) was the fastest of six candidates (32 or more rows spill: 6-8x slower).
+BWD_LAUNCHES = ((256, 32, 4),)
 
 
 @triton.jit(do_not_specialize=["M"])  # M (tokens) changes every batch and is used only in masks

@@ -53,7 +53,7 @@ def test_matches_the_formula_and_the_triton_kernel(M, K, dy_dtype):
     assert bool(((dw.double() - want_dw).abs() <= dw_mag * 1e-5 + 1e-30).all())
 
 
-def test_strided_rows_are_read_in_place():
+def test_strided_rows_give_the_contiguous_rows_result():
     x, w, rstd, dy = _inputs(1000, 256, torch.float32, seed=3, row_stride=384)
     assert not x.is_contiguous()
     dx, dw = rms_norm_backward_cute(x, w, rstd, dy)
