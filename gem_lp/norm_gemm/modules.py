@@ -129,7 +129,7 @@ class RMSNormMXLinear(_LinearParams):
     """`y = RMSNorm(x) W^T + b`: RMSNorm (weight `norm_weight [in]`, ones at init) fused with a linear layer.
 
     With `recipe="mxfp8"`, the normalized activation is produced once in MXFP8 in both layouts (forward
-    operand and saved operand); the RMSNorm backward runs in FP32 from the saved rstd.
+    operand and saved operand); the RMSNorm backward runs in FP32 from the saved rstd, on dYn in x's dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = 1e-6, *,

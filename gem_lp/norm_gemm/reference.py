@@ -131,7 +131,8 @@ class RMSNormMXLinearFunction(torch.autograd.Function):
     """`Y = RMSNorm(X) W^T + b` with the normalized activation produced once in both MX layouts.
 
     Forward: rowwise MX of yn feeds the GEMM; its colwise MX, rstd and X are saved. Backward: dYn and dW
-    by the MXLinear recipe, then RMSNorm's backward in FP32 with the saved rstd.
+    by the MXLinear recipe, dYn rounded once to X's dtype (what BF16 autograd hands a norm: the GEMM writes half
+    the bytes and the norm backward reads half), then RMSNorm's backward in FP32 with the saved rstd.
     """
 
     @staticmethod
@@ -151,6 +152,7 @@ class RMSNormMXLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, norm_weight, rstd, yn_data, yn_scale, weight = ctx.saved_tensors
         dyn, dw, db = mx_linear_grads(dy, weight, _restore_mx(ctx, yn_data, yn_scale), ctx.scaling, ctx.has_bias)
+        dyn = dyn.to(x2.dtype).to(torch.float32)
         # RMSNorm backward, FP32: yn = xhat * g with xhat = x * rstd
         xhat = x2.to(torch.float32) * rstd[:, None]
         dxhat = dyn * norm_weight.to(torch.float32)

@@ -1037,7 +1037,8 @@ class MXLinearTritonFunction(torch.autograd.Function):
 
 class RMSNormMXLinearTritonFunction(torch.autograd.Function):
     """`Y = RMSNorm(X) W^T + b` on the Triton path: the fused norm kernel produces the forward operand and
-    the saved colwise MX tensor; the backward runs the MXLinear GEMMs (dYn in FP32) and the norm backward kernel.
+    the saved colwise MX tensor; the backward runs the MXLinear GEMMs (dYn in X's dtype, as the reference's) and the
+    norm backward kernel.
 
     Arguments as `rms_norm_mx_linear_triton`'s, checked by the caller.
     """
@@ -1069,7 +1070,7 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         rows = _rows(dy.shape[0], ctx.gemm)
         dyn, dw, db = _linear_backward(
             ctx, dy, w_ops, lambda: _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype, rows),
-            torch.float32, w_dtype, need_dyn, need_w, need_b, rows)
+            x_dtype, w_dtype, need_dyn, need_w, need_b, rows)
         dx = dg = None
         if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
             dx, dg = _norm_backward(x, norm_weight, rstd, dyn)

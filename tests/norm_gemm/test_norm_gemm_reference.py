@@ -169,6 +169,23 @@ def test_rms_norm_mx_linear_backward_equals_explicit_recipe():
     torch.testing.assert_close(dg, dg_want, rtol=1e-4, atol=1e-4)
 
 
+def test_rms_norm_mx_linear_rounds_dyn_to_the_input_dtype():
+    """BF16 x: the norm backward starts from dYn rounded once to BF16 (what BF16 autograd hands a norm)."""
+    x = (torch.randn(M, K) * 2).to(torch.bfloat16).requires_grad_()
+    g = (torch.rand(K) + 0.5).requires_grad_()
+    w = (torch.randn(N, K) / 16).requires_grad_()
+    dy = torch.randn(M, N, dtype=torch.bfloat16)
+    y = rms_norm_mx_linear(x, g, w, None, 1e-6)
+    dx, dg = torch.autograd.grad(y, (x, g), dy)
+    dyn = (deq_rows(dy.float()) @ deq_rows(w.t()).t()).to(torch.bfloat16).float()
+    xx, gg = x.detach().float().requires_grad_(), g.detach().clone().requires_grad_()
+    yn = xx * torch.rsqrt(xx.square().mean(-1, keepdim=True) + 1e-6) * gg
+    dx_want, dg_want = torch.autograd.grad(yn, (xx, gg), dyn)
+    assert dx.dtype == torch.bfloat16
+    torch.testing.assert_close(dx.float(), dx_want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(dg, dg_want, rtol=1e-4, atol=1e-4)
+
+
 def test_rms_norm_mx_linear_accuracy_vs_fp32():
     x = (torch.randn(M, K) * 2).requires_grad_()
     layer = RMSNormMXLinear(K, N)

@@ -59,8 +59,8 @@ def _build_backward(K: int, dy_dtype: torch.dtype, arch: str) -> None:
                            torch.empty(_TOKENS, K, dtype=dy_dtype, device="cuda"), arch=arch)
 
 
-# the MX linears' norm backward: BF16 x, FP32 norm weight and FP32 dY (the GEMM's dYn); BF16 dY once
-BACKWARD_BUILDS = tuple((K, torch.float32) for K in KS) + ((1024, torch.bfloat16),)
+# the MX linears' norm backward: BF16 x, FP32 norm weight and dY in x's dtype (the GEMM's dYn); FP32 dY once
+BACKWARD_BUILDS = tuple((K, torch.bfloat16) for K in KS) + ((1024, torch.float32),)
 
 
 def compile_targets(arch: str) -> list[CompileTarget]:
