@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_lp.attention import jagged_attention
-from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear
+from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear, rms_norm_mx_mlp
 from gem_lp.norm_gemm.ops import INPUT_ACTIVATIONS
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -67,7 +67,9 @@ class FeedForward(nn.Module):
     """Pre-norm MLP: RMSNorm+Linear (fused) -> activation -> Linear. `[N, d] -> [N, d]`.
 
     An activation the linear layers can take as their input activation (SiLU) is handed to the down-projection,
-    whose MXFP8 casts compute it on the fly: the hidden activation is never stored.
+    whose MXFP8 casts compute it on the fly: the hidden activation is never stored. With the MXFP8 recipe the two
+    layers then run as one op (`rms_norm_mx_mlp`), whose up-projection computes the activation's backward in its
+    own gradient casts: the activation's gradient is never stored either.
     """
 
     def __init__(self, ops: OpSettings, dim: int, hidden: int, activation: str):
@@ -78,6 +80,10 @@ class FeedForward(nn.Module):
         self.down = ops.linear(hidden, dim, input_activation=activation if fused else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is None and self.up.recipe == "mxfp8":
+            return rms_norm_mx_mlp(x, self.up.norm_weight, *self.up.effective_parameters(),
+                                   *self.down.effective_parameters(), self.up.eps,
+                                   activation=self.down.input_activation, backend=self.up.backend)
         h = self.up(x)
         return self.down(h if self.act is None else self.act(h))
 

@@ -1,6 +1,6 @@
 """RMSNorm(+MX quantize), the MXFP8 linear recipe and their modules (recipe: docs/numerics.md)."""
 from .modules import RECIPES, MXLinear, RMSNorm, RMSNormMXLinear
-from .ops import mx_linear, rms_norm, rms_norm_mx_linear, rms_norm_quantize
+from .ops import mx_linear, rms_norm, rms_norm_mx_linear, rms_norm_mx_mlp, rms_norm_quantize
 from .reference import RMSNormQuantized
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "mx_linear",
     "rms_norm",
     "rms_norm_mx_linear",
+    "rms_norm_mx_mlp",
     "rms_norm_quantize",
 ]

@@ -157,3 +157,41 @@ def rms_norm_mx_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch
     else:
         y = RMSNormMXLinearFunction.apply(x.reshape(-1, k), norm_weight, weight, bias, float(eps), scaling)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm_mx_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None,
+                    w_down: torch.Tensor, b_down: torch.Tensor | None, eps: float = 1e-6, *, activation: str = "silu",
+                    scaling: str = "rceil", backend: str = "auto") -> torch.Tensor:
+    """A pre-norm MLP by the MXLinear recipe: `mx_linear(act(rms_norm_mx_linear(x, norm_weight, w_up, b_up, eps)),
+    w_down, b_down)`, differentiable in every tensor. `activation`: a key of `INPUT_ACTIVATIONS`.
+
+    The same values as those two ops composed with `input_activation=activation`; on the Triton path the
+    activation's backward is computed inside the up-projection's dY casts, so neither the hidden activation nor
+    its gradient is ever stored. Output `[..., N]` in x's dtype (N = w_down's rows).
+    """
+    _check_norm(x, norm_weight, eps, "norm_weight")
+    _check_linear(x, w_up, b_up)
+    check_input_activation(activation)
+    if activation is None:
+        raise ValueError(f"activation must be one of {sorted(INPUT_ACTIVATIONS)}, got None")
+    _check_float(w_down, "w_down", 2, " [N, hidden]")
+    hidden = w_up.shape[0]
+    if w_down.shape[1] != hidden or w_down.shape[0] % BLOCK:
+        raise ValueError(f"w_down must be [N, hidden={hidden}] (w_up's output features), N a multiple of {BLOCK}, "
+                         f"got {tuple(w_down.shape)}")
+    if b_down is not None:
+        _check_float(b_down, "b_down", 1, " [N]")
+        if b_down.shape[0] != w_down.shape[0]:
+            raise ValueError(f"b_down must be [N={w_down.shape[0]}], got {tuple(b_down.shape)}")
+    _check_same_device(x, w_down=w_down, b_down=b_down)
+    check_scaling(scaling)
+    k = x.shape[-1]
+    if resolve_backend(backend, x, w_up) == "triton":
+        from .triton_gemm import RMSNormMXMLPTritonFunction
+
+        y = RMSNormMXMLPTritonFunction.apply(x.reshape(-1, k), norm_weight, w_up, b_up, w_down, b_down, float(eps),
+                                             scaling, "cublas", activation)
+    else:
+        h = RMSNormMXLinearFunction.apply(x.reshape(-1, k), norm_weight, w_up, b_up, float(eps), scaling)
+        y = MXLinearFunction.apply(INPUT_ACTIVATIONS[activation](h), w_down, b_down, scaling)
+    return y.reshape(*x.shape[:-1], w_down.shape[0])

@@ -664,12 +664,16 @@ CUTE_CASTS: bool | None = None
 def _casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, scaling: str, rowwise: bool = True,
            colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
            operand_dtype: torch.dtype = torch.bfloat16, operand_rows: int | None = None, column_sums: bool = False,
-           activation: str | None = None) -> NormMXOutputs:
-    """`rms_norm_mx`'s outputs (blocked scales), from the CuTe kernel where `_cute_cast` chooses it."""
+           activation: str | None = None, activation_input: torch.Tensor | None = None,
+           row_operand_out: torch.Tensor | None = None) -> NormMXOutputs:
+    """`rms_norm_mx`'s outputs (blocked scales), from the CuTe kernel where `_cute_cast` chooses it (the casts of
+    an activation's gradient, `activation_input` given, and those into the caller's row operand buffer are the Triton
+    kernel's only)."""
     kw = dict(scaling=scaling, rowwise=rowwise, colwise=colwise, row_operand=row_operand, col_operand=col_operand,
               operand_dtype=operand_dtype, operand_rows=operand_rows, column_sums=column_sums, activation=activation)
-    if not (operand_dtype == torch.bfloat16 and _cute_cast(x, weight)):
-        return rms_norm_mx(x, weight, eps, **kw)
+    if activation_input is not None or row_operand_out is not None or \
+            not (operand_dtype == torch.bfloat16 and _cute_cast(x, weight)):
+        return rms_norm_mx(x, weight, eps, activation_input=activation_input, row_operand_out=row_operand_out, **kw)
     from ..norm.cute.launch import norm_mx_cast
 
     out = norm_mx_cast(x, weight, eps, scaling=scaling, blocked_scales=True, rowwise=rowwise, colwise=colwise,
@@ -845,19 +849,32 @@ def gemm_rows(M: int) -> int:
 
 
 def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = False, rows: int | None = None,
-                 row: bool = True, col: bool = True):
+                 row: bool = True, col: bool = True, dy_activation: tuple[str, torch.Tensor] | None = None,
+                 row_out: torch.Tensor | None = None):
     """dY `[M, N]` quantized along N (for dX, `row`) and along M (for dW, `col`), from one pass over dY.
+
+    `dy_activation`: None, or `(activation, z)`: `dy` is then the gradient of `activation(z)` and dY is z's gradient
+    (torch's `silu_backward(dy, z)`), made on the fly in the same pass. `row_out`: where the exact-value row
+    operand goes when it is made and has its shape and dtype (it may be the buffer dy is the first rows of: see
+    `rms_norm_mx`'s `row_operand_out`); else a new tensor.
 
     Returns `(row, col_t, sums)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[rows, N]` and the
     `[N, rows]` transposed view of the colwise values (rows past M zeros; `rows` default M), None where not asked
     for; `sums`: dY's column sums, float32 `[N]`, when asked, else None.
     """
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    act, z = (None, None) if dy_activation is None else dy_activation
     if gemm in _MX_GEMMS:
-        out = _casts(dy, None, scaling=scaling, rowwise=row, colwise=col, column_sums=column_sums)
+        out = _casts(dy, None, scaling=scaling, rowwise=row, colwise=col, column_sums=column_sums, activation=act,
+                     activation_input=z)
         return out.rowwise, out.colwise, out.column_sums
+    opd = operand_dtype_for(dy.dtype)
+    if row_out is not None and not (row and row_out.dtype == opd and row_out.is_contiguous()
+                                    and row_out.shape == (dy.shape[0] if rows is None else rows, dy.shape[1])):
+        row_out = None
     out = _casts(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=row, col_operand=col,
-                 operand_dtype=operand_dtype_for(dy.dtype), column_sums=column_sums, operand_rows=rows)
+                 operand_dtype=opd, column_sums=column_sums, operand_rows=rows, activation=act, activation_input=z,
+                 row_operand_out=row_out)
     return out.row_operand, None if out.col_operand is None else out.col_operand.t(), out.column_sums
 
 
@@ -887,11 +904,15 @@ def _col_operand_of(x: torch.Tensor, activation: str | None, scaling: str, gemm:
     return out.col_operand.t()
 
 
-def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None):
+def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None,
+                     dy_activation=None, dy_row_out=None, padded_d_in=False):
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
     GEMM's B operand from what the forward kept (`_saved_col_operand`, `_col_operand_of`), made when dW is computed
     and released before dIn is allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros
-    past M); dIn is then a view of its first M rows.
+    past M); dIn is then a view of its first M rows (with `padded_d_in`, the `[rows, K]` tensor itself). `dy_activation`:
+    see `_dy_operands` (`dy` is the gradient of an activation whose input is Y). `dy_row_out`: the buffer dY's row
+    operand is written into (`_dy_operands`' `row_out`; dy's own buffer, whose memory then serves again), unless the
+    bias gradient must read dy afterwards.
 
     dW comes first, then dIn: the input's operand (as large as the input on the cuBLAS route) and dIn are never live
     together. A dY whose exact-value operands exceed `FORWARD_OPERAND_MAX_BYTES` is cast in two passes (one more read
@@ -901,22 +922,33 @@ def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, 
     sums_in_cast = need_b and BIAS_GRAD_FROM_DY_CAST
     separate = gemm == "cublas" and need_in and need_w and \
         dy.shape[0] * dy.shape[1] * operand_dtype_for(dy.dtype).itemsize > FORWARD_OPERAND_MAX_BYTES
+    if need_b and not sums_in_cast:
+        dy_row_out = None
     dy_row, dy_col_t, dy_sums = _dy_operands(dy, scaling, gemm, sums_in_cast, rows, row=need_in and not separate,
-                                             col=need_w or not need_in)
+                                             col=need_w or not need_in, dy_activation=dy_activation,
+                                             row_out=None if separate else dy_row_out)
     d_in = d_w = d_b = None
     if need_w:
         d_w = _gemm_nt(dy_col_t, make_x_col(), gemm, dw_dtype)
     del dy_col_t
     if need_in:
         if separate:
-            dy_row = _dy_operands(dy, scaling, gemm, False, rows, col=False)[0]
+            dy_row = _dy_operands(dy, scaling, gemm, False, rows, col=False, dy_activation=dy_activation,
+                                  row_out=dy_row_out)[0]
         if gemm in _MX_GEMMS:  # B = W^T quantized along N, [K, N]
             d_in = _gemm_nt(dy_row, w_ops.col, gemm, d_in_dtype)
         else:  # B^T = the colwise values of W, [N, K]: B = their transposed view
             d_in = _gemm_nt(dy_row, w_ops.col.t(), gemm, d_in_dtype)
-        d_in = _first_rows(d_in, dy.shape[0])
+        if not padded_d_in:
+            d_in = _first_rows(d_in, dy.shape[0])
     if need_b:  # FP32 column sums of dY
-        d_b = dy_sums if sums_in_cast else dy.sum(0, dtype=torch.float32)
+        if sums_in_cast:
+            d_b = dy_sums
+        elif dy_activation is None:
+            d_b = dy.sum(0, dtype=torch.float32)
+        else:
+            act, z = dy_activation
+            d_b = ACTIVATION_BACKWARDS[act](dy, z, grad_input=torch.empty_like(dy)).sum(0, dtype=torch.float32)
     return d_in, d_w, d_b
 
 
@@ -1017,22 +1049,31 @@ class MXLinearTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_data, x_scale, weight, x = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
-            if need_x and ctx.w_ops.col is None else ctx.w_ops
-        rows = _rows(dy.shape[0], ctx.gemm)
+        dx, dw, db = _mx_linear_backward(ctx, dy)
+        return dx, dw, db, None, None, None
 
-        def x_col():
-            if x_data is None:  # X kept instead: the cast of its activation again
-                return _col_operand_of(x, ctx.activation, ctx.scaling, ctx.gemm, rows)
-            return _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows)
 
-        dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows)
-        if dx is not None and ctx.activation is not None:  # dX is the gradient of act(X) so far: in place
-            dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x, grad_input=dx)
-        return dx, dw, _as_dtype(db, b_dtype), None, None, None
+def _mx_linear_backward(ctx, dy, activation_backward: bool = True):
+    """`MXLinearTritonFunction`'s dX, dW, db. With an input activation and `activation_backward=False`, dX is the
+    gradient of act(X) (its backward left to the caller, `RMSNormMXMLPTritonFunction`), as the GEMM wrote it: with
+    its padded rows (`_linear_backward`'s `padded_d_in`)."""
+    x_data, x_scale, weight, x = ctx.saved_tensors
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
+        if need_x and ctx.w_ops.col is None else ctx.w_ops
+    rows = _rows(dy.shape[0], ctx.gemm)
+
+    def x_col():
+        if x_data is None:  # X kept instead: the cast of its activation again
+            return _col_operand_of(x, ctx.activation, ctx.scaling, ctx.gemm, rows)
+        return _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows)
+
+    dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows,
+                                  padded_d_in=not activation_backward)
+    if dx is not None and ctx.activation is not None and activation_backward:  # dX is act(X)'s gradient: in place
+        dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x, grad_input=dx)
+    return dx, dw, _as_dtype(db, b_dtype)
 
 
 class RMSNormMXLinearTritonFunction(torch.autograd.Function):
@@ -1061,21 +1102,79 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, rstd, yn_data, yn_scale, weight = ctx.saved_tensors
-        x_dtype, g_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_g, need_w, need_b = ctx.needs_input_grad[:4]
-        need_dyn = need_x or need_g
-        w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
-            if need_dyn and ctx.w_ops.col is None else ctx.w_ops
-        rows = _rows(dy.shape[0], ctx.gemm)
-        dyn, dw, db = _linear_backward(
-            ctx, dy, w_ops, lambda: _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype, rows),
-            x_dtype, w_dtype, need_dyn, need_w, need_b, rows)
-        dx = dg = None
-        if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
-            dx, dg = _norm_backward(x, norm_weight, rstd, dyn)
-            dg = _as_dtype(dg, g_dtype)
-        return dx, dg, dw, _as_dtype(db, b_dtype), None, None, None
+        return (*_norm_linear_backward(ctx, dy), None, None, None)
+
+
+def _norm_linear_backward(ctx, dy, dy_activation=None, dy_row_out=None):
+    """`RMSNormMXLinearTritonFunction`'s dX, dnorm_weight, dW, db; `dy_activation`, `dy_row_out` as
+    `_linear_backward`'s."""
+    x, norm_weight, rstd, yn_data, yn_scale, weight = ctx.saved_tensors
+    x_dtype, g_dtype, w_dtype, b_dtype = ctx.dtypes
+    need_x, need_g, need_w, need_b = ctx.needs_input_grad[:4]
+    need_dyn = need_x or need_g
+    w_ops = weight_operands(weight, ctx.scaling, ctx.gemm, operand_dtype_for(x_dtype), need_col=True) \
+        if need_dyn and ctx.w_ops.col is None else ctx.w_ops
+    rows = _rows(dy.shape[0], ctx.gemm)
+    dyn, dw, db = _linear_backward(
+        ctx, dy, w_ops, lambda: _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype, rows),
+        x_dtype, w_dtype, need_dyn, need_w, need_b, rows, dy_activation, dy_row_out)
+    dx = dg = None
+    if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
+        dx, dg = _norm_backward(x, norm_weight, rstd, dyn)
+        dg = _as_dtype(dg, g_dtype)
+    return dx, dg, dw, _as_dtype(db, b_dtype)
+
+
+class _LayerContext:
+    """The autograd context one layer's Function (`RMSNormMXLinearTritonFunction`, `MXLinearTritonFunction`) sees
+    when a fused Function runs it: its `needs_input_grad`, the tensors it saves (the fused Function saves them
+    through its own context) and its attributes."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+
+class RMSNormMXMLPTritonFunction(torch.autograd.Function):
+    """`down(act(up(X)))`: `RMSNormMXLinearTritonFunction` (up) then `MXLinearTritonFunction` with the input activation
+    (down), whose backward hands the up-projection the gradient of act's output: the up-projection's dY casts compute
+    act's backward on the fly (`_dy_operands`' `dy_activation`), so that gradient is never stored and its own pass
+    (read the gradient and the pre-activation, write their product) is gone. The same values as the two Functions
+    composed (the activation's backward rounded to X's dtype either way). Arguments as `rms_norm_mx_mlp_triton`'s.
+    """
+
+    @staticmethod
+    def forward(ctx, x2, norm_weight, w_up, b_up, w_down, b_down, eps: float, scaling: str, gemm: str,
+                activation: str):
+        need = ctx.needs_input_grad
+        up = _LayerContext((need[0], need[1], need[2], need[3]))
+        h = RMSNormMXLinearTritonFunction.forward(up, x2, norm_weight, w_up, b_up, eps, scaling, gemm)
+        down = _LayerContext((any(need[:4]), need[4], need[5]))
+        y = MXLinearTritonFunction.forward(down, h, w_down, b_down, scaling, gemm, activation)
+        ctx.save_for_backward(*up.saved_tensors, *down.saved_tensors)
+        ctx.layers, ctx.n_up = (up, down), len(up.saved_tensors)
+        up.saved_tensors = down.saved_tensors = ()  # held by ctx alone
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        up, down = ctx.layers
+        saved = ctx.saved_tensors
+        up.saved_tensors, down.saved_tensors = saved[:ctx.n_up], saved[ctx.n_up:]
+        d_act, dw_down, db_down = _mx_linear_backward(down, dy, activation_backward=False)
+        dx = dg = dw_up = db_up = None
+        if d_act is not None:
+            h = down.saved_tensors[3]  # the pre-activation, which the down-projection keeps
+            # act's gradient (rows padded for the GEMMs) is read once, by the up-projection's dY cast, which writes
+            # its row operand over it: the memory of the composed layers' backward (there, act's backward ran in
+            # place on this buffer before the pre-activation was freed)
+            dx, dg, dw_up, db_up = _norm_linear_backward(up, _first_rows(d_act, dy.shape[0]), (down.activation, h),
+                                                         dy_row_out=d_act)
+        up.saved_tensors = down.saved_tensors = ()
+        return dx, dg, dw_up, db_up, dw_down, db_down, None, None, None, None
 
 
 def mx_linear_triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -1101,3 +1200,27 @@ def rms_norm_mx_linear_triton(x2: torch.Tensor, norm_weight: torch.Tensor, weigh
     check_scaling(scaling)
     check_linear_gemm(gemm)
     return RMSNormMXLinearTritonFunction.apply(x2, norm_weight, weight, bias, float(eps), scaling, gemm)
+
+
+def rms_norm_mx_mlp_triton(x2: torch.Tensor, norm_weight: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None,
+                           w_down: torch.Tensor, b_down: torch.Tensor | None, eps: float = 1e-6,
+                           activation: str = "silu", scaling: str = "rceil", gemm: str = "cublas") -> torch.Tensor:
+    """`act(RMSNorm(x2) @ w_up^T + b_up) @ w_down^T + b_down` on the Triton path (`RMSNormMXMLPTritonFunction`,
+    differentiable), `[M, N]`; `activation` a key of `reference.INPUT_ACTIVATIONS`."""
+    check_linear_args(x2, w_up, b_up, norm_weight)
+    _check_float(w_down, "w_down", 2)
+    if w_down.shape[1] != w_up.shape[0] or w_down.shape[0] % BLOCK or w_down.device != x2.device:
+        raise ValueError(f"w_down must be [N, {w_up.shape[0]}] (w_up's N as its K), N a multiple of {BLOCK}, on "
+                         f"{x2.device}; got {tuple(w_down.shape)} on {w_down.device}")
+    if b_down is not None:
+        _check_float(b_down, "b_down", 1)
+        if b_down.shape[0] != w_down.shape[0] or b_down.device != x2.device:
+            raise ValueError(f"b_down must be [N={w_down.shape[0]}] on {x2.device}, got {tuple(b_down.shape)} on "
+                             f"{b_down.device}")
+    check_scaling(scaling)
+    check_linear_gemm(gemm)
+    check_input_activation(activation, "activation")
+    if activation is None:
+        raise ValueError("rms_norm_mx_mlp_triton needs an activation (one of the input activations)")
+    return RMSNormMXMLPTritonFunction.apply(x2, norm_weight, w_up, b_up, w_down, b_down, float(eps), scaling, gemm,
+                                            activation)

@@ -252,12 +252,31 @@ def store_operand(ptrs, v, mask, HW_CAST: tl.constexpr):
 # interpreter (CPU tests) has numpy's exp and division instead.
 _TORCH_CUDA_MATH = tl.constexpr(not interpreter_enabled())
 ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16, ACT_SILU_F16 = 0, 1, 2, 3  # the kernels' ACT values
+# x is the gradient of SiLU's output at the activation input z (a second tensor): the casts are of torch's
+# `silu_backward(x, z)`, rounded to x's dtype
+ACT_SILU_GRAD_F32, ACT_SILU_GRAD_BF16, ACT_SILU_GRAD_F16 = 4, 5, 6
+
+
+@triton.jit
+def _round_to_storage(y, STORAGE: tl.constexpr):
+    """FP32 `y` rounded to the storage dtype (1 FP32, 2 BF16, 3 FP16); BF16 round-to-nearest-even by integer
+    arithmetic in the interpreter, whose cast truncates."""
+    if STORAGE == 2:
+        if _TORCH_CUDA_MATH:
+            y = y.to(tl.bfloat16).to(tl.float32)
+        else:
+            bits = y.to(tl.int32, bitcast=True)
+            r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            y = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, y, r.to(tl.float32, bitcast=True))
+    elif STORAGE == 3:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
 
 
 @triton.jit
 def input_activation(x, ACT: tl.constexpr):
-    """The input activation of FP32 `x` (see ACT_*): x itself, or SiLU rounded to x's storage dtype (BF16
-    round-to-nearest-even by integer arithmetic in the interpreter, whose cast truncates)."""
+    """The input activation of FP32 `x` (see ACT_*, codes up to 3): x itself, or SiLU rounded to x's storage
+    dtype."""
     if ACT == 0:
         return x
     else:
@@ -265,16 +284,32 @@ def input_activation(x, ACT: tl.constexpr):
             y = tl.div_rn(x, 1.0 + libdevice.exp(-x))
         else:
             y = x / (1.0 + tl.exp(-x))
-        if ACT == 2:
-            if _TORCH_CUDA_MATH:
-                y = y.to(tl.bfloat16).to(tl.float32)
-            else:
-                bits = y.to(tl.int32, bitcast=True)
-                r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-                y = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, y, r.to(tl.float32, bitcast=True))
-        elif ACT == 3:
-            y = y.to(tl.float16).to(tl.float32)
-        return y
+        return _round_to_storage(y, ACT)
+
+
+@triton.jit
+def _silu_grad(dy, z, STORAGE: tl.constexpr):
+    """torch's `silu_backward(dy, z)`: `dy * s * (1 + z * (1 - s))`, `s = 1 / (1 + exp(-z))`, in FP32, rounded to
+    the storage dtype."""
+    if _TORCH_CUDA_MATH:
+        s = tl.div_rn(1.0, 1.0 + libdevice.exp(-z))
+    else:
+        s = 1.0 / (1.0 + tl.exp(-z))
+    return _round_to_storage(dy * s * (1.0 + z * (1.0 - s)), STORAGE)
+
+
+@triton.jit
+def _activated(x, a_ptrs, mask, ACT: tl.constexpr, EVEN: tl.constexpr):
+    """What the casts quantize from FP32 `x` (see ACT_*): its input activation, or (ACT >= 4) the gradient at the
+    activation input read at `a_ptrs` (rows outside the tile read as 0)."""
+    if ACT >= 4:
+        if EVEN:
+            z = exact_f32(tl.load(a_ptrs))
+        else:
+            z = exact_f32(tl.load(a_ptrs, mask=mask, other=0.0))
+        return _silu_grad(x, z, ACT - 3)
+    else:
+        return input_activation(x, ACT)
 
 
 @triton.jit
@@ -406,7 +441,7 @@ def _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K: tl.constexpr, BLOCK_K: t
 def _blocks_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     COL_SUMS: tl.constexpr, ACT: tl.constexpr,
@@ -426,10 +461,14 @@ def _blocks_row_block(
         k = k.to(tl.int64)
     row_ok = m < M - m0
     x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
+    if ACT >= 4:  # the activation input of a gradient cast
+        a_rows = a_ptr + m0.to(tl.int64) * stride_am + m * stride_am
+    else:
+        a_rows = x_rows  # never read
     rstd = tl.zeros((NMB, 32), tl.float32)
     if ONE_PASS:  # BLOCK_K covers K: one read of x
         in_bounds = row_ok & (k < K)
-        x = input_activation(load_f32(x_rows + k, in_bounds), ACT)
+        x = _activated(load_f32(x_rows + k, in_bounds), a_rows + k, in_bounds, ACT, False)
         if COL_SUMS:
             _add_column_sums_of_blocks(colsum_ptr, x, k, 0, K, BLOCK_K)
         if NORMALIZE:
@@ -448,7 +487,7 @@ def _blocks_row_block(
             rstd = _rstd(sum_sq, K, eps)
         for k0 in range(0, K, BLOCK_K):
             in_bounds = row_ok & (k < K - k0)
-            x = input_activation(load_f32(x_rows + k0 + k, in_bounds), ACT)
+            x = _activated(load_f32(x_rows + k0 + k, in_bounds), a_rows + k0 + k, in_bounds, ACT, False)
             if COL_SUMS:
                 _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K, BLOCK_K)
             _quantize_chunk(x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
@@ -464,7 +503,7 @@ def _blocks_row_block(
 def _rms_norm_mx_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     COL_SUMS: tl.constexpr, M_PADDING: tl.constexpr, ACT: tl.constexpr,
@@ -475,7 +514,7 @@ def _rms_norm_mx_kernel(
     else:
         _blocks_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                           row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                          colsum_ptr, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                          colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
                           BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS, ACT)
 
 
@@ -690,7 +729,7 @@ def _load_chunk(x_rows, k0, k, row_ok, K: tl.constexpr, EVEN: tl.constexpr, MAY_
 def _norm_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -711,11 +750,15 @@ def _norm_row_block(
         m = m.to(tl.int64)
         k = k.to(tl.int64)
     x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
+    if ACT >= 4:  # the activation input of a gradient cast
+        a_rows = a_ptr + m0.to(tl.int64) * stride_am + m * stride_am
+    else:
+        a_rows = x_rows  # never read
     row_ok = m < M - m0
     rstd = 0.0
     if BLOCK_K >= K:  # one chunk covers K: x is read once and stays in registers
         in_bounds = row_ok & (k < K)
-        x = input_activation(_load_strips(x_rows, 0, k, in_bounds, EVEN), ACT)
+        x = _activated(_load_strips(x_rows, 0, k, in_bounds, EVEN), a_rows + k, in_bounds, ACT, EVEN)
         if COL_SUMS:
             _add_column_sums(colsum_ptr, x, k, 0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
         if NORMALIZE:
@@ -754,7 +797,7 @@ def _norm_row_block(
                 nxt = _load_chunk(x_rows, k0 + BLOCK_K, k, row_ok, K, EVEN, True)
             else:
                 cur = _load_chunk(x_rows, k0, k, row_ok, K, EVEN, False)
-            xc = input_activation(exact_f32(cur), ACT)
+            xc = _activated(exact_f32(cur), a_rows + k0 + k, chunk_in_bounds, ACT, EVEN)
             if COL_SUMS:
                 _add_column_sums(colsum_ptr, xc, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
             _norm_cast_strips(xc, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, chunk_in_bounds,
@@ -767,7 +810,7 @@ def _norm_row_block(
 def _cast_tile(
     m0, k0, x_ptr, stride_xm, M, K: tl.constexpr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, ACT: tl.constexpr,
@@ -785,8 +828,12 @@ def _cast_tile(
         m = m.to(tl.int64)
         k = k.to(tl.int64)
     x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
+    if ACT >= 4:  # the activation input of a gradient cast
+        a_rows = a_ptr + m0.to(tl.int64) * stride_am + m * stride_am
+    else:
+        a_rows = x_rows  # never read
     in_bounds = (m < M - m0) & (k < K - k0)
-    x = input_activation(_load_strips(x_rows, k0, k, in_bounds, EVEN), ACT)
+    x = _activated(_load_strips(x_rows, k0, k, in_bounds, EVEN), a_rows + k0 + k, in_bounds, ACT, EVEN)
     if COL_SUMS:
         _add_column_sums(colsum_ptr, x, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
     _cast_strips(x, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
@@ -799,7 +846,7 @@ def _cast_tile(
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -818,21 +865,24 @@ def _rms_norm_mx_strips_kernel(
         pid = tl.program_id(0)
         _cast_tile((pid // N_K_TILES) * BLOCK_M, (pid % N_K_TILES) * BLOCK_K, x_ptr, stride_xm, M, K,
                    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                   colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP,
+                   colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX,
+                   ROW_OP, COL_OP,
                    BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, ACT)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
             _norm_row_block(m0, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                             row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
-                            col_op_ptr, colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE,
+                            col_op_ptr, colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS,
+                            ROW_BLOCKS_IN_THREAD, NORMALIZE,
                             ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M,
                             PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
             m0 += n_walkers * BLOCK_M
     else:
         _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                         row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                        colsum_ptr, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX,
+                        colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD,
+                        NORMALIZE, ROW_MX, COL_MX,
                         ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE,
                         COL_SUMS, PREFETCH, ACT)
 
@@ -957,20 +1007,23 @@ def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast
 
 
 def _forward_args(x, x_stride: int, weight, M: int, K: int, eps: float, rstd, row, col, col_stride: int, row_op,
-                  col_op, column_sums) -> tuple:
+                  col_op, column_sums, act_input, act_input_stride: int) -> tuple:
     """The forward kernels' positional arguments (positions of M and the operands: _M_ARG, _ROW_OP_ARG,
-    _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer."""
+    _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer. `act_input` None (x in
+    its place: never read) or the activation input of a gradient cast."""
     row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
+    if act_input is None:
+        act_input, act_input_stride = x, x_stride
     return (x, x_stride, weight, M, K, eps, rstd, row_data, row_scale, col_data, col_stride, col_scale, row_op,
-            col_op, column_sums)
+            col_op, column_sums, act_input, act_input_stride)
 
 
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
                    row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
                    hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None,
-                   act: int = ACT_NONE):
+                   act: int = ACT_NONE, act_input: torch.Tensor | None = None):
     """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
@@ -978,7 +1031,8 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     The colwise payload `[K, M]` has a contiguous last dim and a row stride that is a multiple of 16 (at least
     M): `colwise_payload_buffer`'s view; the kernel may write the padding columns past M (they hold no data).
     Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
-    `act`: the input activation (ACT_*; weight None): the outputs are those of `act(x)`.
+    `act`: the input activation (ACT_*; weight None): the outputs are those of `act(x)`; for the gradient codes
+    (ACT_SILU_GRAD_*) those of the activation's backward at `act_input` (`[M, K]`, contiguous last dim).
     Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
@@ -988,9 +1042,10 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
         raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
                          f"{'given' if weight is not None else 'None'} and config {config!r}")
     col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
-    span = max(block_m * max(x.stride(0), K), block_k * col_stride)  # largest offset inside one tile
+    a_stride = 0 if act_input is None else act_input.stride(0)
+    span = max(block_m * max(x.stride(0), a_stride, K), block_k * col_stride)  # largest offset inside one tile
     args = _forward_args(x, x.stride(0), weight, M, K, float(eps), rstd, row, col, col_stride, row_op, col_op,
-                         column_sums)
+                         column_sums, act_input, 0 if act_input is None else act_input.stride(0))
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
@@ -1043,7 +1098,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> b
     aligned = args[_M_ARG] % 32 == 0
     # what else picks the build: the flags and the tensors' dtypes (a tuple cheap to build: this runs per call)
     x, stride, weight, row_op, col_op = args[0], args[1], args[2], args[_ROW_OP_ARG], args[_COL_OP_ARG]
-    key = (aligned, x.shape[1], config, stride, x.dtype, weight is None or weight.dtype,
+    key = (aligned, x.shape[1], config, stride, args[-1], x.dtype, weight is None or weight.dtype,
            row_op is None or row_op.dtype, col_op is None or col_op.dtype, kwargs["NORMALIZE"], kwargs["ROW_MX"],
            kwargs["COL_MX"], kwargs["ROW_OP"], kwargs["COL_OP"], kwargs["COL_SUMS"], kwargs["BLOCKED_SCALES"],
            kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"], kwargs["ACT"])
@@ -1179,6 +1234,8 @@ def rms_norm_mx(
     column_sums: bool = False,
     operand_rows: int | None = None,
     activation: str | None = None,
+    activation_input: torch.Tensor | None = None,
+    row_operand_out: torch.Tensor | None = None,
 ) -> NormMXOutputs:
     """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch (no other launch:
     every output is allocated uninitialized and written whole by the kernel; `column_sums` adds a zero fill).
@@ -1207,6 +1264,14 @@ def rms_norm_mx(
             a GEMM then runs at this padded M (cuBLAS plans once per shape; see `triton_gemm.gemm_rows`).
         activation: None, or `"silu"` (weight None, no column sums): the outputs are those of `y = silu(x)` as
             torch computes it in x's dtype (FP32 math, rounded to x's dtype), made on the fly: `y` is never stored.
+        activation_input: with `activation`, None or the activation's input z `[M, K]` (x's dtype and device,
+            contiguous last dim): x is then the gradient of `activation(z)` and the outputs (column sums allowed)
+            are those of z's gradient as torch's backward computes it (`silu_backward(x, z)`, FP32 math rounded to
+            x's dtype), made on the fly: that gradient is never stored.
+        row_operand_out: with `row_operand`, None or the `[operand_rows, K]` contiguous `operand_dtype` tensor to
+            write the row operand into (rows M and beyond are zeroed). It may be the storage x is the first M rows
+            of (x contiguous, of that dtype): every tile of x is read before its operand is written over it, and no
+            other output is computed from x afterwards, so x's memory serves again.
     """
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
              prefetch, tile_programs)
@@ -1217,12 +1282,15 @@ def rms_norm_mx(
             key = (x.shape, x.stride(), x.dtype, x.device, weight is None or (
                 weight.shape, weight.stride(), weight.dtype, weight.device), eps, scaling, rowwise, colwise,
                 row_operand, col_operand, operand_dtype, blocked_scales, column_sums, operand_rows, activation,
-                interpreter_enabled())
+                activation_input is None or (activation_input.shape, activation_input.stride(),
+                                             activation_input.dtype, activation_input.device),
+                row_operand_out is None or (row_operand_out.shape, row_operand_out.stride(), row_operand_out.dtype,
+                                            row_operand_out.device), interpreter_enabled())
             plan = _NORM_PLANS.get(key)
         except (TypeError, AttributeError):  # an argument of the wrong kind: the checks below name it
             key = plan = None
         if plan is not None:
-            return _run_plan(plan, x, weight)
+            return _run_plan(plan, x, weight, activation_input, row_operand_out)
 
     _check_2d(x, "x")
     check_scaling(scaling)
@@ -1237,14 +1305,31 @@ def rms_norm_mx(
         raise ValueError(f"operand_dtype must be one of {OPERAND_DTYPES}, got {operand_dtype}")
     if column_sums and weight is not None:
         raise ValueError("column_sums=True needs weight=None (the sums are of x, for a dual cast without the norm)")
-    act = _activation_code(activation, x.dtype)
-    if act != ACT_NONE and (weight is not None or column_sums):
-        raise ValueError(f"activation={activation!r} needs weight=None and column_sums=False (an input activation "
-                         "is applied to x before the casts, without the norm)")
+    act = _activation_code(activation, x.dtype, activation_input is not None)
+    if activation_input is not None:
+        if activation is None:
+            raise ValueError("activation_input needs an activation (whose gradient is cast)")
+        if not isinstance(activation_input, torch.Tensor) or activation_input.shape != x.shape or \
+                activation_input.dtype != x.dtype or activation_input.device != x.device or \
+                (activation_input.stride(1) != 1 and K > 1):
+            raise ValueError(f"activation_input must be [M={M}, K={K}] {x.dtype} on {x.device} with a contiguous "
+                             f"last dim, got {getattr(activation_input, 'dtype', type(activation_input).__name__)} "
+                             f"{tuple(getattr(activation_input, 'shape', ()))}")
+    if act != ACT_NONE and (weight is not None or (column_sums and activation_input is None)):
+        raise ValueError(f"activation={activation!r} needs weight=None and, without activation_input, "
+                         "column_sums=False (an input activation is applied to x before the casts, without the norm)")
     if operand_rows is None:
         operand_rows = M
     elif not isinstance(operand_rows, int) or operand_rows < M:
         raise ValueError(f"operand_rows must be an int >= M={M}, got {operand_rows!r}")
+    if row_operand_out is not None and (
+            not row_operand or not isinstance(row_operand_out, torch.Tensor)
+            or row_operand_out.shape != (operand_rows, K) or row_operand_out.dtype != operand_dtype
+            or row_operand_out.device != x.device or not row_operand_out.is_contiguous()):
+        raise ValueError(f"row_operand_out needs row_operand=True and must be a contiguous [{operand_rows}, {K}] "
+                         f"{operand_dtype} tensor on {x.device}, got "
+                         f"{getattr(row_operand_out, 'dtype', type(row_operand_out).__name__)} "
+                         f"{tuple(getattr(row_operand_out, 'shape', ()))}")
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
     config = default_config(K, M % 32 == 0, row_operand or col_operand, hw_cast, weight is not None)
@@ -1256,7 +1341,8 @@ def rms_norm_mx(
 
     n_kb, n_mb = K // BLOCK, ceil_div(M, BLOCK)
     plan = _NormPlan(
-        M=M, K=K, x_stride=x.stride(0), eps=float(eps), normalize=weight is not None,
+        M=M, K=K, x_stride=x.stride(0), a_stride=None if activation_input is None else activation_input.stride(0),
+        eps=float(eps), normalize=weight is not None,
         row_scale=None if not rowwise else (blocked_size(M, n_kb),) if blocked_scales else (M, n_kb),
         col_scale=None if not colwise else (blocked_size(K, n_mb),) if blocked_scales else (K, n_mb),
         col_stride=colwise_row_stride(M), row_op=row_operand, col_op=col_operand, operand_rows=operand_rows,
@@ -1264,11 +1350,12 @@ def rms_norm_mx(
         column_sums=column_sums, scaling=scaling, layout="blocked" if blocked_scales else "plain",
         orig_dtype=x.dtype if weight is None else torch.float32,  # the normalized y is FP32, as the reference's
         on_gpu=x.is_cuda and not interpreter_enabled(), launch=None)
-    bufs = _allocate(plan, x.device)
+    bufs = _allocate(plan, x.device, row_operand_out)
     if M > 0:
         kernel, grid, args, kwargs = forward_launch(
             x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
-            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5], act=act)
+            rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5], act=act,
+            act_input=activation_input)
         if not interpreter_enabled() and _compile_token_count_variants(kernel, args, kwargs, config) \
                 and given == _NO_CONFIG:
             # the other class of M (a multiple of 32 or not) launches with its own default config: build it now
@@ -1276,7 +1363,8 @@ def rms_norm_mx(
             other = default_config(K, M % 32 != 0, row_operand or col_operand, hw_cast, weight is not None)
             o_kernel, _, o_args, o_kwargs = forward_launch(
                 x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
-                rceil=scaling == "rceil", hw_cast=hw_cast, config=other, column_sums=bufs[5], act=act)
+                rceil=scaling == "rceil", hw_cast=hw_cast, config=other, column_sums=bufs[5], act=act,
+                act_input=activation_input)
             o_args = (*o_args[:_M_ARG], _CLASS_REPRESENTATIVE[M % 32 != 0], *o_args[_M_ARG + 1:])
             _compile_token_count_variants(o_kernel, o_args, o_kwargs, other)
         plan = plan._replace(launch=KernelLaunch(kernel, grid, len(args), kwargs))
@@ -1289,13 +1377,17 @@ def rms_norm_mx(
 
 
 # The kernels' ACT for each input activation (`reference.INPUT_ACTIVATIONS`) of x in each dtype (the activation
-# rounded to x's dtype, as torch's).
+# rounded to x's dtype, as torch's), and for its gradient (x the gradient of the activation's output).
 _ACT_CODES = {"silu": {torch.float32: ACT_SILU_F32, torch.bfloat16: ACT_SILU_BF16, torch.float16: ACT_SILU_F16}}
+_ACT_GRAD_CODES = {"silu": {torch.float32: ACT_SILU_GRAD_F32, torch.bfloat16: ACT_SILU_GRAD_BF16,
+                            torch.float16: ACT_SILU_GRAD_F16}}
 
 
-def _activation_code(activation: str | None, dtype: torch.dtype) -> int:
+def _activation_code(activation: str | None, dtype: torch.dtype, gradient: bool = False) -> int:
     check_input_activation(activation, "activation")
-    return ACT_NONE if activation is None else _ACT_CODES[activation][dtype]
+    if activation is None:
+        return ACT_NONE
+    return (_ACT_GRAD_CODES if gradient else _ACT_CODES)[activation][dtype]
 
 
 class _NormPlan(NamedTuple):
@@ -1305,6 +1397,7 @@ class _NormPlan(NamedTuple):
     M: int
     K: int
     x_stride: int
+    a_stride: int | None  # the activation input's row stride (None: no activation input)
     eps: float
     normalize: bool
     row_scale: tuple | None
@@ -1330,16 +1423,22 @@ _NORM_PLANS: dict = {}
 _MAX_NORM_PLANS = 256
 
 
-def _allocate(plan: _NormPlan, dev: torch.device) -> tuple:
+def _allocate(plan: _NormPlan, dev: torch.device, row_op_out: torch.Tensor | None = None) -> tuple:
     """(row, col, rstd, row_op, col_op, column_sums) buffers of a plan: (payload, scale) pairs for the casts;
-    uninitialized (the kernel writes every byte) except the column sums, which it adds to."""
+    uninitialized (the kernel writes every byte) except the column sums, which it adds to. `row_op_out`: the
+    caller's row operand buffer (its rows past M zeroed here)."""
     M, K = plan.M, plan.K
     row = None if plan.row_scale is None else (_new_buffer((M, K), PAYLOAD_DTYPE, dev),
                                                 _new_buffer(plan.row_scale, SCALE_DTYPE, dev))
     col = None if plan.col_scale is None else (colwise_payload_buffer(K, M, dev),
                                                 _new_buffer(plan.col_scale, SCALE_DTYPE, dev))
     rstd = _new_buffer((M,), torch.float32, dev) if plan.normalize else None
-    row_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.row_op else None
+    if row_op_out is not None:
+        row_op = row_op_out
+        if plan.operand_rows > M:
+            row_op[M:].zero_()
+    else:
+        row_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.row_op else None
     col_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.col_op else None
     sums = torch.zeros(K, dtype=torch.float32, device=dev) if plan.column_sums else None
     return row, col, rstd, row_op, col_op, sums
@@ -1353,12 +1452,13 @@ def _operand_buffer(M: int, rows: int, K: int, dtype: torch.dtype, dev: torch.de
     return buf
 
 
-def _run_plan(plan: _NormPlan, x: torch.Tensor, weight: torch.Tensor | None) -> NormMXOutputs:
-    bufs = _allocate(plan, x.device)
+def _run_plan(plan: _NormPlan, x: torch.Tensor, weight: torch.Tensor | None, act_input: torch.Tensor | None,
+              row_op_out: torch.Tensor | None) -> NormMXOutputs:
+    bufs = _allocate(plan, x.device, row_op_out)
     if plan.launch is not None:
         row, col, rstd, row_op, col_op, sums = bufs
         plan.launch(_forward_args(x, plan.x_stride, weight, plan.M, plan.K, plan.eps, rstd, row, col,
-                                  plan.col_stride, row_op, col_op, sums), plan.on_gpu)
+                                  plan.col_stride, row_op, col_op, sums, act_input, plan.a_stride), plan.on_gpu)
     return _outputs(plan, bufs)
 
 

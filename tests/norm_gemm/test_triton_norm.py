@@ -339,9 +339,9 @@ def test_input_activation_errors():
     x = generic_input(4, 32, torch.bfloat16, 0)
     with pytest.raises(ValueError, match="activation must be None or one of"):
         rms_norm_mx(x, None, activation="gelu")
-    with pytest.raises(ValueError, match="needs weight=None and column_sums=False"):
+    with pytest.raises(ValueError, match="needs weight=None and, without activation_input, column_sums=False"):
         rms_norm_mx(x, norm_weight(32, torch.float32, 0), activation="silu")
-    with pytest.raises(ValueError, match="needs weight=None and column_sums=False"):
+    with pytest.raises(ValueError, match="needs weight=None and, without activation_input, column_sums=False"):
         rms_norm_mx(x, None, activation="silu", column_sums=True)
 
 
