@@ -108,23 +108,28 @@ if ON_GPU:
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_mlp_equals_the_layers_composed(M, D, H, bias, backend):
     """Y and every gradient of the fused op equal those of `rms_norm_mx_linear` then `mx_linear(input_activation=
-    "silu")` on the same backend (BF16 activations; the up-projection's bias gradient within FP32 rounding of the
-    column sums, which atomics add in another order)."""
+    "silu")` on the same backend (BF16 activations). The bias gradients are FP32 column sums that atomics add in an
+    order that changes between runs: equal within FP32 rounding of the sums of the summed values' magnitudes."""
     if backend == "reference" and M > 1000:
         pytest.skip("the reference at the GPU sizes adds nothing")
     ins, dy = _mlp_inputs(M, D, H, torch.bfloat16, bias)
+    d_hidden = []  # the gradient of the up-projection's output, whose column sums db_up is
 
     def composed(x, nw, w1, b1, w2, b2):
         h = rms_norm_mx_linear(x, nw, w1, b1, 1e-6, backend=backend)
+        if h.requires_grad:
+            h.register_hook(d_hidden.append)
         return mx_linear(h, w2, b2, input_activation="silu", backend=backend)
 
     y0, grads0 = _run(composed, ins, dy)
     y, grads = _run(lambda *a: rms_norm_mx_mlp(*a, 1e-6, backend=backend), ins, dy)
     assert torch.equal(y, y0)
     names = [n for n, t in zip(("dx", "dnorm_weight", "dw_up", "db_up", "dw_down", "db_down"), ins) if t is not None]
+    summed = {"db_up": d_hidden[0] if d_hidden else None, "db_down": dy}
     for got, want, name in zip(grads, grads0, names):
-        if name == "db_up":
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), name
+        if name in summed:
+            bound = 1e-5 * summed[name].float().abs().sum(0) + 1e-30
+            assert bool(((got - want).abs() <= bound).all()), name
         else:
             assert torch.equal(got, want), name
 
