@@ -909,10 +909,10 @@ def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, 
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
     GEMM's B operand from what the forward kept (`_saved_col_operand`, `_col_operand_of`), made when dW is computed
     and released before dIn is allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros
-    past M); dIn is then a view of its first M rows (with `padded_d_in`, the `[rows, K]` tensor itself). `dy_activation`:
-    see `_dy_operands` (`dy` is the gradient of an activation whose input is Y). `dy_row_out`: the buffer dY's row
-    operand is written into (`_dy_operands`' `row_out`; dy's own buffer, whose memory then serves again), unless the
-    bias gradient must read dy afterwards.
+    past M); dIn is then a view of its first M rows (with `padded_d_in`, the `[rows, K]` tensor itself).
+    `dy_activation`: see `_dy_operands` (`dy` is the gradient of an activation whose input is Y). `dy_row_out`: the
+    buffer dY's row operand is written into (`_dy_operands`' `row_out`; dy's own buffer, whose memory then serves
+    again), unless the bias gradient must read dy afterwards.
 
     dW comes first, then dIn: the input's operand (as large as the input on the cuBLAS route) and dIn are never live
     together. A dY whose exact-value operands exceed `FORWARD_OPERAND_MAX_BYTES` is cast in two passes (one more read
@@ -1143,7 +1143,8 @@ class RMSNormMXMLPTritonFunction(torch.autograd.Function):
     (down), whose backward hands the up-projection the gradient of act's output: the up-projection's dY casts compute
     act's backward on the fly (`_dy_operands`' `dy_activation`), so that gradient is never stored and its own pass
     (read the gradient and the pre-activation, write their product) is gone. The same values as the two Functions
-    composed (the activation's backward rounded to X's dtype either way). Arguments as `rms_norm_mx_mlp_triton`'s.
+    composed (the activation's backward rounded to X's dtype either way). Arguments checked by the caller
+    (`ops.rms_norm_mx_mlp`).
     """
 
     @staticmethod
@@ -1201,26 +1202,3 @@ def rms_norm_mx_linear_triton(x2: torch.Tensor, norm_weight: torch.Tensor, weigh
     check_linear_gemm(gemm)
     return RMSNormMXLinearTritonFunction.apply(x2, norm_weight, weight, bias, float(eps), scaling, gemm)
 
-
-def rms_norm_mx_mlp_triton(x2: torch.Tensor, norm_weight: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None,
-                           w_down: torch.Tensor, b_down: torch.Tensor | None, eps: float = 1e-6,
-                           activation: str = "silu", scaling: str = "rceil", gemm: str = "cublas") -> torch.Tensor:
-    """`act(RMSNorm(x2) @ w_up^T + b_up) @ w_down^T + b_down` on the Triton path (`RMSNormMXMLPTritonFunction`,
-    differentiable), `[M, N]`; `activation` a key of `reference.INPUT_ACTIVATIONS`."""
-    check_linear_args(x2, w_up, b_up, norm_weight)
-    _check_float(w_down, "w_down", 2)
-    if w_down.shape[1] != w_up.shape[0] or w_down.shape[0] % BLOCK or w_down.device != x2.device:
-        raise ValueError(f"w_down must be [N, {w_up.shape[0]}] (w_up's N as its K), N a multiple of {BLOCK}, on "
-                         f"{x2.device}; got {tuple(w_down.shape)} on {w_down.device}")
-    if b_down is not None:
-        _check_float(b_down, "b_down", 1)
-        if b_down.shape[0] != w_down.shape[0] or b_down.device != x2.device:
-            raise ValueError(f"b_down must be [N={w_down.shape[0]}] on {x2.device}, got {tuple(b_down.shape)} on "
-                             f"{b_down.device}")
-    check_scaling(scaling)
-    check_linear_gemm(gemm)
-    check_input_activation(activation, "activation")
-    if activation is None:
-        raise ValueError("rms_norm_mx_mlp_triton needs an activation (one of the input activations)")
-    return RMSNormMXMLPTritonFunction.apply(x2, norm_weight, w_up, b_up, w_down, b_down, float(eps), scaling, gemm,
-                                            activation)

@@ -514,8 +514,8 @@ def _rms_norm_mx_kernel(
     else:
         _blocks_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                           row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                          colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
-                          BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS, ACT)
+                          colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX,
+                          ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS, ACT)
 
 
 # ----------------------------------------------------------------------------- forward kernel: thread strips
@@ -729,7 +729,8 @@ def _load_chunk(x_rows, k0, k, row_ok, K: tl.constexpr, EVEN: tl.constexpr, MAY_
 def _norm_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -810,7 +811,8 @@ def _norm_row_block(
 def _cast_tile(
     m0, k0, x_ptr, stride_xm, M, K: tl.constexpr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    ROW_BLOCKS_IN_THREAD: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, ACT: tl.constexpr,
@@ -846,7 +848,8 @@ def _cast_tile(
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -866,25 +869,22 @@ def _rms_norm_mx_strips_kernel(
         _cast_tile((pid // N_K_TILES) * BLOCK_M, (pid % N_K_TILES) * BLOCK_K, x_ptr, stride_xm, M, K,
                    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                    colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX,
-                   ROW_OP, COL_OP,
-                   BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, ACT)
+                   ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, ACT)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
             _norm_row_block(m0, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                             row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
                             col_op_ptr, colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS,
-                            ROW_BLOCKS_IN_THREAD, NORMALIZE,
-                            ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M,
-                            PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
+                            ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
+                            HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
             m0 += n_walkers * BLOCK_M
     else:
         _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                         row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                         colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD,
-                        NORMALIZE, ROW_MX, COL_MX,
-                        ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE,
-                        COL_SUMS, PREFETCH, ACT)
+                        NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS,
+                        EVEN_M, PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
 
 
 # ----------------------------------------------------------------------------- backward kernel
