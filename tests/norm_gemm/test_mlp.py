@@ -20,7 +20,7 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-CAST_CASES = [(0, 64), (1, 32), (33, 64), (130, 256), (64, 96)]
+CAST_CASES = [(0, 64), (1, 32), (31, 64), (33, 64), (127, 96), (129, 256), (130, 256)]
 if ON_GPU:
     CAST_CASES += [(32767, 1024), (4096, 256), (5000, 4096)]
 
@@ -99,7 +99,7 @@ def _run(fn, ins, dy):
     return y, torch.autograd.grad(y, wrt, dy)
 
 
-MLP_CASES = [(0, 64, 128, True), (1, 32, 64, False), (33, 64, 128, True), (70, 96, 64, True)]
+MLP_CASES = [(0, 64, 128, True), (1, 32, 64, False), (31, 64, 128, True), (33, 64, 128, True), (129, 96, 64, True)]
 if ON_GPU:
     MLP_CASES += [(32767, 256, 1024, True), (4097, 1024, 256, False)]
 
@@ -128,7 +128,12 @@ def test_mlp_equals_the_layers_composed(M, D, H, bias, backend):
     summed = {"db_up": d_hidden[0] if d_hidden else None, "db_down": dy}
     for got, want, name in zip(grads, grads0, names):
         if name in summed:
-            bound = 1e-5 * summed[name].float().abs().sum(0) + 1e-30
+            v = summed[name].float().abs()
+            bound = 1e-5 * v.sum(0) + 1e-30
+            if name == "db_up" and not ON_GPU:
+                # the interpreter's SiLU backward (numpy's exp) can round a BF16 element one unit off torch's CPU
+                # one; the MX operands absorb it (compared bit for bit above), db_up sums the BF16 values themselves
+                bound = bound + (v.amax(0) if v.numel() else 0.0) * 2.0**-8
             assert bool(((got - want).abs() <= bound).all()), name
         else:
             assert torch.equal(got, want), name
