@@ -306,7 +306,7 @@ def _activated(x, a_ptrs, mask, ACT: tl.constexpr, EVEN: tl.constexpr):
         if EVEN:
             z = exact_f32(tl.load(a_ptrs))
         else:
-            z = exact_f32(tl.load(a_ptrs, mask=mask, other=0.0))
+            z = load_f32(a_ptrs, mask)
         return _silu_grad(x, z, ACT - 3)
     else:
         return input_activation(x, ACT)
@@ -1045,7 +1045,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     a_stride = 0 if act_input is None else act_input.stride(0)
     span = max(block_m * max(x.stride(0), a_stride, K), block_k * col_stride)  # largest offset inside one tile
     args = _forward_args(x, x.stride(0), weight, M, K, float(eps), rstd, row, col, col_stride, row_op, col_op,
-                         column_sums, act_input, 0 if act_input is None else act_input.stride(0))
+                         column_sums, act_input, a_stride)
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
@@ -1433,20 +1433,18 @@ def _allocate(plan: _NormPlan, dev: torch.device, row_op_out: torch.Tensor | Non
     col = None if plan.col_scale is None else (colwise_payload_buffer(K, M, dev),
                                                 _new_buffer(plan.col_scale, SCALE_DTYPE, dev))
     rstd = _new_buffer((M,), torch.float32, dev) if plan.normalize else None
-    if row_op_out is not None:
-        row_op = row_op_out
-        if plan.operand_rows > M:
-            row_op[M:].zero_()
-    else:
-        row_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.row_op else None
+    row_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev, row_op_out) if plan.row_op else None
     col_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.col_op else None
     sums = torch.zeros(K, dtype=torch.float32, device=dev) if plan.column_sums else None
     return row, col, rstd, row_op, col_op, sums
 
 
-def _operand_buffer(M: int, rows: int, K: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    """A `[rows, K]` operand buffer whose rows M.. are zeros (the kernel writes the first M rows)."""
-    buf = _new_buffer((rows, K), dtype, dev)
+def _operand_buffer(M: int, rows: int, K: int, dtype: torch.dtype, dev: torch.device,
+                    buf: torch.Tensor | None = None) -> torch.Tensor:
+    """A `[rows, K]` operand buffer (new, or the caller's `buf`) whose rows M.. are zeros (the kernel writes the first
+    M rows)."""
+    if buf is None:
+        buf = _new_buffer((rows, K), dtype, dev)
     if rows > M:
         buf[M:].zero_()
     return buf
