@@ -55,12 +55,14 @@ class OpSettings:
         return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend,
                                **self._rotation(qk_features, head_dim))
 
-    def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, broadcast_q=False, max_length=None):
+    def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, max_length=None, max_q_length=None):
         """Jagged attention on Q and K from `qk_linear` / `qk_norm_linear` (already rotated). `max_length`: offsets
-        on the device taken unchecked, no sequence longer than this (`jagged_attention`'s `max_seqlen_*`)."""
-        return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, broadcast_q=broadcast_q,
-                                precision=self.recipe, backend=self.backend, p_quant=self.p_quant,
-                                max_seqlen_q=max_length, max_seqlen_k=max_length)
+        on the device taken unchecked, no sequence longer than this (`jagged_attention`'s `max_seqlen_*`);
+        `max_q_length`, with it: a tighter bound on the query sequences (the launch's query tiles follow it)."""
+        max_q = max_length if max_length is None or max_q_length is None else max_q_length
+        return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, precision=self.recipe,
+                                backend=self.backend, p_quant=self.p_quant, max_seqlen_q=max_q,
+                                max_seqlen_k=max_length)
 
 
 class FeedForward(nn.Module):
@@ -122,11 +124,12 @@ class JaggedSelfAttentionBlock(nn.Module):
 class SequenceReadout(nn.Module):
     """Summarizes each encoded sequence with K learned query tokens and with its target (candidate).
 
-    * query tokens: K learned queries `[K, d_model]` attend over every sequence (`broadcast_q`),
-      giving `[B, K, d_model]`;
-    * target attention: each candidate embedding `[B, d_target]` attends over its own sequence
-      (one query per sequence), giving `[B, d_model]`.
-    Keys and values come from one fused RMSNorm+projection of the encoded tokens.
+    * query tokens: K learned queries `[K, d_model]` attend over every sequence, giving `[B, K, d_model]`;
+    * target attention: each candidate embedding `[B, d_target]` attends over its own sequence, giving
+      `[B, d_model]`.
+    Keys and values come from one fused RMSNorm+projection of the encoded tokens. Both reads are one attention
+    call, whose sequence b has K + 1 queries (the learned ones, then b's target): every sequence's keys and values
+    are read (and, with MXFP8, quantized) once, not once per kind of query.
     """
 
     def __init__(self, ops: OpSettings, d_model: int, d_target: int, num_heads: int, head_dim: int,
@@ -142,22 +145,22 @@ class SequenceReadout(nn.Module):
         self.kv = ops.qk_norm_linear(d_model, 2 * width, width, head_dim)
         self.query_out = ops.linear(width, d_model)
         self.target_out = ops.linear(width, d_model)
-        self._target_offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._query_offsets: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
-    def target_offsets(self, batch: int, device: torch.device) -> torch.Tensor:
-        """int64 `[B + 1]` offsets `0, 1, ..., B` of the one-query-per-sequence target attention on `device`.
+    def query_offsets(self, batch: int, queries: int, device: torch.device) -> torch.Tensor:
+        """int64 `[B + 1]` offsets `0, Q, 2Q, ..., BQ` of `queries` queries per sequence on `device`.
 
-        Made once per (B, device) and reused: the attention op validates an offsets tensor once (a copy to the
+        Made once per (B, Q, device) and reused: the attention op validates an offsets tensor once (a copy to the
         CPU, so a host sync) and builds its launch plans once per tensor, so a new tensor each step would cost
         a sync and those device ops every step. Never written in place. Not kept while a CUDA graph is
         being captured (its memory would belong to the graph's pool).
         """
-        key = (batch, device)
-        offsets = self._target_offsets.get(key)
+        key = (batch, queries, device)
+        offsets = self._query_offsets.get(key)
         if offsets is None:
-            offsets = torch.arange(batch + 1, dtype=torch.int64, device=device)
+            offsets = torch.arange(0, (batch + 1) * queries, queries, dtype=torch.int64, device=device)
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                self._target_offsets[key] = offsets
+                self._query_offsets[key] = offsets
         return offsets
 
     def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor):
@@ -178,16 +181,14 @@ class SequenceReadout(nn.Module):
               q_target: torch.Tensor, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What the queries read from the encoded tokens: `[B * K, h * d]` and `[B, h * d]` (B: q_target's rows,
         one per sequence of `offsets`). `max_length`: see `OpSettings.attention`."""
-        t, b = tokens.shape[0], q_target.shape[0]
+        t, b, lq = tokens.shape[0], q_target.shape[0], q_query.shape[0]
         h, d = self.num_heads, self.head_dim
         kv = self.kv(tokens).view(t, 2, h, d)
         k, v = kv.unbind(1)  # see JaggedSelfAttentionBlock.forward
-        # q_offsets=None: one shared query sequence of K rows, nothing to build or validate each step
-        read_query = self.ops.attention(q_query, k, v, None, offsets, broadcast_q=True,
-                                        max_length=max_length)  # [B*K, h, d]
-        read_target = self.ops.attention(q_target, k, v, self.target_offsets(b, tokens.device), offsets,
-                                         max_length=max_length)  # [B, h, d]
-        return read_query.reshape(-1, h * d), read_target.reshape(b, h * d)
+        q = torch.cat([q_query.expand(b, lq, h, d), q_target.unsqueeze(1)], dim=1).view(b * (lq + 1), h, d)
+        reads = self.ops.attention(q, k, v, self.query_offsets(b, lq + 1, tokens.device), offsets,
+                                   max_length=max_length, max_q_length=lq + 1).view(b, lq + 1, h * d)
+        return reads[:, :lq].reshape(b * lq, h * d), reads[:, lq].contiguous()
 
     def summaries(self, read_query: torch.Tensor, read_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The reads projected back: `[B, K, d_model]` and `[B, d_model]`."""

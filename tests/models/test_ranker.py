@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from gem_lp.attention import jagged_attention
 from gem_lp.data import CAND_ITEM, HIST_ITEM, PlantedTeacher, SparseFeatureSpec, SyntheticDataConfig, make_batch
 from gem_lp.models import GemModelConfig, GemRanker, lengths_to_offsets, prefix_rows, prepend_tokens
+from gem_lp.models.blocks import OpSettings, SequenceReadout
 from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear
 
 DATA = SyntheticDataConfig(batch_size=12, num_items=200, history_mean=9.0, history_min=0, history_max=40,
@@ -108,28 +109,56 @@ def test_mlp_hands_silu_to_its_down_projection(activation):
     assert torch.equal(mlp(x), plain(getattr(F, activation)(mlp.up(x))))
 
 
-def test_attention_calls_are_jagged_and_broadcast(batch, monkeypatch):
-    """The encoder attends within [K_sum summary ⊕ history] per user; the readout uses broadcast_q and
-    one target query per user."""
+def test_attention_calls_are_jagged_and_the_readout_is_one_call(batch, monkeypatch):
+    """The encoder attends within [K_sum summary ⊕ history] per user; the readout is one call in which each
+    user's sequence has K + 1 queries: the K learned ones, then its candidate's."""
     calls = []
     import gem_lp.models.blocks as blocks
 
     def spy(q, k, v, q_offsets, kv_offsets=None, **kw):
-        calls.append((q.shape, k.shape, q_offsets, kv_offsets, kw))
+        calls.append((q.detach().clone(), k.shape, q_offsets, kv_offsets, kw))
         return jagged_attention(q, k, v, q_offsets, kv_offsets, **kw)
 
     monkeypatch.setattr(blocks, "jagged_attention", spy)
     cfg = GemModelConfig(precision="bf16", num_summary_tokens=3, num_query_tokens=4, **{**SMALL, "num_blocks": 1})
-    GemRanker(cfg, DATA.feature_spec())(batch)
+    model = GemRanker(cfg, DATA.feature_spec())
+    model(batch)
     lengths = batch.sequence_features.to_dict()[HIST_ITEM].lengths()
     seq_offsets = lengths_to_offsets(lengths + 3)
-    (enc_q, enc_k, enc_qo, enc_kvo, enc_kw), (bq_q, _, bq_qo, bq_kvo, bq_kw), (t_q, _, t_qo, t_kvo, t_kw) = calls
-    assert enc_q[0] == int(seq_offsets[-1]) and torch.equal(enc_qo, seq_offsets) and enc_kvo is None
+    (enc_q, enc_k, enc_qo, enc_kvo, enc_kw), (r_q, _, r_qo, r_kvo, r_kw) = calls
+    assert enc_q.shape[0] == int(seq_offsets[-1]) and torch.equal(enc_qo, seq_offsets) and enc_kvo is None
     assert enc_kw["causal"] is False and enc_kw["precision"] == "bf16"
-    assert bq_kw["broadcast_q"] is True and bq_q[0] == 4 and torch.equal(bq_kvo, seq_offsets)
-    assert t_q[0] == DATA.batch_size and torch.equal(t_qo, torch.arange(DATA.batch_size + 1))
-    assert torch.equal(t_kvo, seq_offsets)
-    assert enc_kw.get("qk_rotation") is bq_kw.get("qk_rotation") is t_kw.get("qk_rotation") is None
+    b = DATA.batch_size
+    assert r_q.shape[0] == b * 5 and torch.equal(r_qo, torch.arange(b + 1) * 5) and torch.equal(r_kvo, seq_offsets)
+    learned = r_q.view(b, 5, *r_q.shape[1:])[:, :4]
+    assert torch.equal(learned, learned[:1].expand_as(learned))  # the same K learned queries for every user
+    assert enc_kw.get("qk_rotation") is r_kw.get("qk_rotation") is None
+
+
+def test_readout_is_the_two_reads_it_replaces():
+    """The readout's one call equals the learned queries attending over every sequence (`broadcast_q`) and each
+    target over its own sequence, as two calls; gradients included (FP32 reference)."""
+    torch.manual_seed(0)
+    ops = OpSettings("fp32", "reference", "const_p", 1e-6)
+    readout = SequenceReadout(ops, 64, 32, 2, 32, 3)
+    offsets = torch.tensor([0, 5, 5, 38, 39, 70])
+    tokens = torch.randn(70, 64, requires_grad=True)
+    target = torch.randn(5, 32, requires_grad=True)
+    q_query, q_target = readout.queries(target)
+    got = readout.reads(tokens, offsets, q_query, q_target)
+    kv = readout.kv(tokens).view(70, 2, 2, 32)
+    k, v = kv.unbind(1)
+    kw = dict(precision="fp32", backend="reference")
+    want = (jagged_attention(q_query, k, v, None, offsets, broadcast_q=True, **kw).reshape(15, 64),
+            jagged_attention(q_target, k, v, torch.arange(6), offsets, **kw).reshape(5, 64))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    probe = [torch.randn_like(w) for w in want]
+    params = [tokens, target, readout.query_tokens, *readout.kv.parameters()]
+    grads_got = torch.autograd.grad(sum((g * p).sum() for g, p in zip(got, probe)), params, retain_graph=True)
+    grads_want = torch.autograd.grad(sum((w * p).sum() for w, p in zip(want, probe)), params)
+    for g, w in zip(grads_got, grads_want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_qk_rotation_folded_into_the_projections_is_rotation_inside_attention(batch, monkeypatch):
@@ -150,7 +179,7 @@ def test_qk_rotation_folded_into_the_projections_is_rotation_inside_attention(ba
     plain.load_state_dict(folded.state_dict())  # the parameters stay unrotated: one state dict for both
     logits = folded(batch)
     logits.sum().backward()
-    assert calls == [None] * (SMALL["num_blocks"] + 2)
+    assert calls == [None] * (SMALL["num_blocks"] + 1)
     monkeypatch.setattr(blocks, "jagged_attention",
                         lambda *args, **kw: jagged_attention(*args, **{**kw, "qk_rotation": "hadamard"}))
     expected = plain(batch)
@@ -403,6 +432,6 @@ def test_attention_offsets_come_from_the_host_lengths_that_to_keeps(batch, monke
     assert torch.equal(with_host, without)
     lengths = batch.sequence_features[HIST_ITEM].lengths()
     expected = lengths_to_offsets(lengths + model.cfg.num_summary_tokens)
-    assert len(host_offsets) == len(seen) == SMALL["num_blocks"] + 2  # the encoder, then the readout's two reads
+    assert len(host_offsets) == len(seen) == SMALL["num_blocks"] + 1  # the encoder, then the readout
     for got, device_side in zip(host_offsets, seen):
         assert got.device.type == "cpu" and torch.equal(got, expected) and torch.equal(device_side, expected)

@@ -51,20 +51,19 @@ def _batches():
 
 
 def test_a_step_checks_only_the_new_batch_offsets(checked, monkeypatch):
-    """After the first step, one offsets check per step (the batch's): the readout passes no learned-query
-    offsets and reuses its target offsets `0..B`."""
+    """After the first step, one offsets check per step (the batch's): the readout reuses its query offsets
+    `0, K + 1, ..., B (K + 1)`."""
     import gem_lp.models.blocks as blocks
 
     torch.manual_seed(0)
     model = GemRanker(GemModelConfig(precision="mxfp8", **SMALL), DATA.feature_spec())
-    target_offsets = []
+    query_offsets = []
     real = blocks.jagged_attention
 
     def spy(q, k, v, q_offsets, kv_offsets=None, **kw):
-        if kv_offsets is not None and not kw.get("broadcast_q"):
-            target_offsets.append(q_offsets)
-        else:
-            assert q_offsets is not None or kw["broadcast_q"]
+        assert q_offsets is not None
+        if kv_offsets is not None:
+            query_offsets.append(q_offsets)
         return real(q, k, v, q_offsets, kv_offsets, **kw)
 
     monkeypatch.setattr(blocks, "jagged_attention", spy)
@@ -74,18 +73,19 @@ def test_a_step_checks_only_the_new_batch_offsets(checked, monkeypatch):
         F.binary_cross_entropy_with_logits(model(batch), batch.labels).backward()
         per_step.append(len(checked) - before)
     assert per_step == [2, 1, 1]
-    assert all(t is target_offsets[0] for t in target_offsets)
-    assert torch.equal(target_offsets[0], torch.arange(DATA.batch_size + 1))
-    assert target_offsets[0].dtype == torch.int64
+    assert len(query_offsets) == 3 and all(t is query_offsets[0] for t in query_offsets)
+    per_sequence = model.cfg.num_query_tokens + 1
+    assert torch.equal(query_offsets[0], torch.arange(DATA.batch_size + 1) * per_sequence)
+    assert query_offsets[0].dtype == torch.int64
 
 
-def test_target_offsets_per_batch_size():
+def test_query_offsets_per_batch_size():
     readout = SequenceReadout(OpSettings("fp32", "reference", "const_p", 1e-6), 64, 32, 2, 32, 2)
     cpu = torch.device("cpu")
-    a, b = readout.target_offsets(5, cpu), readout.target_offsets(3, cpu)
-    assert torch.equal(a, torch.arange(6)) and torch.equal(b, torch.arange(4))
-    assert readout.target_offsets(5, cpu) is a
-    assert "_target_offsets" not in dict(readout.state_dict())
+    a, b = readout.query_offsets(5, 3, cpu), readout.query_offsets(3, 3, cpu)
+    assert torch.equal(a, torch.arange(6) * 3) and torch.equal(b, torch.arange(4) * 3)
+    assert readout.query_offsets(5, 3, cpu) is a and not torch.equal(readout.query_offsets(5, 2, cpu), a)
+    assert "_query_offsets" not in dict(readout.state_dict())
 
 
 def _old_split_block_forward(block, x, offsets):
