@@ -665,19 +665,15 @@ def _casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, sc
            colwise: bool = True, row_operand: bool = False, col_operand: bool = False,
            operand_dtype: torch.dtype = torch.bfloat16, operand_rows: int | None = None, column_sums: bool = False,
            activation: str | None = None, activation_input: torch.Tensor | None = None,
-           row_operand_out: torch.Tensor | None = None,
-           activation_col_operand_out: torch.Tensor | None = None) -> NormMXOutputs:
+           row_operand_out: torch.Tensor | None = None) -> NormMXOutputs:
     """`rms_norm_mx`'s outputs (blocked scales), from the CuTe kernel where `_cute_cast` chooses it (the casts of
     an activation's gradient, `activation_input` given, and those into the caller's row operand buffer are the Triton
-    kernel's only). `activation_col_operand_out`: with `activation_input`, also the activation's colwise operand,
-    written there (`rms_norm_mx`'s `activation_col_operand_out`)."""
+    kernel's only)."""
     kw = dict(scaling=scaling, rowwise=rowwise, colwise=colwise, row_operand=row_operand, col_operand=col_operand,
               operand_dtype=operand_dtype, operand_rows=operand_rows, column_sums=column_sums, activation=activation)
     if activation_input is not None or row_operand_out is not None or \
             not (operand_dtype == torch.bfloat16 and _cute_cast(x, weight)):
-        return rms_norm_mx(x, weight, eps, activation_input=activation_input, row_operand_out=row_operand_out,
-                           activation_col_operand=activation_col_operand_out is not None,
-                           activation_col_operand_out=activation_col_operand_out, **kw)
+        return rms_norm_mx(x, weight, eps, activation_input=activation_input, row_operand_out=row_operand_out, **kw)
     from ..norm.cute.launch import norm_mx_cast
 
     out = norm_mx_cast(x, weight, eps, scaling=scaling, blocked_scales=True, rowwise=rowwise, colwise=colwise,
@@ -854,15 +850,13 @@ def gemm_rows(M: int) -> int:
 
 def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = False, rows: int | None = None,
                  row: bool = True, col: bool = True, dy_activation: tuple[str, torch.Tensor] | None = None,
-                 row_out: torch.Tensor | None = None, activation_col_out: torch.Tensor | None = None):
+                 row_out: torch.Tensor | None = None):
     """dY `[M, N]` quantized along N (for dX, `row`) and along M (for dW, `col`), from one pass over dY.
 
     `dy_activation`: None, or `(activation, z)`: `dy` is then the gradient of `activation(z)` and dY is z's gradient
     (torch's `silu_backward(dy, z)`), made on the fly in the same pass. `row_out`: where the exact-value row
     operand goes when it is made and has its shape and dtype (it may be the buffer dy is the first rows of: see
-    `rms_norm_mx`'s `row_operand_out`); else a new tensor. `activation_col_out` (cuBLAS route, with
-    `dy_activation`): the `[rows, N]` buffer the same pass writes the colwise operand of `activation(z)` into (what
-    the layer that took `activation(z)` needs for its dW; it may be z's own storage, see `rms_norm_mx`).
+    `rms_norm_mx`'s `row_operand_out`); else a new tensor.
 
     Returns `(row, col_t, sums)`: MX `[M, N]` and MX of dY^T `[N, M]`, or exact-value tensors `[rows, N]` and the
     `[N, rows]` transposed view of the colwise values (rows past M zeros; `rows` default M), None where not asked
@@ -880,7 +874,7 @@ def _dy_operands(dy: torch.Tensor, scaling: str, gemm: str, column_sums: bool = 
         row_out = None
     out = _casts(dy, None, scaling=scaling, rowwise=False, colwise=False, row_operand=row, col_operand=col,
                  operand_dtype=opd, column_sums=column_sums, operand_rows=rows, activation=act, activation_input=z,
-                 row_operand_out=row_out, activation_col_operand_out=activation_col_out)
+                 row_operand_out=row_out)
     return out.row_operand, None if out.col_operand is None else out.col_operand.t(), out.column_sums
 
 
@@ -911,7 +905,7 @@ def _col_operand_of(x: torch.Tensor, activation: str | None, scaling: str, gemm:
 
 
 def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None,
-                     dy_activation=None, dy_row_out=None, padded_d_in=False, dy_ops=None, dw_last=False):
+                     dy_activation=None, dy_row_out=None, padded_d_in=False):
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
     GEMM's B operand from what the forward kept (`_saved_col_operand`, `_col_operand_of`), made when dW is computed
     and released before dIn is allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros
@@ -922,28 +916,21 @@ def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, 
 
     dW comes first, then dIn: the input's operand (as large as the input on the cuBLAS route) and dIn are never live
     together. A dY whose exact-value operands exceed `FORWARD_OPERAND_MAX_BYTES` is cast in two passes (one more read
-    of dY), the colwise operand released after dW before the rowwise one is made. `dw_last`: dIn first, then dW with
-    `make_x_col(dIn)` (`RMSNormMXMLPTritonFunction`: the up-projection's dY casts, which read dIn, make the down-
-    projection's B operand). `dy_ops`: dY's `(row, col_t, sums)` made by the caller (`_dy_operands`), instead of here.
+    of dY), the colwise operand released after dW before the rowwise one is made.
     """
-    if dw_last and not need_in:
-        raise ValueError("dw_last makes dW from dIn: it needs dIn")
     scaling, gemm = ctx.scaling, ctx.gemm
     sums_in_cast = need_b and BIAS_GRAD_FROM_DY_CAST
-    separate = gemm == "cublas" and need_in and need_w and not dw_last and dy_ops is None and \
+    separate = gemm == "cublas" and need_in and need_w and \
         dy.shape[0] * dy.shape[1] * operand_dtype_for(dy.dtype).itemsize > FORWARD_OPERAND_MAX_BYTES
     if need_b and not sums_in_cast:
         dy_row_out = None
-    if dy_ops is None:
-        dy_ops = _dy_operands(dy, scaling, gemm, sums_in_cast, rows, row=need_in and not separate,
-                              col=need_w or not need_in, dy_activation=dy_activation,
-                              row_out=None if separate else dy_row_out)
-    dy_row, dy_col_t, dy_sums = dy_ops
-    del dy_ops
+    dy_row, dy_col_t, dy_sums = _dy_operands(dy, scaling, gemm, sums_in_cast, rows, row=need_in and not separate,
+                                             col=need_w or not need_in, dy_activation=dy_activation,
+                                             row_out=None if separate else dy_row_out)
     d_in = d_w = d_b = None
-    if need_w and not dw_last:
+    if need_w:
         d_w = _gemm_nt(dy_col_t, make_x_col(), gemm, dw_dtype)
-        del dy_col_t
+    del dy_col_t
     if need_in:
         if separate:
             dy_row = _dy_operands(dy, scaling, gemm, False, rows, col=False, dy_activation=dy_activation,
@@ -952,9 +939,6 @@ def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, 
             d_in = _gemm_nt(dy_row, w_ops.col, gemm, d_in_dtype)
         else:  # B^T = the colwise values of W, [N, K]: B = their transposed view
             d_in = _gemm_nt(dy_row, w_ops.col.t(), gemm, d_in_dtype)
-        del dy_row
-        if need_w and dw_last:
-            d_w = _gemm_nt(dy_col_t, make_x_col(d_in), gemm, dw_dtype)
         if not padded_d_in:
             d_in = _first_rows(d_in, dy.shape[0])
     if need_b:  # FP32 column sums of dY
@@ -1069,11 +1053,10 @@ class MXLinearTritonFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _mx_linear_backward(ctx, dy, activation_backward: bool = True, x_col_from_d_in=None):
+def _mx_linear_backward(ctx, dy, activation_backward: bool = True):
     """`MXLinearTritonFunction`'s dX, dW, db. With an input activation and `activation_backward=False`, dX is the
     gradient of act(X) (its backward left to the caller, `RMSNormMXMLPTritonFunction`), as the GEMM wrote it: with
-    its padded rows (`_linear_backward`'s `padded_d_in`). `x_col_from_d_in`: dX first, then dW with this function of
-    dX as the B operand (`_linear_backward`'s `dw_last`)."""
+    its padded rows (`_linear_backward`'s `padded_d_in`)."""
     x_data, x_scale, weight, x = ctx.saved_tensors
     x_dtype, w_dtype, b_dtype = ctx.dtypes
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -1086,9 +1069,8 @@ def _mx_linear_backward(ctx, dy, activation_backward: bool = True, x_col_from_d_
             return _col_operand_of(x, ctx.activation, ctx.scaling, ctx.gemm, rows)
         return _saved_col_operand(x_data, x_scale, ctx.scaling, ctx.gemm, x_dtype, rows)
 
-    dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col if x_col_from_d_in is None else x_col_from_d_in, x_dtype,
-                                  w_dtype, need_x, need_w, need_b, rows, padded_d_in=not activation_backward,
-                                  dw_last=x_col_from_d_in is not None)
+    dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows,
+                                  padded_d_in=not activation_backward)
     if dx is not None and ctx.activation is not None and activation_backward:  # dX is act(X)'s gradient: in place
         dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x, grad_input=dx)
     return dx, dw, _as_dtype(db, b_dtype)
@@ -1123,8 +1105,8 @@ class RMSNormMXLinearTritonFunction(torch.autograd.Function):
         return (*_norm_linear_backward(ctx, dy), None, None, None)
 
 
-def _norm_linear_backward(ctx, dy, dy_activation=None, dy_row_out=None, dy_ops=None):
-    """`RMSNormMXLinearTritonFunction`'s dX, dnorm_weight, dW, db; `dy_activation`, `dy_row_out`, `dy_ops` as
+def _norm_linear_backward(ctx, dy, dy_activation=None, dy_row_out=None):
+    """`RMSNormMXLinearTritonFunction`'s dX, dnorm_weight, dW, db; `dy_activation`, `dy_row_out` as
     `_linear_backward`'s."""
     x, norm_weight, rstd, yn_data, yn_scale, weight = ctx.saved_tensors
     x_dtype, g_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -1135,7 +1117,7 @@ def _norm_linear_backward(ctx, dy, dy_activation=None, dy_row_out=None, dy_ops=N
     rows = _rows(dy.shape[0], ctx.gemm)
     dyn, dw, db = _linear_backward(
         ctx, dy, w_ops, lambda: _saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.gemm, x_dtype, rows),
-        x_dtype, w_dtype, need_dyn, need_w, need_b, rows, dy_activation, dy_row_out, dy_ops=dy_ops)
+        x_dtype, w_dtype, need_dyn, need_w, need_b, rows, dy_activation, dy_row_out)
     dx = dg = None
     if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
         dx, dg = _norm_backward(x, norm_weight, rstd, dyn)
@@ -1163,12 +1145,6 @@ class RMSNormMXMLPTritonFunction(torch.autograd.Function):
     (read the gradient and the pre-activation, write their product) is gone. The same values as the two Functions
     composed (the activation's backward rounded to X's dtype either way). Arguments checked by the caller
     (`ops.rms_norm_mx_mlp`).
-
-    On the cuBLAS route the down-projection's dW waits for the up-projection's dY casts: that pass reads the
-    pre-activation z anyway, and also writes the colwise operand of act(z) that dW needs (`_shares_pre_activation`),
-    over z's own memory, z being read for the last time. The separate cast of z it replaces read z again (2 bytes an
-    element of `[tokens, hidden]`). Having written over z, the backward runs once per forward: a second one (the graph
-    retained) raises.
     """
 
     @staticmethod
@@ -1181,73 +1157,25 @@ class RMSNormMXMLPTritonFunction(torch.autograd.Function):
         y = MXLinearTritonFunction.forward(down, h, w_down, b_down, scaling, gemm, activation)
         ctx.save_for_backward(*up.saved_tensors, *down.saved_tensors)
         ctx.layers, ctx.n_up = (up, down), len(up.saved_tensors)
-        ctx.pre_activation_overwritten = False
         up.saved_tensors = down.saved_tensors = ()  # held by ctx alone
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.pre_activation_overwritten:
-            raise RuntimeError("rms_norm_mx_mlp's backward ran a second time for one forward (retain_graph=True): its "
-                               "first backward wrote over the saved pre-activation to reuse its memory; run the "
-                               "forward again for another backward")
         up, down = ctx.layers
         saved = ctx.saved_tensors
         up.saved_tensors, down.saved_tensors = saved[:ctx.n_up], saved[ctx.n_up:]
-        z = down.saved_tensors[3]  # the pre-activation, which the down-projection keeps
-        M = dy.shape[0]
-        up_dy_ops = []
-
-        def act_col_from_up_casts(d_act):
-            """The up-projection's dY casts from d_act (padded rows) and z, kept for its backward; returns the
-            down-projection's dW operand, act(z)'s colwise values, which the same pass writes over z."""
-            rows = d_act.shape[0]
-            opd = operand_dtype_for(z.dtype)
-            act_col = _rows_of_storage(z, rows, opd)
-            if act_col is None:
-                act_col = torch.empty(rows, z.shape[1], dtype=opd, device=z.device)
-            need_in, need_w, need_b = up.needs_input_grad[0] or up.needs_input_grad[1], *up.needs_input_grad[2:4]
-            up_dy_ops.append(_dy_operands(_first_rows(d_act, M), up.scaling, up.gemm, need_b, rows, row=need_in,
-                                          col=need_w or not need_in, dy_activation=(down.activation, z),
-                                          row_out=d_act, activation_col_out=act_col))
-            ctx.pre_activation_overwritten = True
-            return act_col.t()
-
-        shared = _shares_pre_activation(up, down, z, M)
-        d_act, dw_down, db_down = _mx_linear_backward(down, dy, activation_backward=False,
-                                                      x_col_from_d_in=act_col_from_up_casts if shared else None)
+        d_act, dw_down, db_down = _mx_linear_backward(down, dy, activation_backward=False)
         dx = dg = dw_up = db_up = None
         if d_act is not None:
+            h = down.saved_tensors[3]  # the pre-activation, which the down-projection keeps
             # act's gradient (rows padded for the GEMMs) is read once, by the up-projection's dY cast, which writes
             # its row operand over it: the memory of the composed layers' backward (there, act's backward ran in
             # place on this buffer before the pre-activation was freed)
-            dx, dg, dw_up, db_up = _norm_linear_backward(up, _first_rows(d_act, M), (down.activation, z),
-                                                         dy_row_out=d_act, dy_ops=up_dy_ops[0] if shared else None)
+            dx, dg, dw_up, db_up = _norm_linear_backward(up, _first_rows(d_act, dy.shape[0]), (down.activation, h),
+                                                         dy_row_out=d_act)
         up.saved_tensors = down.saved_tensors = ()
         return dx, dg, dw_up, db_up, dw_down, db_down, None, None, None, None
-
-
-def _shares_pre_activation(up: _LayerContext, down: _LayerContext, z: torch.Tensor | None, M: int) -> bool:
-    """Whether `RMSNormMXMLPTritonFunction`'s backward makes the down-projection's dW operand in the up-projection's dY
-    casts: on the cuBLAS route (exact-value operands), when both are needed, the up-projection's casts run as one
-    pass (`_linear_backward`'s two-pass case excluded) and nothing reads z after them (its bias gradient from the
-    casts' column sums)."""
-    if down.gemm != "cublas" or z is None or not (down.needs_input_grad[0] and down.needs_input_grad[1]):
-        return False
-    need_in, need_w, need_b = up.needs_input_grad[0] or up.needs_input_grad[1], *up.needs_input_grad[2:4]
-    two_pass = need_in and need_w and M * z.shape[1] * operand_dtype_for(z.dtype).itemsize > FORWARD_OPERAND_MAX_BYTES
-    return not two_pass and (BIAS_GRAD_FROM_DY_CAST or not need_b)
-
-
-def _rows_of_storage(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The contiguous `[rows, K]` `dtype` view of the storage that `t [M, K]` (M <= rows) starts, when t is contiguous
-    at its storage's start, its elements the size of dtype's and the storage holds that many rows (t the first rows
-    of a GEMM's padded output); else None."""
-    k = t.shape[1]
-    if t.storage_offset() != 0 or not t.is_contiguous() or t.element_size() != dtype.itemsize or \
-            t.untyped_storage().nbytes() < rows * k * t.element_size():
-        return None
-    return t.as_strided((rows, k), (k, 1)).view(dtype)
 
 
 def mx_linear_triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -299,23 +299,14 @@ def _silu_grad(dy, z, STORAGE: tl.constexpr):
 
 
 @triton.jit
-def _activation_input(a_ptrs, mask, ACT: tl.constexpr, EVEN: tl.constexpr):
-    """FP32 activation input z of a gradient cast (ACT >= 4) at `a_ptrs` (rows outside the tile read as 0); 0.0
-    otherwise (never read)."""
+def _activated(x, a_ptrs, mask, ACT: tl.constexpr, EVEN: tl.constexpr):
+    """What the casts quantize from FP32 `x` (see ACT_*): its input activation, or (ACT >= 4) the gradient at the
+    activation input read at `a_ptrs` (rows outside the tile read as 0)."""
     if ACT >= 4:
         if EVEN:
-            return exact_f32(tl.load(a_ptrs))
+            z = exact_f32(tl.load(a_ptrs))
         else:
-            return load_f32(a_ptrs, mask)
-    else:
-        return 0.0
-
-
-@triton.jit
-def _activated(x, z, ACT: tl.constexpr):
-    """What the casts quantize from FP32 `x` (see ACT_*): its input activation, or (ACT >= 4) the gradient at the
-    activation input `z` (`_activation_input`)."""
-    if ACT >= 4:
+            z = load_f32(a_ptrs, mask)
         return _silu_grad(x, z, ACT - 3)
     else:
         return input_activation(x, ACT)
@@ -477,7 +468,7 @@ def _blocks_row_block(
     rstd = tl.zeros((NMB, 32), tl.float32)
     if ONE_PASS:  # BLOCK_K covers K: one read of x
         in_bounds = row_ok & (k < K)
-        x = _activated(load_f32(x_rows + k, in_bounds), _activation_input(a_rows + k, in_bounds, ACT, False), ACT)
+        x = _activated(load_f32(x_rows + k, in_bounds), a_rows + k, in_bounds, ACT, False)
         if COL_SUMS:
             _add_column_sums_of_blocks(colsum_ptr, x, k, 0, K, BLOCK_K)
         if NORMALIZE:
@@ -496,8 +487,7 @@ def _blocks_row_block(
             rstd = _rstd(sum_sq, K, eps)
         for k0 in range(0, K, BLOCK_K):
             in_bounds = row_ok & (k < K - k0)
-            x = _activated(load_f32(x_rows + k0 + k, in_bounds), _activation_input(a_rows + k0 + k, in_bounds, ACT, False),
-                           ACT)
+            x = _activated(load_f32(x_rows + k0 + k, in_bounds), a_rows + k0 + k, in_bounds, ACT, False)
             if COL_SUMS:
                 _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K, BLOCK_K)
             _quantize_chunk(x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
@@ -513,12 +503,11 @@ def _blocks_row_block(
 def _rms_norm_mx_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    act_col_op_ptr, a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-    NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
+    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    COL_SUMS: tl.constexpr, M_PADDING: tl.constexpr, ACT: tl.constexpr, ACT_COL_OP: tl.constexpr,
+    COL_SUMS: tl.constexpr, M_PADDING: tl.constexpr, ACT: tl.constexpr,
 ):
-    # ACT_COL_OP is the strip kernel's alone (`forward_launch` refuses it here)
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take one row block each.
     if M_PADDING and tl.program_id(0) == tl.num_programs(0) - 1:
         _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
@@ -740,12 +729,12 @@ def _load_chunk(x_rows, k0, k, row_ok, K: tl.constexpr, EVEN: tl.constexpr, MAY_
 def _norm_row_block(
     m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    act_col_op_ptr, a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
-    ACT: tl.constexpr, ACT_COL_OP: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """Rows m0 .. m0 + BLOCK_M - 1: rstd, then every requested output (of the input activation of x, ACT, without
     the norm)."""
@@ -770,8 +759,7 @@ def _norm_row_block(
     rstd = 0.0
     if BLOCK_K >= K:  # one chunk covers K: x is read once and stays in registers
         in_bounds = row_ok & (k < K)
-        z = _activation_input(a_rows + k, in_bounds, ACT, EVEN)
-        x = _activated(_load_strips(x_rows, 0, k, in_bounds, EVEN), z, ACT)
+        x = _activated(_load_strips(x_rows, 0, k, in_bounds, EVEN), a_rows + k, in_bounds, ACT, EVEN)
         if COL_SUMS:
             _add_column_sums(colsum_ptr, x, k, 0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
         if NORMALIZE:
@@ -782,9 +770,6 @@ def _norm_row_block(
                           row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                           BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES,
                           RCEIL, HW_CAST, EVEN_M, EVEN, PAIRED_COLWISE)
-        if ACT_COL_OP:
-            _cast_activation_col_operand(z, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
-                                         act_col_op_ptr, ROW_BLOCKS_IN_THREAD, RCEIL, HW_CAST, EVEN, ACT)
     else:
         # PREFETCH: each sweep loads chunk k0 + BLOCK_K (kept in x's dtype) before it works on chunk k0, so that
         # a load is in flight while the chunk before it is reduced or cast; the first chunk of the cast sweep is
@@ -813,42 +798,24 @@ def _norm_row_block(
                 nxt = _load_chunk(x_rows, k0 + BLOCK_K, k, row_ok, K, EVEN, True)
             else:
                 cur = _load_chunk(x_rows, k0, k, row_ok, K, EVEN, False)
-            z = _activation_input(a_rows + k0 + k, chunk_in_bounds, ACT, EVEN)
-            xc = _activated(exact_f32(cur), z, ACT)
+            xc = _activated(exact_f32(cur), a_rows + k0 + k, chunk_in_bounds, ACT, EVEN)
             if COL_SUMS:
                 _add_column_sums(colsum_ptr, xc, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
             _norm_cast_strips(xc, rstd, w_ptr, m, k, m_strip, m_block, k_block, m0, k0, M, K, chunk_in_bounds,
                               row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
                               col_op_ptr, BLOCK_K, ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP,
                               BLOCKED_SCALES, RCEIL, HW_CAST, EVEN_M, EVEN, PAIRED_COLWISE)
-            if ACT_COL_OP:
-                _cast_activation_col_operand(z, m, k, m_strip, m_block, k_block, m0, k0, M, K, chunk_in_bounds,
-                                             act_col_op_ptr, ROW_BLOCKS_IN_THREAD, RCEIL, HW_CAST, EVEN, ACT)
-
-
-@triton.jit
-def _cast_activation_col_operand(
-    z, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds, act_col_op_ptr,
-    ROW_BLOCKS_IN_THREAD: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, EVEN: tl.constexpr,
-    ACT: tl.constexpr,
-):
-    """Of a gradient cast (ACT >= 4): the colwise exact-value operand of the forward's activation of `z` (code
-    ACT - 3), the values a colwise cast of `activation(z)` makes (rows outside the tile are 0: never a maximum)."""
-    _cast_strips(input_activation(z, ACT - 3), m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
-                 act_col_op_ptr, act_col_op_ptr, act_col_op_ptr, 0, act_col_op_ptr, act_col_op_ptr, act_col_op_ptr,
-                 ROW_BLOCKS_IN_THREAD, False, False, False, True, False, RCEIL, HW_CAST, EVEN, False)
 
 
 @triton.jit
 def _cast_tile(
     m0, k0, x_ptr, stride_xm, M, K: tl.constexpr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    act_col_op_ptr, a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr,
     ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, ACT: tl.constexpr,
-    ACT_COL_OP: tl.constexpr,
 ):
     """Without the norm: the casts of the input activation (ACT) of the one tile at rows m0 + [0, BLOCK_M),
     columns k0 + [0, BLOCK_K)."""
@@ -868,30 +835,25 @@ def _cast_tile(
     else:
         a_rows = x_rows  # never read
     in_bounds = (m < M - m0) & (k < K - k0)
-    z = _activation_input(a_rows + k0 + k, in_bounds, ACT, EVEN)
-    x = _activated(_load_strips(x_rows, k0, k, in_bounds, EVEN), z, ACT)
+    x = _activated(_load_strips(x_rows, k0, k, in_bounds, EVEN), a_rows + k0 + k, in_bounds, ACT, EVEN)
     if COL_SUMS:
         _add_column_sums(colsum_ptr, x, k, k0, K, BLOCK_K, ROW_BLOCKS_IN_THREAD)
     _cast_strips(x, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds,
                  row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
                  ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, EVEN,
                  PAIRED_COLWISE)
-    if ACT_COL_OP:
-        _cast_activation_col_operand(z, m, k, m_strip, m_block, k_block, m0, k0, M, K, in_bounds, act_col_op_ptr,
-                                     ROW_BLOCKS_IN_THREAD, RCEIL, HW_CAST, EVEN, ACT)
 
 
 @triton.jit
 def _rms_norm_mx_strips_kernel(
     x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    act_col_op_ptr, a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, THREAD_ROWS: tl.constexpr,
     ROW_BLOCKS_IN_THREAD: tl.constexpr,
     NORMALIZE: tl.constexpr, ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
     BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
     EVEN_M: tl.constexpr, PAIRED_COLWISE: tl.constexpr, COL_SUMS: tl.constexpr, PREFETCH: tl.constexpr,
     PERSISTENT: tl.constexpr, TILE_PROGRAMS: tl.constexpr, M_PADDING: tl.constexpr, ACT: tl.constexpr,
-    ACT_COL_OP: tl.constexpr,
 ):
     # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take the row blocks.
     # PERSISTENT: a fixed number of programs walk the row blocks (program p takes p, p + n_walkers, ...), so
@@ -906,24 +868,23 @@ def _rms_norm_mx_strips_kernel(
         pid = tl.program_id(0)
         _cast_tile((pid // N_K_TILES) * BLOCK_M, (pid % N_K_TILES) * BLOCK_K, x_ptr, stride_xm, M, K,
                    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                   colsum_ptr, act_col_op_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD,
-                   ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M,
-                   PAIRED_COLWISE, COL_SUMS, ACT, ACT_COL_OP)
+                   colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD, ROW_MX, COL_MX,
+                   ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, ACT)
     elif PERSISTENT:
         m0 = tl.program_id(0) * BLOCK_M
         while m0 < M:
             _norm_row_block(m0, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                             row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
-                            col_op_ptr, colsum_ptr, act_col_op_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS,
+                            col_op_ptr, colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS,
                             ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
-                            HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT, ACT_COL_OP)
+                            HW_CAST, LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
             m0 += n_walkers * BLOCK_M
     else:
         _norm_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
                         row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                        colsum_ptr, act_col_op_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS,
-                        ROW_BLOCKS_IN_THREAD, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST,
-                        LARGE_OFFSETS, EVEN_M, PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT, ACT_COL_OP)
+                        colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, THREAD_ROWS, ROW_BLOCKS_IN_THREAD,
+                        NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS,
+                        EVEN_M, PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
 
 
 # ----------------------------------------------------------------------------- backward kernel
@@ -993,8 +954,6 @@ class NormMXOutputs:
             contracting over M (read transposed).
         column_sums: `x.float().sum(0)`, `[K]` float32 (weight None only), summed in another order than
             torch's: equal within FP32 rounding, not bit for bit.
-        activation_col_operand: of a gradient cast, the `col_operand` of the activation of its input z (what a
-            colwise cast of `activation(z)` gives), laid out as `col_operand`.
     """
 
     rowwise: MXTensor | None
@@ -1003,7 +962,6 @@ class NormMXOutputs:
     row_operand: torch.Tensor | None
     col_operand: torch.Tensor | None
     column_sums: torch.Tensor | None = None
-    activation_col_operand: torch.Tensor | None = None
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -1049,25 +1007,23 @@ def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast
 
 
 def _forward_args(x, x_stride: int, weight, M: int, K: int, eps: float, rstd, row, col, col_stride: int, row_op,
-                  col_op, column_sums, act_input, act_input_stride: int, act_col_op=None) -> tuple:
+                  col_op, column_sums, act_input, act_input_stride: int) -> tuple:
     """The forward kernels' positional arguments (positions of M and the operands: _M_ARG, _ROW_OP_ARG,
     _COL_OP_ARG). Payloads are written as bytes: the kernel never sees an fp8 pointer. `act_input` None (x in
-    its place: never read) or the activation input of a gradient cast; `act_col_op` None or the colwise operand
-    of the activation of `act_input`."""
+    its place: never read) or the activation input of a gradient cast."""
     row_data, row_scale = (None, None) if row is None else (row[0].view(torch.uint8), row[1])
     col_data, col_scale = (None, None) if col is None else (col[0].view(torch.uint8), col[1])
     if act_input is None:
         act_input, act_input_stride = x, x_stride
     return (x, x_stride, weight, M, K, eps, rstd, row_data, row_scale, col_data, col_stride, col_scale, row_op,
-            col_op, column_sums, act_col_op, act_input, act_input_stride)
+            col_op, column_sums, act_input, act_input_stride)
 
 
 def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rstd: torch.Tensor | None,
                    row: tuple[torch.Tensor, torch.Tensor] | None, col: tuple[torch.Tensor, torch.Tensor] | None,
                    row_op: torch.Tensor | None, col_op: torch.Tensor | None, *, blocked_scales: bool, rceil: bool,
                    hw_cast: bool, config: NormConfig, column_sums: torch.Tensor | None = None,
-                   act: int = ACT_NONE, act_input: torch.Tensor | None = None,
-                   act_col_op: torch.Tensor | None = None):
+                   act: int = ACT_NONE, act_input: torch.Tensor | None = None):
     """(kernel, grid, args, kwargs) of the forward launch writing the given outputs from `x [M, K]` (M > 0).
 
     `row` / `col`: (payload, scale) of the rowwise / colwise cast or None; `rstd [M]` float32 when `weight`
@@ -1076,9 +1032,8 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     M): `colwise_payload_buffer`'s view; the kernel may write the padding columns past M (they hold no data).
     Scale buffers in the blocked layout need no zero-fill: the kernel writes their padding bytes.
     `act`: the input activation (ACT_*; weight None): the outputs are those of `act(x)`; for the gradient codes
-    (ACT_SILU_GRAD_*) those of the activation's backward at `act_input` (`[M, K]`, contiguous last dim), and with
-    `act_col_op` (`[>= M, K]` contiguous, thread-strip launches only) the colwise operand of the activation of
-    `act_input` as well. Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
+    (ACT_SILU_GRAD_*) those of the activation's backward at `act_input` (`[M, K]`, contiguous last dim).
+    Also builds the launch for `triton_quantize.compile_for_target` (tensors may be on the CPU or meta).
     """
     M, K = x.shape
     (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers, prefetch,
@@ -1086,19 +1041,15 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     if tile_programs and (weight is not None or thread_rows == 0 or programs_per_sm):
         raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
                          f"{'given' if weight is not None else 'None'} and config {config!r}")
-    if act_col_op is not None and (act < ACT_SILU_GRAD_F32 or thread_rows == 0):
-        raise ValueError(f"the activation's colwise operand needs a gradient cast (activation_input) on a thread-strip "
-                         f"launch (thread_rows > 0), got config {config!r}")
     col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
     a_stride = 0 if act_input is None else act_input.stride(0)
     span = max(block_m * max(x.stride(0), a_stride, K), block_k * col_stride)  # largest offset inside one tile
     args = _forward_args(x, x.stride(0), weight, M, K, float(eps), rstd, row, col, col_stride, row_op, col_op,
-                         column_sums, act_input, a_stride, act_col_op)
+                         column_sums, act_input, a_stride)
     kwargs = dict(BLOCK_M=block_m, BLOCK_K=block_k, NORMALIZE=weight is not None, ROW_MX=row is not None,
                   COL_MX=col is not None, ROW_OP=row_op is not None, COL_OP=col_op is not None,
                   BLOCKED_SCALES=blocked_scales, RCEIL=rceil, HW_CAST=hw_cast, LARGE_OFFSETS=span >= _INT32_SPAN,
-                  COL_SUMS=column_sums is not None, ACT=act, ACT_COL_OP=act_col_op is not None,
-                  num_warps=num_warps)
+                  COL_SUMS=column_sums is not None, ACT=act, num_warps=num_warps)
     if max_registers:
         kwargs.update(maxnreg=max_registers)
     # the blocked scales' padding past M, written by one more program (see `_zero_m_padding`)
@@ -1150,7 +1101,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> b
     key = (aligned, x.shape[1], config, stride, args[-1], x.dtype, weight is None or weight.dtype,
            row_op is None or row_op.dtype, col_op is None or col_op.dtype, kwargs["NORMALIZE"], kwargs["ROW_MX"],
            kwargs["COL_MX"], kwargs["ROW_OP"], kwargs["COL_OP"], kwargs["COL_SUMS"], kwargs["BLOCKED_SCALES"],
-           kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"], kwargs["ACT"], kwargs["ACT_COL_OP"])
+           kwargs["RCEIL"], kwargs["HW_CAST"], kwargs["LARGE_OFFSETS"], kwargs["ACT"])
     if key in _VARIANTS_COMPILED:
         return False
     _VARIANTS_COMPILED.add(key)
@@ -1285,8 +1236,6 @@ def rms_norm_mx(
     activation: str | None = None,
     activation_input: torch.Tensor | None = None,
     row_operand_out: torch.Tensor | None = None,
-    activation_col_operand: bool = False,
-    activation_col_operand_out: torch.Tensor | None = None,
 ) -> NormMXOutputs:
     """RMSNorm of `x` (or `x` itself when `weight` is None) in MXFP8, from one kernel launch (no other launch:
     every output is allocated uninitialized and written whole by the kernel; `column_sums` adds a zero fill).
@@ -1323,12 +1272,6 @@ def rms_norm_mx(
             write the row operand into (rows M and beyond are zeroed). It may be the storage x is the first M rows
             of (x contiguous, of that dtype): every tile of x is read before its operand is written over it, and no
             other output is computed from x afterwards, so x's memory serves again.
-        activation_col_operand: with `activation_input`, also write the colwise exact-value operand of
-            `activation(z)` (`[operand_rows, K]` of `operand_dtype`, as `col_operand`): what the dW GEMM of the
-            layer that took `activation(z)` as its input needs, from the same read of z.
-        activation_col_operand_out: with `activation_col_operand`, None or the `[operand_rows, K]` contiguous
-            `operand_dtype` tensor to write it into. It may be the storage z is the first M rows of (z contiguous,
-            of that dtype): each tile of z is read before this operand is written over it.
     """
     given = (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers,
              prefetch, tile_programs)
@@ -1342,15 +1285,12 @@ def rms_norm_mx(
                 activation_input is None or (activation_input.shape, activation_input.stride(),
                                              activation_input.dtype, activation_input.device),
                 row_operand_out is None or (row_operand_out.shape, row_operand_out.stride(), row_operand_out.dtype,
-                                            row_operand_out.device), activation_col_operand,
-                activation_col_operand_out is None or (
-                    activation_col_operand_out.shape, activation_col_operand_out.stride(),
-                    activation_col_operand_out.dtype, activation_col_operand_out.device), interpreter_enabled())
+                                            row_operand_out.device), interpreter_enabled())
             plan = _NORM_PLANS.get(key)
         except (TypeError, AttributeError):  # an argument of the wrong kind: the checks below name it
             key = plan = None
         if plan is not None:
-            return _run_plan(plan, x, weight, activation_input, row_operand_out, activation_col_operand_out)
+            return _run_plan(plan, x, weight, activation_input, row_operand_out)
 
     _check_2d(x, "x")
     check_scaling(scaling)
@@ -1390,16 +1330,6 @@ def rms_norm_mx(
                          f"{operand_dtype} tensor on {x.device}, got "
                          f"{getattr(row_operand_out, 'dtype', type(row_operand_out).__name__)} "
                          f"{tuple(getattr(row_operand_out, 'shape', ()))}")
-    if activation_col_operand and activation_input is None:
-        raise ValueError("activation_col_operand needs activation_input (a gradient cast, whose z it reads)")
-    if activation_col_operand_out is not None and (
-            not activation_col_operand or not isinstance(activation_col_operand_out, torch.Tensor)
-            or activation_col_operand_out.shape != (operand_rows, K) or activation_col_operand_out.dtype != operand_dtype
-            or activation_col_operand_out.device != x.device or not activation_col_operand_out.is_contiguous()):
-        raise ValueError(f"activation_col_operand_out needs activation_col_operand=True and must be a contiguous "
-                         f"[{operand_rows}, {K}] {operand_dtype} tensor on {x.device}, got "
-                         f"{getattr(activation_col_operand_out, 'dtype', type(activation_col_operand_out).__name__)} "
-                         f"{tuple(getattr(activation_col_operand_out, 'shape', ()))}")
     if hw_cast is None:
         hw_cast = x.is_cuda and not interpreter_enabled()
     config = default_config(K, M % 32 == 0, row_operand or col_operand, hw_cast, weight is not None)
@@ -1415,18 +1345,17 @@ def rms_norm_mx(
         eps=float(eps), normalize=weight is not None,
         row_scale=None if not rowwise else (blocked_size(M, n_kb),) if blocked_scales else (M, n_kb),
         col_scale=None if not colwise else (blocked_size(K, n_mb),) if blocked_scales else (K, n_mb),
-        col_stride=colwise_row_stride(M), row_op=row_operand, col_op=col_operand, act_col_op=activation_col_operand,
-        operand_rows=operand_rows,
+        col_stride=colwise_row_stride(M), row_op=row_operand, col_op=col_operand, operand_rows=operand_rows,
         operand_dtype=operand_dtype,
         column_sums=column_sums, scaling=scaling, layout="blocked" if blocked_scales else "plain",
         orig_dtype=x.dtype if weight is None else torch.float32,  # the normalized y is FP32, as the reference's
         on_gpu=x.is_cuda and not interpreter_enabled(), launch=None)
-    bufs = _allocate(plan, x.device, row_operand_out, activation_col_operand_out)
+    bufs = _allocate(plan, x.device, row_operand_out)
     if M > 0:
         kernel, grid, args, kwargs = forward_launch(
             x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
             rceil=scaling == "rceil", hw_cast=hw_cast, config=config, column_sums=bufs[5], act=act,
-            act_input=activation_input, act_col_op=bufs[6])
+            act_input=activation_input)
         if not interpreter_enabled() and _compile_token_count_variants(kernel, args, kwargs, config) \
                 and given == _NO_CONFIG:
             # the other class of M (a multiple of 32 or not) launches with its own default config: build it now
@@ -1435,7 +1364,7 @@ def rms_norm_mx(
             o_kernel, _, o_args, o_kwargs = forward_launch(
                 x, weight, eps, bufs[2], bufs[0], bufs[1], bufs[3], bufs[4], blocked_scales=blocked_scales,
                 rceil=scaling == "rceil", hw_cast=hw_cast, config=other, column_sums=bufs[5], act=act,
-                act_input=activation_input, act_col_op=bufs[6])
+                act_input=activation_input)
             o_args = (*o_args[:_M_ARG], _CLASS_REPRESENTATIVE[M % 32 != 0], *o_args[_M_ARG + 1:])
             _compile_token_count_variants(o_kernel, o_args, o_kwargs, other)
         plan = plan._replace(launch=KernelLaunch(kernel, grid, len(args), kwargs))
@@ -1476,7 +1405,6 @@ class _NormPlan(NamedTuple):
     col_stride: int
     row_op: bool
     col_op: bool
-    act_col_op: bool  # the activation's colwise operand of a gradient cast
     operand_rows: int
     operand_dtype: torch.dtype
     column_sums: bool
@@ -1495,11 +1423,10 @@ _NORM_PLANS: dict = {}
 _MAX_NORM_PLANS = 256
 
 
-def _allocate(plan: _NormPlan, dev: torch.device, row_op_out: torch.Tensor | None = None,
-              act_col_op_out: torch.Tensor | None = None) -> tuple:
-    """(row, col, rstd, row_op, col_op, column_sums, act_col_op) buffers of a plan: (payload, scale) pairs for the
-    casts; uninitialized (the kernel writes every byte) except the column sums, which it adds to. `row_op_out`,
-    `act_col_op_out`: the caller's operand buffers (their rows past M zeroed here)."""
+def _allocate(plan: _NormPlan, dev: torch.device, row_op_out: torch.Tensor | None = None) -> tuple:
+    """(row, col, rstd, row_op, col_op, column_sums) buffers of a plan: (payload, scale) pairs for the casts;
+    uninitialized (the kernel writes every byte) except the column sums, which it adds to. `row_op_out`: the
+    caller's row operand buffer (its rows past M zeroed here)."""
     M, K = plan.M, plan.K
     row = None if plan.row_scale is None else (_new_buffer((M, K), PAYLOAD_DTYPE, dev),
                                                 _new_buffer(plan.row_scale, SCALE_DTYPE, dev))
@@ -1509,9 +1436,7 @@ def _allocate(plan: _NormPlan, dev: torch.device, row_op_out: torch.Tensor | Non
     row_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev, row_op_out) if plan.row_op else None
     col_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev) if plan.col_op else None
     sums = torch.zeros(K, dtype=torch.float32, device=dev) if plan.column_sums else None
-    act_col_op = _operand_buffer(M, plan.operand_rows, K, plan.operand_dtype, dev, act_col_op_out) \
-        if plan.act_col_op else None
-    return row, col, rstd, row_op, col_op, sums, act_col_op
+    return row, col, rstd, row_op, col_op, sums
 
 
 def _operand_buffer(M: int, rows: int, K: int, dtype: torch.dtype, dev: torch.device,
@@ -1526,24 +1451,23 @@ def _operand_buffer(M: int, rows: int, K: int, dtype: torch.dtype, dev: torch.de
 
 
 def _run_plan(plan: _NormPlan, x: torch.Tensor, weight: torch.Tensor | None, act_input: torch.Tensor | None,
-              row_op_out: torch.Tensor | None, act_col_op_out: torch.Tensor | None = None) -> NormMXOutputs:
-    bufs = _allocate(plan, x.device, row_op_out, act_col_op_out)
+              row_op_out: torch.Tensor | None) -> NormMXOutputs:
+    bufs = _allocate(plan, x.device, row_op_out)
     if plan.launch is not None:
-        row, col, rstd, row_op, col_op, sums, act_col_op = bufs
+        row, col, rstd, row_op, col_op, sums = bufs
         plan.launch(_forward_args(x, plan.x_stride, weight, plan.M, plan.K, plan.eps, rstd, row, col,
-                                  plan.col_stride, row_op, col_op, sums, act_input, plan.a_stride, act_col_op),
-                    plan.on_gpu)
+                                  plan.col_stride, row_op, col_op, sums, act_input, plan.a_stride), plan.on_gpu)
     return _outputs(plan, bufs)
 
 
 def _outputs(plan: _NormPlan, bufs: tuple) -> NormMXOutputs:
-    row, col, rstd, row_op, col_op, sums, act_col_op = bufs
+    row, col, rstd, row_op, col_op, sums = bufs
     return NormMXOutputs(
         rowwise=None if row is None else MXTensor(row[0], row[1], "1d", 1, plan.scaling, plan.orig_dtype,
                                                   plan.layout),
         colwise=None if col is None else MXTensor(col[0], col[1], "1d", 1, plan.scaling, plan.orig_dtype,
                                                   plan.layout),
-        rstd=rstd, row_operand=row_op, col_operand=col_op, column_sums=sums, activation_col_operand=act_col_op,
+        rstd=rstd, row_operand=row_op, col_operand=col_op, column_sums=sums,
     )
 
 

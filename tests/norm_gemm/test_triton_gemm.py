@@ -781,7 +781,7 @@ sig = dict(x_ptr="*bf16", stride_xm="i32", w_ptr="*fp32", M="i32", eps="fp32", r
 for K, bk in ((1024, 1024), (4096, 256)):
     flags = dict(K=K, BLOCK_M=32, BLOCK_K=bk, ONE_PASS=bk >= K, NORMALIZE=True, ROW_MX=True, COL_MX=True,
                  ROW_OP=True, COL_OP=True, BLOCKED_SCALES=True, RCEIL=True, HW_CAST=True, LARGE_OFFSETS=False,
-                 COL_SUMS=False, ACT=0, ACT_COL_OP=False)
+                 COL_SUMS=False, ACT=0)
     s = dict(sig, **{n: "constexpr" for n in flags})
     k = triton.compile(ASTSource(tn._rms_norm_mx_kernel, s, flags), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=8))
