@@ -822,6 +822,7 @@ def test_gpu_backward_large():
     torch.testing.assert_close(dw, dw_ref, rtol=1e-4, atol=1e-4 * dw_ref.abs().max().item())
 
 
+@pytest.mark.up_front_builds
 @pytest.mark.gpu
 def test_gpu_token_counts_of_a_training_run_compile_nothing_new():
     """Once the launches have run for one token count M that is a multiple of 32 and one that is not, other counts
@@ -851,6 +852,7 @@ def test_gpu_token_counts_of_a_training_run_compile_nothing_new():
     assert compiles == [], f"{len(compiles)} new builds for other even token counts"
 
 
+@pytest.mark.up_front_builds
 @pytest.mark.parametrize("config", [MEASURED_CONFIG, triton_norm.NormConfig(32, 64, 1, 8),
                                     triton_norm.NormConfig(64, 128, 4, 8)], ids=repr)
 @pytest.mark.parametrize("rowwise,colwise", [(True, True), (False, True), (True, False)])
@@ -897,6 +899,7 @@ def test_up_front_builds_cover_every_token_count_of_a_class(config, rowwise, col
         assert len(warmed) == n
 
 
+@pytest.mark.up_front_builds
 def test_first_use_builds_both_classes_of_token_count(monkeypatch):
     """The first call of a launch (here MXLinear's forward cast: no norm, the colwise MX and the BF16 operand, as on
     the GPU with the hardware conversion) also builds the launch that the other class of M (a multiple of 32 or not) takes
