@@ -1,5 +1,5 @@
 """Jagged attention (forward and backward) in FP32, BF16 and MXFP8 (LP-FA4 recipe), see docs/numerics.md."""
-from .interface import jagged_attention
+from .interface import jagged_attention, jagged_attention_kvpacked, jagged_attention_qkvpacked
 from .layout import CHUNK_ELEMENTS, JaggedPlan, check_offsets, make_plan
 from .naive import naive_jagged_attention
 from .reference import P_QUANTS, PRECISIONS, attention_reference
@@ -12,6 +12,8 @@ __all__ = [
     "attention_reference",
     "check_offsets",
     "jagged_attention",
+    "jagged_attention_kvpacked",
+    "jagged_attention_qkvpacked",
     "make_plan",
     "naive_jagged_attention",
 ]

@@ -110,6 +110,55 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         visible key gives 0. With `return_lse`, also LSE `[T_out, H]` float32, natural log, -inf for
         a query with no visible key.
     """
+    return _attention(q, k, v, q_offsets, kv_offsets, None, causal=causal, broadcast_q=broadcast_q,
+                      precision=precision, backend=backend, softmax_scale=softmax_scale, p_quant=p_quant,
+                      return_lse=return_lse, qk_rotation=qk_rotation, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k)
+
+
+def _unpacked(packed: torch.Tensor, name: str, parts: int) -> tuple[torch.Tensor, ...]:
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [T, {parts}, H, D], got {type(packed).__name__}")
+    if packed.dim() != 4 or packed.shape[1] != parts:
+        raise ValueError(f"{name} must be 4-D [T, {parts}, H, D], got shape {tuple(packed.shape)}")
+    return packed.unbind(1)
+
+
+def jagged_attention_qkvpacked(qkv: torch.Tensor, offsets: torch.Tensor, *, causal: bool = False,
+                               precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
+                               p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None,
+                               max_seqlen: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Jagged self-attention on q, k, v packed in one tensor `qkv [T, 3, H, D]` (a fused projection's output):
+    `jagged_attention(*qkv.unbind(1), offsets, ...)`, whose gradient is one `[T, 3, H, D]` tensor. The kernel
+    backends write dQ, dK and dV into it in place; through `unbind` they would be three tensors that autograd then
+    copies into one. `max_seqlen`: the bound on the sequence lengths (both of `jagged_attention`'s)."""
+    q, k, v = _unpacked(qkv, "qkv", 3)
+    return _attention(q, k, v, offsets, None, ("qkv", qkv), causal=causal, broadcast_q=False, precision=precision,
+                      backend=backend, softmax_scale=softmax_scale, p_quant=p_quant, return_lse=return_lse,
+                      qk_rotation=qk_rotation, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+
+
+def jagged_attention_kvpacked(q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor | None,
+                              kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
+                              precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
+                              p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None,
+                              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None
+                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`jagged_attention(q, *kv.unbind(1), q_offsets, kv_offsets, ...)` on keys and values packed in one tensor
+    `kv [Tk, 2, H, D]`, whose gradient is one `[Tk, 2, H, D]` tensor written in place by the kernel backends (see
+    `jagged_attention_qkvpacked`). kv_offsets is required."""
+    k, v = _unpacked(kv, "kv", 2)
+    if kv_offsets is None:
+        raise ValueError("kv_offsets is required by jagged_attention_kvpacked (q and kv are separate sequences)")
+    return _attention(q, k, v, q_offsets, kv_offsets, ("kv", kv), causal=causal, broadcast_q=broadcast_q,
+                      precision=precision, backend=backend, softmax_scale=softmax_scale, p_quant=p_quant,
+                      return_lse=return_lse, qk_rotation=qk_rotation, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k)
+
+
+def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, precision, backend, softmax_scale,
+               p_quant, return_lse, qk_rotation, max_seqlen_q, max_seqlen_k):
+    """`jagged_attention`; `packed`: None, or ("qkv" | "kv", the tensor q, k, v (or k, v) are `unbind` views of)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if p_quant not in P_QUANTS:
@@ -150,6 +199,8 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         if offs is not None and offs.device.type != "cpu" and offs.device != q.device:
             raise ValueError(f"{name} must be on the CPU or on q's device {q.device}, got {offs.device}")
 
+    if qk_rotation is not None:
+        packed = None  # rotated q and k are new tensors, no longer views of the packed one
     q, k = rotate_qk(q, k, qk_rotation)  # before dispatch, so that every backend gets it
     resolved = resolve_backend(backend, q, k, v, kernels=("cute",))
     if resolved == "cute":
@@ -168,7 +219,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
             vb = varlen_batch(q_offsets, kv_offsets, q_offs, kv_offs, broadcast_q=broadcast_q, q_rows=q.shape[0],
                               device=q.device, max_lengths=(max_seqlen_q, max_seqlen_k) if trusted else None)
             out, lse = jagged_attention_cute(q, k, v, vb, causal=causal, precision=precision, scale=scale,
-                                             p_quant=p_quant)
+                                             p_quant=p_quant, packed=packed)
             return (out, lse) if return_lse else out
         resolved = "reference"
     if trusted:  # the reference builds its plan on the host: it checks them as it would untrusted offsets

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_lp.attention import jagged_attention
+from gem_lp.attention import jagged_attention_kvpacked, jagged_attention_qkvpacked
 from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear, rms_norm_mx_mlp
 from gem_lp.norm_gemm.ops import INPUT_ACTIVATIONS
 
@@ -55,14 +55,19 @@ class OpSettings:
         return RMSNormMXLinear(in_features, out_features, bias, self.eps, recipe=self.recipe, backend=self.backend,
                                **self._rotation(qk_features, head_dim))
 
-    def attention(self, q, k, v, q_offsets, kv_offsets=None, *, causal=False, max_length=None, max_q_length=None):
-        """Jagged attention on Q and K from `qk_linear` / `qk_norm_linear` (already rotated). `max_length`: offsets
-        on the device taken unchecked, no sequence longer than this (`jagged_attention`'s `max_seqlen_*`);
-        `max_q_length`, with it: a tighter bound on the query sequences (the launch's query tiles follow it)."""
+    def self_attention(self, qkv, offsets, *, causal=False, max_length=None):
+        """Jagged self-attention on `qkv [T, 3, H, D]` from `qk_norm_linear` (Q and K already rotated), whose
+        gradient the attention writes as one tensor. `max_length`: offsets on the device taken unchecked, no
+        sequence longer than this (`jagged_attention`'s `max_seqlen_*`)."""
+        return jagged_attention_qkvpacked(qkv, offsets, causal=causal, precision=self.recipe, backend=self.backend,
+                                          p_quant=self.p_quant, max_seqlen=max_length)
+
+    def cross_attention(self, q, kv, q_offsets, kv_offsets, *, max_length=None, max_q_length=None):
+        """Jagged attention of q over `kv [Tk, 2, H, D]` (see `self_attention`); `max_q_length`, with `max_length`:
+        a tighter bound on the query sequences (the launch's query tiles follow it)."""
         max_q = max_length if max_length is None or max_q_length is None else max_q_length
-        return jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, precision=self.recipe,
-                                backend=self.backend, p_quant=self.p_quant, max_seqlen_q=max_q,
-                                max_seqlen_k=max_length)
+        return jagged_attention_kvpacked(q, kv, q_offsets, kv_offsets, precision=self.recipe, backend=self.backend,
+                                         p_quant=self.p_quant, max_seqlen_q=max_q, max_seqlen_k=max_length)
 
 
 class FeedForward(nn.Module):
@@ -111,12 +116,10 @@ class JaggedSelfAttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
         """`max_length`: see `OpSettings.attention`."""
         t = x.shape[0]
+        # packed: the attention reads q, k, v in place and writes dQKV as one tensor (three gradients would be
+        # copied into one by autograd)
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
-        # unbind, not three selects: its backward is one stack into dQKV, where each select's backward would
-        # write a zero-filled [T, 3, H, D] tensor and the three would then be added up. The views go to
-        # attention as they are: its MXFP8 producer pass and FA4 (BF16) read them in place.
-        q, k, v = qkv.unbind(1)
-        attn = self.ops.attention(q, k, v, offsets, causal=self.causal, max_length=max_length)
+        attn = self.ops.self_attention(qkv, offsets, causal=self.causal, max_length=max_length)
         x = x + self.out(attn.reshape(t, self.num_heads * self.head_dim))
         return x + self.mlp(x)
 
@@ -183,11 +186,10 @@ class SequenceReadout(nn.Module):
         one per sequence of `offsets`). `max_length`: see `OpSettings.attention`."""
         t, b, lq = tokens.shape[0], q_target.shape[0], q_query.shape[0]
         h, d = self.num_heads, self.head_dim
-        kv = self.kv(tokens).view(t, 2, h, d)
-        k, v = kv.unbind(1)  # see JaggedSelfAttentionBlock.forward
+        kv = self.kv(tokens).view(t, 2, h, d)  # packed: see JaggedSelfAttentionBlock.forward
         q = torch.cat([q_query.expand(b, lq, h, d), q_target.unsqueeze(1)], dim=1).view(b * (lq + 1), h, d)
-        reads = self.ops.attention(q, k, v, self.query_offsets(b, lq + 1, tokens.device), offsets,
-                                   max_length=max_length, max_q_length=lq + 1).view(b, lq + 1, h * d)
+        reads = self.ops.cross_attention(q, kv, self.query_offsets(b, lq + 1, tokens.device), offsets,
+                                         max_length=max_length, max_q_length=lq + 1).view(b, lq + 1, h * d)
         return reads[:, :lq].reshape(b * lq, h * d), reads[:, lq].contiguous()
 
     def summaries(self, read_query: torch.Tensor, read_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from gem_lp.attention import attention_reference, jagged_attention, make_plan, naive_jagged_attention
+from gem_lp.attention import (attention_reference, jagged_attention, jagged_attention_kvpacked,
+                              jagged_attention_qkvpacked, make_plan, naive_jagged_attention)
 from gem_lp.mx import dequantize, quantize_reference
 from gem_lp.numerics import cosine, sqnr_db
 
@@ -422,3 +423,46 @@ def test_reference_ignores_autocast():
     g = torch.autograd.grad(o.sum(), (q, k, v))
     assert o2.dtype == torch.float32 and torch.equal(o, o2)
     assert all(torch.equal(a, b) for a, b in zip(g, g2))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mxfp8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_forms_are_jagged_attention_on_their_views(precision, causal):
+    """`jagged_attention_qkvpacked(qkv)` is `jagged_attention(*qkv.unbind(1))` and `jagged_attention_kvpacked(q,
+    kv)` is `jagged_attention(q, *kv.unbind(1))` (broadcast_q too), values and the packed tensors' gradients."""
+    g = torch.Generator().manual_seed(5)
+    offs = offsets(MIXED)
+    t = int(offs[-1])
+    kw = dict(causal=causal, precision=precision, return_lse=True)
+    qkv = torch.randn(t, 3, 2, 32, generator=g, requires_grad=True)
+    d_out = torch.randn(t, 2, 32, generator=g)
+    got = jagged_attention_qkvpacked(qkv, offs, **kw)
+    want = jagged_attention(*qkv.unbind(1), offs, **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    g_got, g_want = (torch.autograd.grad((o[0] * d_out).sum(), qkv) for o in (got, want))
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=0)
+    for broadcast_q, q, q_offs in ((False, torch.randn(len(MIXED) * 3, 2, 32, generator=g),
+                                    torch.arange(len(MIXED) + 1) * 3),
+                                   (True, torch.randn(4, 2, 32, generator=g), None)):
+        q.requires_grad_()
+        kv = torch.randn(t, 2, 2, 32, generator=g, requires_grad=True)
+        got = jagged_attention_kvpacked(q, kv, q_offs, offs, broadcast_q=broadcast_q, **kw)
+        want = jagged_attention(q, *kv.unbind(1), q_offs, offs, broadcast_q=broadcast_q, **kw)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        probe = torch.randn(got[0].shape, generator=g)
+        for a, b in zip(*(torch.autograd.grad((o[0] * probe).sum(), (q, kv)) for o in (got, want))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_packed_forms_errors():
+    offs = torch.tensor([0, 10])
+    with pytest.raises(ValueError, match=r"qkv must be 4-D \[T, 3, H, D\]"):
+        jagged_attention_qkvpacked(torch.randn(10, 2, 2, 32), offs)
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
+        jagged_attention_qkvpacked([1, 2], offs)
+    with pytest.raises(ValueError, match=r"kv must be 4-D \[T, 2, H, D\]"):
+        jagged_attention_kvpacked(torch.randn(10, 2, 32), torch.randn(10, 2, 32), offs, offs)
+    with pytest.raises(ValueError, match="kv_offsets is required"):
+        jagged_attention_kvpacked(torch.randn(10, 2, 32), torch.randn(10, 2, 2, 32), offs, None)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gem_lp.attention import jagged_attention
+from gem_lp.attention import jagged_attention, jagged_attention_kvpacked, jagged_attention_qkvpacked
 from gem_lp.mx import dequantize, quantize_reference
 from gem_lp.numerics import sqnr_db
 
@@ -125,6 +125,36 @@ def test_views_of_a_fused_projection(precision, causal):
     for name, a, b in zip(("O", "dQKV"), results["cute"], results["reference"]):
         s = sqnr_db(a, b)
         assert s > 35.0, (precision, causal, name, s)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("packing", ["qkv", "kv", "kv broadcast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_forms_equal_the_views(precision, packing, dtype):
+    """The packed forms, whose kernels write dQ, dK, dV into one gradient tensor (the cast path for FP32), against
+    `jagged_attention` on the same views: O equal, gradients to the backward's FP32 atomics order."""
+    g = torch.Generator(device=DEV).manual_seed(17)
+    t, offs = sum(LENGTHS), offsets(LENGTHS)
+    b = len(LENGTHS)
+    packed = torch.randn(t, 3 if packing == "qkv" else 2, 2, 128, generator=g, device=DEV).to(dtype).requires_grad_()
+    broadcast = packing == "kv broadcast"
+    q = torch.randn(4 if broadcast else 2 * b, 2, 128, generator=g, device=DEV).to(dtype).requires_grad_()
+    q_offs = None if broadcast else torch.arange(0, 2 * b + 1, 2, device=DEV)
+    kw = dict(precision=precision, backend="cute", return_lse=True)
+    if packing == "qkv":
+        got = jagged_attention_qkvpacked(packed, offs, causal=True, **kw)
+        want = jagged_attention(*packed.unbind(1), offs, causal=True, **kw)
+        inputs = (packed,)
+    else:
+        got = jagged_attention_kvpacked(q, packed, q_offs, offs, broadcast_q=broadcast, **kw)
+        want = jagged_attention(q, *packed.unbind(1), q_offs, offs, broadcast_q=broadcast, **kw)
+        inputs = (q, packed)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    d_out = torch.randn(got[0].shape, generator=g, device=DEV)
+    grads = [torch.autograd.grad((o[0].float() * d_out).sum(), inputs) for o in (got, want)]
+    for a, w in zip(*grads):
+        assert a.shape == w.shape and a.dtype == w.dtype
+        assert sqnr_db(a, w) > 60, (precision, packing, dtype, sqnr_db(a, w))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gem_lp.attention import jagged_attention
+from gem_lp.attention import jagged_attention, jagged_attention_kvpacked, jagged_attention_qkvpacked
 from gem_lp.data import CAND_ITEM, HIST_ITEM, PlantedTeacher, SparseFeatureSpec, SyntheticDataConfig, make_batch
 from gem_lp.models import GemModelConfig, GemRanker, lengths_to_offsets, prefix_rows, prepend_tokens
 from gem_lp.models.blocks import OpSettings, SequenceReadout
@@ -115,11 +115,16 @@ def test_attention_calls_are_jagged_and_the_readout_is_one_call(batch, monkeypat
     calls = []
     import gem_lp.models.blocks as blocks
 
-    def spy(q, k, v, q_offsets, kv_offsets=None, **kw):
-        calls.append((q.detach().clone(), k.shape, q_offsets, kv_offsets, kw))
-        return jagged_attention(q, k, v, q_offsets, kv_offsets, **kw)
+    def self_spy(qkv, offsets, **kw):
+        calls.append((qkv[:, 0].detach().clone(), qkv[:, 1].shape, offsets, None, kw))
+        return jagged_attention_qkvpacked(qkv, offsets, **kw)
 
-    monkeypatch.setattr(blocks, "jagged_attention", spy)
+    def cross_spy(q, kv, q_offsets, kv_offsets, **kw):
+        calls.append((q.detach().clone(), kv[:, 0].shape, q_offsets, kv_offsets, kw))
+        return jagged_attention_kvpacked(q, kv, q_offsets, kv_offsets, **kw)
+
+    monkeypatch.setattr(blocks, "jagged_attention_qkvpacked", self_spy)
+    monkeypatch.setattr(blocks, "jagged_attention_kvpacked", cross_spy)
     cfg = GemModelConfig(precision="bf16", num_summary_tokens=3, num_query_tokens=4, **{**SMALL, "num_blocks": 1})
     model = GemRanker(cfg, DATA.feature_spec())
     model(batch)
@@ -168,11 +173,16 @@ def test_qk_rotation_folded_into_the_projections_is_rotation_inside_attention(ba
 
     calls = []
 
-    def spy(*args, **kw):
-        calls.append(kw.get("qk_rotation"))
-        return jagged_attention(*args, **kw)
+    def spies(**extra):
+        def make(op):
+            def spy(*args, **kw):
+                calls.append(kw.get("qk_rotation"))
+                return op(*args, **{**kw, **extra})
+            return spy
+        monkeypatch.setattr(blocks, "jagged_attention_qkvpacked", make(jagged_attention_qkvpacked))
+        monkeypatch.setattr(blocks, "jagged_attention_kvpacked", make(jagged_attention_kvpacked))
 
-    monkeypatch.setattr(blocks, "jagged_attention", spy)
+    spies()
     torch.manual_seed(0)
     folded = GemRanker(GemModelConfig(precision="fp32", qk_rotation="hadamard", **SMALL), DATA.feature_spec())
     plain = GemRanker(GemModelConfig(precision="fp32", **SMALL), DATA.feature_spec())
@@ -180,8 +190,7 @@ def test_qk_rotation_folded_into_the_projections_is_rotation_inside_attention(ba
     logits = folded(batch)
     logits.sum().backward()
     assert calls == [None] * (SMALL["num_blocks"] + 1)
-    monkeypatch.setattr(blocks, "jagged_attention",
-                        lambda *args, **kw: jagged_attention(*args, **{**kw, "qk_rotation": "hadamard"}))
+    spies(qk_rotation="hadamard")
     expected = plain(batch)
     expected.sum().backward()
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
@@ -416,13 +425,17 @@ def test_attention_offsets_come_from_the_host_lengths_that_to_keeps(batch, monke
     assert torch.equal(moved.host_sequence_lengths, batch.sequence_features.lengths())
     assert batch.host_sequence_lengths is None  # a pipeline's batch: only `to` sets them
     seen = []
-    original = blocks.jagged_attention
 
-    def spy(q, k, v, q_offsets, kv_offsets=None, **kwargs):
-        seen.append(kv_offsets if kv_offsets is not None else q_offsets)
-        return original(q, k, v, q_offsets, kv_offsets, **kwargs)
+    def self_spy(qkv, offsets, **kwargs):
+        seen.append(offsets)
+        return jagged_attention_qkvpacked(qkv, offsets, **kwargs)
 
-    monkeypatch.setattr(blocks, "jagged_attention", spy)
+    def cross_spy(q, kv, q_offsets, kv_offsets, **kwargs):
+        seen.append(kv_offsets)
+        return jagged_attention_kvpacked(q, kv, q_offsets, kv_offsets, **kwargs)
+
+    monkeypatch.setattr(blocks, "jagged_attention_qkvpacked", self_spy)
+    monkeypatch.setattr(blocks, "jagged_attention_kvpacked", cross_spy)
     torch.manual_seed(0)
     model = GemRanker(GemModelConfig(precision="bf16", **SMALL), DATA.feature_spec())
     with_host = model(moved)

@@ -58,15 +58,13 @@ def test_a_step_checks_only_the_new_batch_offsets(checked, monkeypatch):
     torch.manual_seed(0)
     model = GemRanker(GemModelConfig(precision="mxfp8", **SMALL), DATA.feature_spec())
     query_offsets = []
-    real = blocks.jagged_attention
+    real = blocks.jagged_attention_kvpacked
 
-    def spy(q, k, v, q_offsets, kv_offsets=None, **kw):
-        assert q_offsets is not None
-        if kv_offsets is not None:
-            query_offsets.append(q_offsets)
-        return real(q, k, v, q_offsets, kv_offsets, **kw)
+    def spy(q, kv, q_offsets, kv_offsets, **kw):
+        query_offsets.append(q_offsets)
+        return real(q, kv, q_offsets, kv_offsets, **kw)
 
-    monkeypatch.setattr(blocks, "jagged_attention", spy)
+    monkeypatch.setattr(blocks, "jagged_attention_kvpacked", spy)
     per_step = []
     for batch in _batches():
         before = len(checked)
@@ -93,14 +91,16 @@ def _old_split_block_forward(block, x, offsets):
     t = x.shape[0]
     qkv = block.qkv(x).view(t, 3, block.num_heads, block.head_dim)
     q, k, v = (qkv[:, i].contiguous() for i in range(3))
-    attn = block.ops.attention(q, k, v, offsets, causal=block.causal)
+    ops = block.ops
+    attn = jagged_attention(q, k, v, offsets, causal=block.causal, precision=ops.recipe, backend=ops.backend,
+                            p_quant=ops.p_quant)
     x = x + block.out(attn.reshape(t, block.num_heads * block.head_dim))
     return x + block.mlp(x)
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("mxfp8", torch.bfloat16)])
 def test_block_split_is_bitwise_the_old_one(precision, dtype):
-    """unbind + contiguous gives the same output and the same gradients (input and every parameter)."""
+    """The packed attention gives the same output and the same gradients (input and every parameter)."""
     torch.manual_seed(1)
     block = JaggedSelfAttentionBlock(OpSettings(precision, "reference", "const_p", 1e-6), 64, 2, 32, 96, "silu",
                                      causal=True)

@@ -113,14 +113,41 @@ def _sum_q(dq: torch.Tensor, vb: VarlenBatch, lq: int) -> torch.Tensor:
     return dq.view(vb.batch, lq, *dq.shape[1:]).sum(0, dtype=torch.float32)
 
 
+def _packed_grad(ctx, device) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
+    """The packed input's gradient buffer and the (dQ, dK, dV) views of it the kernels write, None where a kernel's
+    output cannot go there (no packing; another dtype than the kernels'; dQ summed over a broadcast)."""
+    if ctx.packing is None:
+        return None, (None, None, None)
+    kind, shape, dtype = ctx.packing
+    # FA4 writes the input's dtype (BF16 or FP16; FP32 inputs run as BF16), the MXFP8 kernels BF16: else a cast
+    if dtype != torch.bfloat16 and not (dtype == torch.float16 and ctx.precision == "bf16"):
+        return None, (None, None, None)
+    grad = torch.empty(shape, dtype=dtype, device=device)
+    views = grad.unbind(1)
+    if kind == "qkv":
+        return grad, views
+    return grad, (None, *views)
+
+
 class CuteAttention(torch.autograd.Function):
-    """O and LSE `[H, T]` of jagged attention on the CuTe kernels, with the recipe's backward."""
+    """O and LSE `[H, T]` of jagged attention on the CuTe kernels, with the recipe's backward. Inputs: q, k, v; or
+    with `packed` (`jagged_attention_qkvpacked` / `_kvpacked`), the packed tensor in place of the views it holds
+    (qkv, None, None or q, kv, None), whose gradient the backward writes as one tensor."""
 
     @staticmethod
-    def forward(ctx, q, k, v, vb: VarlenBatch, causal: bool, precision: str, scale: float, p_quant: str):
+    def forward(ctx, a, b, c, vb: VarlenBatch, causal: bool, precision: str, scale: float, p_quant: str,
+                packing: str | None):
         from flash_attn.cute import interface as fa4
 
         from .launch import device_arch, mx_forward
+
+        if packing == "qkv":
+            q, k, v = a.unbind(1)
+        elif packing == "kv":
+            q, (k, v) = a, b.unbind(1)
+        else:
+            q, k, v = a, b, c
+        ctx.packing = None if packing is None else (packing, (a if packing == "qkv" else b).shape, q.dtype)
 
         if precision == "bf16":
             dt = _kernel_dtype(q)
@@ -158,6 +185,9 @@ class CuteAttention(torch.autograd.Function):
             d_out = torch.zeros(out.shape, dtype=q_dtype, device=out.device)
         d_out = d_out.contiguous()
         dlse = None if d_lse is None else d_lse.t().contiguous()
+        grad, (dq_out, dk_out, dv_out) = _packed_grad(ctx, out.device)
+        if vb.broadcast_q:
+            dq_out = None
         if ctx.precision == "bf16":
             q, k, v = inputs
             dt = _kernel_dtype(q)
@@ -165,7 +195,7 @@ class CuteAttention(torch.autograd.Function):
             dq, dk, dv = fa4._flash_attn_bwd(
                 _repeat_q(q_, vb), k_, v_, out, d_out.to(out.dtype), lse, softmax_scale=ctx.scale, causal=ctx.causal,
                 cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=max(vb.max_q, _BWD_MAX_SEQLEN_FLOOR),
-                max_seqlen_k=max(vb.max_k, _BWD_MAX_SEQLEN_FLOOR), dlse=dlse)
+                max_seqlen_k=max(vb.max_k, _BWD_MAX_SEQLEN_FLOOR), dlse=dlse, dq=dq_out, dk=dk_out, dv=dv_out)
         else:
             qp, kp, vp = (PackedMX(inputs[2 * i], inputs[2 * i + 1], orient, ctx.chunk_rows)
                           for i, orient in enumerate((ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM)))
@@ -173,14 +203,26 @@ class CuteAttention(torch.autograd.Function):
                                            (vp, vb.kv_offsets, ORIENT_HDIM), (d_out, vb.out_offsets, ORIENT_SQUARE)])
             dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, lse, dlse, vb.cu_q, vb.cu_k,
                                      causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
-                                     arch=device_arch(out.device))
-        dq = _sum_q(dq, vb, ctx.q_rows)
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
+                                     arch=device_arch(out.device), dq=dq_out, dk=dk_out, dv=dv_out)
+        dq = _sum_q(dq, vb, ctx.q_rows).to(q_dtype)
+        rest = (None,) * 6
+        if ctx.packing is None:
+            return (dq, dk.to(k_dtype), dv.to(v_dtype)) + rest
+        kind = ctx.packing[0]
+        if grad is None:  # the kernels' outputs are in another dtype: one cast into the packed gradient
+            grad = torch.stack([dq, dk, dv] if kind == "qkv" else [dk, dv], 1).to(ctx.packing[2])
+        return (grad, None, None) + rest if kind == "qkv" else (dq, grad, None) + rest
 
 
-def jagged_attention_cute(q, k, v, vb: VarlenBatch, *, causal: bool, precision: str, scale: float, p_quant: str
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O `[T_out, H, D]` in q's dtype and LSE `[T_out, H]` FP32 (arguments validated by `jagged_attention`)."""
+def jagged_attention_cute(q, k, v, vb: VarlenBatch, *, causal: bool, precision: str, scale: float, p_quant: str,
+                          packed: tuple[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O `[T_out, H, D]` in q's dtype and LSE `[T_out, H]` FP32 (arguments validated by `jagged_attention`).
+    `packed`: None, or ("qkv" | "kv", the tensor q, k, v (or k, v) are `unbind` views of)."""
     if math.prod(q.shape) and q.shape[2] % 8:
         raise ValueError(f"the cute backend needs a head dim that is a multiple of 8, got D={q.shape[2]}")
-    return CuteAttention.apply(q, k, v, vb, causal, precision, scale, p_quant)
+    if packed is None:
+        return CuteAttention.apply(q, k, v, vb, causal, precision, scale, p_quant, None)
+    kind, tensor = packed
+    if kind == "qkv":
+        return CuteAttention.apply(tensor, None, None, vb, causal, precision, scale, p_quant, kind)
+    return CuteAttention.apply(q, tensor, None, vb, causal, precision, scale, p_quant, kind)

@@ -146,17 +146,27 @@ def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
 
 def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
-                cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str, arch: str
+                cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str, arch: str,
+                dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (BF16) of the MXFP8 recipe (`bwd_sm90`; sm_90a only).
 
     q, k, do: the `square`-quantized operands; v: `hdim`; all MX-exact BF16. `out`, `do` and `dlse` make
     Δ = rowsum(dO ⊙ O) - dLSE (the recipe takes the quantized dO that dP uses); `lse` `[H, Tq]` from the forward.
+    `dq`, `dk`, `dv`: where to write them (BF16 `[T, H, D]` with contiguous heads and features, e.g. views into
+    one packed gradient), else new tensors.
     """
     _check_arch(arch, "bwd", p_quant)
     tq, heads, dim = q.shape
     tk = k.shape[0]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if given is not None and (given.shape != like.shape or given.dtype != torch.bfloat16
+                                  or given.stride(2) != 1 or given.stride(1) != dim):
+            raise ValueError(f"{name} must be BF16 {tuple(like.shape)} with contiguous heads and features, got "
+                             f"{given.dtype} {tuple(given.shape)} strides {given.stride()}")
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
     if tq == 0 or tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     tiles = SM90_BWD[dim]
