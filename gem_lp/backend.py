@@ -112,7 +112,8 @@ def sm_count(device: torch.device, off_gpu: int) -> int:
 
 
 # Modules whose in-memory caches hold the CuTe kernels a process has built (or loaded from a persistent cache).
-_CUTE_CACHE_MODULES = ("gem_lp.attention.cute.launch", "gem_lp.norm.cute.launch", "gem_lp.gemm.cute.launch")
+_CUTE_CACHE_MODULES = ("gem_lp.attention.cute.launch", "gem_lp.norm.cute.launch", "gem_lp.norm.cute.backward",
+                       "gem_lp.norm.cute.forward", "gem_lp.gemm.cute.launch")
 
 
 def _cute_caches():

@@ -1,6 +1,7 @@
 """nn.Modules of the norm/linear ops. The recipe picks the math; the backend is passed through untouched.
 
-Recipes: `"bf16"` (plain `F.linear` / `F.rms_norm` in the input dtype; parameters cast to it), `"fp32"`
+Recipes: `"bf16"` (plain `F.linear` / `F.rms_norm` in the input dtype, the norm on the CuTe kernels on sm_90 / sm_100;
+parameters cast to it), `"fp32"`
 (the same in FP32, output in the input dtype) and `"mxfp8"` (the MXLinear recipe, reference.py).
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backend import BACKENDS
+from ..backend import BACKENDS, cute_unavailable
 from ..mx.formats import BLOCK
 from .ops import INPUT_ACTIVATIONS, check_input_activation, mx_linear, rms_norm, rms_norm_mx_linear
 
@@ -125,6 +126,20 @@ class MXLinear(_LinearParams):
                 f"recipe={self.recipe!r}, backend={self.backend!r}{act}{self._rotation_repr()}")
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+    """`F.rms_norm(x, (K,), weight, eps)`; a 16-bit x on sm_90 / sm_100 takes the CuTe kernels (`backend` "auto" or
+    "cute"; `gem_lp.norm.cute.forward`), which measured ~3x torch's norm kernels at the GPU model's sizes
+    (docs/PERF.md)."""
+    if backend in ("auto", "cute") and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) \
+            and cute_unavailable(x.device) is None:
+        from ..norm.cute.forward import RMSNormCute, runs_here
+
+        if runs_here(x, weight):
+            k = x.shape[-1]
+            return RMSNormCute.apply(x.reshape(-1, k), weight, float(eps)).view(x.shape)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 class RMSNormMXLinear(_LinearParams):
     """`y = RMSNorm(x) W^T + b`: RMSNorm (weight `norm_weight [in]`, ones at init) fused with a linear layer.
 
@@ -144,7 +159,7 @@ class RMSNormMXLinear(_LinearParams):
         if self.recipe == "mxfp8":
             return rms_norm_mx_linear(x, self.norm_weight, weight, bias, self.eps, backend=self.backend)
         dtype = torch.float32 if self.recipe == "fp32" else x.dtype
-        h = F.rms_norm(x.to(dtype), (self.in_features,), self.norm_weight.to(dtype), self.eps)
+        h = _rms_norm(x.to(dtype), self.norm_weight.to(dtype), self.eps, self.backend)
         return F.linear(h, weight.to(dtype), _cast(bias, dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,7 @@ from quack.rmsnorm_config import RmsNormBwdConfig, get_sm_count
 from ...backend import fake_mode
 from .launch import device_arch
 
-_BUILDS: dict[tuple, object] = {}
+_COMPILED: dict[tuple, object] = {}
 # dW partial rows (one per CTA of the persistent grid) in a build without a GPU
 _FAKE_PARTIALS = 1
 
@@ -37,7 +37,7 @@ def _vector(K: int, *dtypes) -> int:
 
 def _build(x_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype: torch.dtype, K: int, arch: str):
     key = (x_dtype, dy_dtype, w_dtype, K, arch)
-    fn = _BUILDS.get(key)
+    fn = _COMPILED.get(key)
     if fn is None:
         xdt, dydt, wdt = (torch2cute_dtype_map[d] for d in (x_dtype, dy_dtype, w_dtype))
         vec = _vector(K, xdt, dydt)
@@ -50,7 +50,7 @@ def _build(x_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype: torch.dtype, K:
         major = int(arch.removeprefix("sm_").rstrip("a")) // 10
         config = RmsNormBwdConfig.from_analytical_heuristic(K, xdt.width, dydt.width, arch_major=major, T_hint=0)
         kernel = RMSNormBackward(xdt, K, dout_dtype=dydt, num_acc=1, config=config)
-        fn = _BUILDS[key] = cute.compile(
+        fn = _COMPILED[key] = cute.compile(
             kernel, x, w, dy, None, rstd, None, dx, dw, None, None, 0,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
     return fn

@@ -1,6 +1,6 @@
 """The RMSNorm + MX cast builds the public ops launch on the cute backend (`rms_norm_quantize`: plain scales;
-`quantize_dual` and the GEMM operand casts: blocked scales), and the RMSNorm backward builds of the MX linears, as
-`gem_lp.compile_check` builds them."""
+`quantize_dual` and the GEMM operand casts: blocked scales), the RMSNorm backward builds of the MX linears, and the
+BF16 recipe's RMSNorm forward and backward, as `gem_lp.compile_check` builds them."""
 from __future__ import annotations
 
 from functools import partial
@@ -51,12 +51,19 @@ def builds() -> list[tuple[str, int, torch.dtype, bool, bool, str, dict]]:
     return out
 
 
-def _build_backward(K: int, dy_dtype: torch.dtype, arch: str) -> None:
+def _build_backward(K: int, dy_dtype: torch.dtype, arch: str, w_dtype: torch.dtype = torch.float32) -> None:
     from .backward import rms_norm_backward_cute
 
     x = torch.empty(_TOKENS, K, dtype=torch.bfloat16, device="cuda")
-    rms_norm_backward_cute(x, torch.empty(K, device="cuda"), torch.empty(_TOKENS, device="cuda"),
+    rms_norm_backward_cute(x, torch.empty(K, dtype=w_dtype, device="cuda"), torch.empty(_TOKENS, device="cuda"),
                            torch.empty(_TOKENS, K, dtype=dy_dtype, device="cuda"), arch=arch)
+
+
+def _build_plain_forward(K: int, arch: str) -> None:
+    from .forward import rms_norm_forward_cute
+
+    x = torch.empty(_TOKENS, K, dtype=torch.bfloat16, device="cuda")
+    rms_norm_forward_cute(x, torch.empty(K, dtype=torch.bfloat16, device="cuda"), 1e-6, arch=arch)
 
 
 # the MX linears' norm backward: BF16 x, FP32 norm weight and dY in x's dtype (the GEMM's dYn); FP32 dY once
@@ -70,4 +77,10 @@ def compile_targets(arch: str) -> list[CompileTarget]:
     bwd = [CompileTarget("norm", "bwd", "mxfp8", f"rmsnorm K{K} bf16 x, {str(dy).removeprefix('torch.')} dy",
                          partial(_build_backward, K, dy, arch), needs_mma=False)
            for K, dy in BACKWARD_BUILDS]
-    return fwd + bwd
+    # the BF16 recipe's norm (`RMSNormCute`): its forward, and the backward above with BF16 weight
+    plain = [CompileTarget("norm", "fwd", "bf16", f"rmsnorm K{K} bf16", partial(_build_plain_forward, K, arch),
+                           needs_mma=False) for K in KS]
+    plain_bwd = [CompileTarget("norm", "bwd", "bf16", f"rmsnorm K{K} bf16 x, bf16 weight, bf16 dy",
+                               partial(_build_backward, K, torch.bfloat16, arch, torch.bfloat16), needs_mma=False)
+                 for K in KS]
+    return fwd + bwd + plain + plain_bwd
