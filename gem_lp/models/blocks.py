@@ -114,7 +114,7 @@ class JaggedSelfAttentionBlock(nn.Module):
         self.mlp = FeedForward(ops, d_model, mlp_hidden, activation)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
-        """`max_length`: see `OpSettings.attention`."""
+        """`max_length`: see `OpSettings.self_attention`."""
         t = x.shape[0]
         # packed: the attention reads q, k, v in place and writes dQKV as one tensor (three gradients would be
         # copied into one by autograd)
@@ -183,7 +183,7 @@ class SequenceReadout(nn.Module):
     def reads(self, tokens: torch.Tensor, offsets: torch.Tensor, q_query: torch.Tensor,
               q_target: torch.Tensor, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What the queries read from the encoded tokens: `[B * K, h * d]` and `[B, h * d]` (B: q_target's rows,
-        one per sequence of `offsets`). `max_length`: see `OpSettings.attention`."""
+        one per sequence of `offsets`). `max_length`: see `OpSettings.self_attention`."""
         t, b, lq = tokens.shape[0], q_target.shape[0], q_query.shape[0]
         h, d = self.num_heads, self.head_dim
         kv = self.kv(tokens).view(t, 2, h, d)  # packed: see JaggedSelfAttentionBlock.forward

@@ -8,8 +8,6 @@ No Blackwell GPU here: sm_100a is compile-checked only.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 import cutlass
@@ -20,16 +18,12 @@ from quack.rmsnorm import RMSNorm
 from quack.rmsnorm_config import RmsNormFwdConfig
 
 from ...backend import fake_mode
-from .backward import _rows_as_built, rms_norm_backward_cute
+from .backward import _rows_as_built, _vector, rms_norm_backward_cute
 from .launch import device_arch
 
 _COMPILED: dict[tuple, object] = {}
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_K = 8192
-
-
-def _vector(K: int, *dtypes) -> int:
-    return math.gcd(K, *(128 // d.width for d in dtypes))
 
 
 def _build(x_dtype: torch.dtype, w_dtype: torch.dtype, K: int, arch: str):
