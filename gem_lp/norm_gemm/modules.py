@@ -130,11 +130,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -
     """`F.rms_norm(x, (K,), weight, eps)`; a 16-bit x on sm_90 / sm_100 takes the CuTe kernels (`backend` "auto" or
     "cute"; `gem_lp.norm.cute.forward`), which measured ~3x torch's norm kernels at the GPU model's sizes
     (docs/PERF.md)."""
-    if backend in ("auto", "cute") and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) \
-            and cute_unavailable(x.device) is None:
-        from ..norm.cute.forward import RMSNormCute, runs_here
+    if backend in ("auto", "cute") and x.is_cuda and cute_unavailable(x.device) is None:
+        from ..norm.cute.forward import RMSNormCute, takes
 
-        if runs_here(x, weight):
+        if takes(x, weight):
             k = x.shape[-1]
             return RMSNormCute.apply(x.reshape(-1, k), weight, float(eps)).view(x.shape)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)

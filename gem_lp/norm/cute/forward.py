@@ -75,10 +75,8 @@ class RMSNormCute(torch.autograd.Function):
         return dx, dw.to(weight.dtype), None
 
 
-def runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `RMSNormCute` takes this norm: a CUDA sm_90 / sm_100 device, 16-bit x and weight of one dtype,
-    K a multiple of 8 up to `MAX_K`."""
-    if not x.is_cuda or x.dtype not in DTYPES or weight.dtype != x.dtype:
-        return False
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `RMSNormCute` takes these shapes and dtypes (the device is the caller's check, `cute_unavailable`):
+    16-bit x and weight of one dtype, K a multiple of 8 up to `MAX_K`."""
     K = x.shape[-1]
-    return K % 8 == 0 and K <= MAX_K and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    return x.dtype in DTYPES and weight.dtype == x.dtype and K % 8 == 0 and K <= MAX_K
