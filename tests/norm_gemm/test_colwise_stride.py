@@ -156,10 +156,18 @@ def test_dequantize_and_mx_gemm_read_the_padded_view(M):
                                  torch.float32, "blocked")) @ want.t()
     for variant in ("fp8", "dequant_triton"):
         dw = mx_gemm(dy_col, x_col, variant=variant, out_dtype=torch.float32).y
-        torch.testing.assert_close(dw.cpu(), dw_ref, rtol=1e-5, atol=1e-5 * dw_ref.abs().max().item())
+        rel = _FP8_MMA_REL if variant == "fp8" and DEVICE.type == "cuda" else 1e-5
+        torch.testing.assert_close(dw.cpu(), dw_ref, rtol=1e-5, atol=rel * dw_ref.abs().max().item())
     with pytest.raises(ValueError, match="contiguous last dim"):
         mx_dequantize_operand(MXTensor(x_col.data.t().contiguous().t(), x_col.scale, "1d", 1, "rceil",
                                        torch.float32, "blocked"))
+
+
+# Hopper's FP8 MMA (the "fp8" route's dots) accumulates below FP32 precision: on the H200, 4.5% of the elements of
+# dX and dW below were off the exact sums, by up to 0.17% of the element (0.19). Bound used on CUDA: 2^-8 of the
+# tensor's largest magnitude (a misread block is off by the order of the values). Other routes and the interpreter
+# are exact.
+_FP8_MMA_REL = 2.0**-8
 
 
 def _exact(rows, cols, seed, dtype):
@@ -187,11 +195,12 @@ def test_mx_linear_gradients_equal_reference(gemm, M):
     y, grads = _run(lambda a, b: mx_linear_triton(a, b, None, "rceil", gemm), (x, w), dy)
     y_ref, grads_ref = _run(lambda a, b: MXLinearFunction.apply(a, b, None, "rceil"), (x, w), dy)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    inexact = gemm == "fp8" and DEVICE.type == "cuda"
     for got, want, what in zip(grads, grads_ref, ("dX", "dW")):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{gemm} {what} M={M}")
-    xg = x.clone().requires_grad_()
-    saved = mx_linear_triton(xg, w.clone().requires_grad_(), None, "rceil", gemm).grad_fn.saved_tensors[0]
-    assert_padded_view(saved, K, M)
+        atol = _FP8_MMA_REL * want.abs().max().item() if inexact else 0
+        torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=f"{gemm} {what} M={M}")
+    y = mx_linear_triton(x.clone().requires_grad_(), w.clone().requires_grad_(), None, "rceil", gemm)
+    assert_padded_view(y.grad_fn.saved_tensors[0], K, M)
 
 
 @pytest.mark.parametrize("gemm", ("cublas", "fp8"))
