@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from byte_checks import assert_same_bytes, u8
 
 from gem_lp.mx import dequantize, quantize_reference, to_blocked
@@ -28,7 +30,8 @@ from gem_lp.norm_gemm.reference import rms_norm_fp32, rms_norm_quantize_referenc
 from gem_lp.norm_gemm.triton_norm import (CANDIDATE_CONFIGS, CONFIG_FIELDS, MEASURED_CONFIG, MEASURED_KS,
                                           MEASURED_UNALIGNED_KS,
                                           OPERAND_CAST_CANDIDATE_CONFIGS, NormConfig, default_config,
-                                          rms_norm_backward, rms_norm_mx, rms_norm_quantize_triton, strip_config)
+                                          input_activation, rms_norm_backward, rms_norm_mx, rms_norm_quantize_triton,
+                                          strip_config)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -704,20 +707,41 @@ def test_gpu_large_shapes_match_reference_given_rstd(M, K):
     check_outputs(out, exact, w, 1e-6, "rceil", True, ref.rstd, torch.bfloat16, f"exact {M}x{K}")
 
 
+@triton.jit
+def _silu_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, input_activation(x, 2).to(tl.bfloat16), mask=m)  # 2: ACT_SILU_BF16
+
+
+def _every_bf16():
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_silu_bf16_equals_torch_on_every_input():
+    """The casts' SiLU for BF16 (approximate exp2 and division, then BF16 rounding) is torch's `F.silu` bit for bit
+    on all 65536 BF16 values (NaN, infinities, subnormals, -0): so every cast of it, in any block, is the cast of
+    torch's SiLU."""
+    x = _every_bf16().to(DEVICE)
+    y = torch.empty_like(x)
+    _silu_bf16_kernel[(x.numel() // 1024,)](x, y, x.numel(), BLOCK=1024)
+    want = torch.nn.functional.silu(x)
+    same = (y.view(torch.int16) == want.view(torch.int16)) | (y.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} inputs differ, e.g. {x[~same][:8].tolist()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_programs", (False, True))
-def test_silu_bf16_every_input(tile_programs):
-    """The casts of SiLU over every BF16 value (NaN, infinities, subnormals, -0): the kernels' approximate exp2 and
-    division give, after BF16 rounding, the bytes of torch's `F.silu` on all 65536 inputs."""
-    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(2048, 32)
-    x = x.to(DEVICE)
-    out = rms_norm_mx(x, None, activation="silu", row_operand=True, col_operand=True, tile_programs=tile_programs)
-    check_dual_cast(out, torch.nn.functional.silu(x), "rceil", True, torch.bfloat16, "silu, every BF16 input")
-    # the columns hold runs of 32 consecutive bit patterns: rows of other runs too (each column block then mixes
-    # magnitudes, so its scale is set by another element than the row blocks')
-    xt = x.t().contiguous().view(2048, 32)
-    out = rms_norm_mx(xt, None, activation="silu", row_operand=True, col_operand=True, tile_programs=tile_programs)
-    check_dual_cast(out, torch.nn.functional.silu(xt), "rceil", True, torch.bfloat16, "silu, every BF16 input (t)")
+def test_silu_bf16_casts_of_every_input(tile_programs):
+    """The casts with SiLU as input activation over every BF16 value, in two arrangements of the blocks: the bytes
+    of the casts of torch's `F.silu`."""
+    x = _every_bf16().view(2048, 32).to(DEVICE)
+    for inp in (x, x.t().contiguous().view(2048, 32)):  # rows of 32 consecutive bit patterns, then 32 apart
+        out = rms_norm_mx(inp, None, activation="silu", row_operand=True, col_operand=True,
+                          tile_programs=tile_programs)
+        check_dual_cast(out, torch.nn.functional.silu(inp), "rceil", True, torch.bfloat16, "silu, every BF16 input")
 
 
 @pytest.mark.gpu
