@@ -249,10 +249,13 @@ def store_operand(ptrs, v, mask, HW_CAST: tl.constexpr):
 
 # The input activation gives the bytes of torch's `act(x)` (CUDA: `x / (1 + expf(-x))` in FP32 with libdevice's expf
 # and an IEEE division). Rounded to FP32 or FP16 it is computed that way. Rounded to BF16 it is computed with the
-# hardware's approximate exp2 and division (`tl.exp`, `/`): a third fewer instructions an element (the MLP's SiLU casts
-# are compute-bound): on sm_90 its BF16 rounding equals torch's for all 65536 BF16 inputs (the GPU test
-# `test_silu_bf16_every_input` checks them all; FP32 results differ by up to 54 ulp, which BF16 rounding absorbs).
-# The interpreter (CPU tests) has numpy's exp and division.
+# hardware's approximate exp2 and division (`ex2.approx.ftz`, `div.full`): about half the instructions an element (the
+# MLP's SiLU casts are compute-bound). On sm_90 `x / (1 + exp(-x))` with `tl.exp` (`ex2.approx` of `-x * log2 e`)
+# rounds to torch's BF16 on all 65536 BF16 inputs (FP32 results up to 54 ulp apart); the form here gives the same
+# FP32 results: the negation moves into the constant exactly, and flushing ex2's subnormal inputs or outputs only
+# changes what 1 + ex2 absorbs (GPU test: `test_silu_bf16_equals_torch_on_every_input`). `tl.exp2` rather than
+# `tl.exp` because its build of the colwise strip cast does not spill. The interpreter (CPU tests) has numpy's exp
+# and division.
 _TORCH_CUDA_MATH = tl.constexpr(not interpreter_enabled())
 ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16, ACT_SILU_F16 = 0, 1, 2, 3  # the kernels' ACT values
 # x is the gradient of SiLU's output at the activation input z (a second tensor): the casts are of torch's
@@ -283,10 +286,12 @@ def input_activation(x, ACT: tl.constexpr):
     if ACT == 0:
         return x
     else:
-        if _TORCH_CUDA_MATH and ACT != 2:  # 2: ACT_SILU_BF16
-            y = tl.div_rn(x, 1.0 + libdevice.exp(-x))
-        else:
+        if not _TORCH_CUDA_MATH:
             y = x / (1.0 + tl.exp(-x))
+        elif ACT == 2:  # ACT_SILU_BF16
+            y = x / (1.0 + tl.exp2(x * -1.4426950408889634))
+        else:
+            y = tl.div_rn(x, 1.0 + libdevice.exp(-x))
         return _round_to_storage(y, ACT)
 
 
