@@ -70,7 +70,9 @@ def test_compile_targets_list():
     assert "K1024 N3072 bf16 bias" in modes and "K1024 N3072 fp32" in modes
     assert len(modes) == len(set(modes)) == len(SHAPES) + 2
     t100 = compile_targets("sm_100a")
-    assert len(t100) == 1 and t100[0].precision == "mxfp8" and t100[0].needs_mma and "block-scaled" in t100[0].mode
+    assert [t.mode.split("mxfp8 ", 1)[1] for t in t100] == [
+        "bf16 out (build only)", "mxfp8 out along N (build only)", "mxfp8 out along M (build only)"]
+    assert all(t.precision == "mxfp8" and t.needs_mma and "block-scaled" in t.mode for t in t100)
     from gem_lp import compile_check
 
     assert "gem_lp.gemm.cute.targets" in compile_check.TARGET_MODULES
@@ -127,3 +129,32 @@ def test_kernel_builds_for_sm90(tmp_path):
     assert text.count("cvt.rn.f16x2.e4m3x2") == 96 and text.count("mul.rn.bf16x2") == 96  # 4 per block
     assert text.count("ld.shared.b16") == 96  # the payload's byte pairs
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", text)) >= 1  # A's (16, M, K/16) box
+
+
+_BUILD_SM100_MX_OUT = r"""
+import os, sys
+from torch._subclasses.fake_tensor import FakeTensorMode
+from gem_lp import compile_check
+compile_check._configure("sm_100a", sys.argv[1])
+from gem_lp.gemm.cute.launch import build_sm100_mxfp8
+with FakeTensorMode():
+    build_sm100_mxfp8(mx_out=sys.argv[2])
+print("built", flush=True)
+"""
+
+
+@needs_stack
+@pytest.mark.parametrize("direction", ("row", "col"))
+def test_mx_output_epilogue_builds_for_sm100(tmp_path, direction):
+    """The GEMM + quantize epilogue on sm_100a (never run: no Blackwell GPU here): block-scaled MMAs, Y's scales by
+    the E8M0 conversion rounding up (rceil) and its payload by E4M3 round-to-nearest-even conversions."""
+    dump = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _BUILD_SM100_MX_OUT, dump, direction], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ptx = [open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")]
+    assert len(ptx) == 1, sorted(os.listdir(dump))
+    text = ptx[0]
+    assert ".target sm_100a" in text
+    assert re.search(r"tcgen05\.mma\.cta_group::2\.kind::mxf8f6f4\.block_scale", text)
+    assert "cvt.rp.ue8m0x2.f32" in text and "cvt.rn.satfinite.e4m3x2.f32" in text

@@ -39,6 +39,10 @@ with MXFP8 A and B and E8M0 scale factors per 32 k (`quack/blockscaled`; the sam
 sm_100a --op gemm` checks that its PTX issues `tcgen05.mma.cta_group::2.kind::mxf8f6f4.block_scale.block32`. It takes
 an MX B (the weight's MX cast rather than its BF16 form), so its public launch will be its own function; none is
 written yet (scale-factor tensor view `(rm, rk, 32, 4, 4)` of the blocked bytes, and the run, are unverified).
+The GEMM + quantize epilogue on sm_100 is quack's `BlockScaleFactorStore` on the same GEMM
+(`build_sm100_mxfp8(mx_out="row" | "col")`, 256x128 tiles): Y as E4M3 payload with blocked E8M0 scales along N or
+along M, what the next GEMM (or a backward GEMM contracting over M) reads directly; compiled and its PTX checked
+(the block-scaled MMA, the E8M0 and E4M3 conversions of the epilogue), never run.
 """
 from .launch import GemmLaunch, mx_gemm_sm90
 

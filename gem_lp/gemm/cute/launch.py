@@ -206,15 +206,26 @@ def mx_gemm_sm90(a_payload: torch.Tensor, a_scale: torch.Tensor, b_bf16: torch.T
 
 # ---- sm_100: quack's block-scaled GEMM (compiled, not launched yet) ---------------------------------------------------
 
-# 2-CTA tcgen05 tile 256x256 (cluster 2x1), MXFP8 A and B with E8M0 scales per 32 k in the blocked layout.
+# 2-CTA tcgen05 tile 256x256 (cluster 2x1), MXFP8 A and B with E8M0 scales per 32 k in the blocked layout. With the
+# MX output epilogue 256x128: quack 0.6.5's row-direction scale store fails to build at tile N 256 (a copy of
+# mismatched rank in its epilogue, 128x256 and 256x256 alike).
 SM100_TILE_MN, SM100_CLUSTER = (256, 256), (2, 1, 1)
+SM100_MX_OUT_TILE_MN = (256, 128)
 
 
-def build_sm100_mxfp8(out_dtype: torch.dtype = torch.bfloat16):
+def build_sm100_mxfp8(out_dtype: torch.dtype = torch.bfloat16, mx_out: str | None = None):
     """Build (never launch) quack's `GemmDefaultSm100` for `Y = deq(A) deq(B)^T`, A `[M, K]` and B `[N, K]` MXFP8
     (K-major) with blocked E8M0 scale factors, M, N, K dynamic: the sm_100 MX GEMM, whose MMA is the block-scaled
-    `tcgen05.mma ... kind::mxf8f6f4.block_scale`. No public launch uses it yet (module `gem_lp.gemm.cute` docstring)."""
-    key = ("sm100", out_dtype)
+    `tcgen05.mma ... kind::mxf8f6f4.block_scale`. No public launch uses it yet (module `gem_lp.gemm.cute` docstring).
+
+    `mx_out`: None (Y in `out_dtype`), or the GEMM + quantize epilogue (quack's `BlockScaleFactorStore`): Y written as
+    E4M3 with blocked E8M0 scales, `"row"` one scale per 32 columns of a row (the next GEMM contracts over N) or
+    `"col"` one per 32 rows of a column (a backward GEMM contracts over M). Its scales round up from amax / 448 and
+    its payload rounds to nearest even, as `docs/numerics.md`'s rceil rule; quack writes one direction per
+    launch, so both layouts of one output are two builds."""
+    if mx_out not in (None, "row", "col"):
+        raise ValueError(f"mx_out must be None, 'row' or 'col', got {mx_out!r}")
+    key = ("sm100", out_dtype, mx_out)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
@@ -223,12 +234,18 @@ def build_sm100_mxfp8(out_dtype: torch.dtype = torch.bfloat16):
     from quack.gemm_tvm_ffi_utils import (compile_gemm_kernel, make_fake_gemm_tensors, make_fake_scheduler_args,
                                           make_fake_sf_tensor)
 
-    d_dtype = cutlass.BFloat16 if out_dtype == torch.bfloat16 else cutlass.Float32
+    if mx_out is not None:
+        d_dtype = cutlass.Float8E4M3FN
+    else:
+        d_dtype = cutlass.BFloat16 if out_dtype == torch.bfloat16 else cutlass.Float32
     mA, mB, mD, mC, _, _, _, l = make_fake_gemm_tensors(
         cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, d_dtype, None, "k", "k", "n", None, batched=False)
     sfa, sfb = (make_fake_sf_tensor(cutlass.Float8E8M0FNU, None) for _ in range(2))
+    epi = {}
+    if mx_out is not None:
+        epi["mSFD" if mx_out == "row" else "mSFDCol"] = make_fake_sf_tensor(cutlass.Float8E8M0FNU, None)
     fn = _COMPILED[key] = compile_gemm_kernel(
-        GemmDefaultSm100, cutlass.Float8E4M3FN, SM100_TILE_MN, SM100_CLUSTER, False, True, False, False, (10, 0),
-        mA, mB, mD, mC, GemmDefaultSm100.EpilogueArguments(), make_fake_scheduler_args(False, False, l), None,
+        GemmDefaultSm100, cutlass.Float8E4M3FN, SM100_TILE_MN if mx_out is None else SM100_MX_OUT_TILE_MN,
+        SM100_CLUSTER, False, True, False, False, (10, 0), mA, mB, mD, mC, GemmDefaultSm100.EpilogueArguments(**epi), make_fake_scheduler_args(False, False, l), None,
         mSFA=sfa, mSFB=sfb, sf_vec_size=32)
     return fn

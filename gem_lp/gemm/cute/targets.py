@@ -31,17 +31,20 @@ def builds() -> list[tuple[str, int, int, torch.dtype, bool]]:
     return out
 
 
-def _sm100(out_dtype: torch.dtype) -> None:
+def _sm100(out_dtype: torch.dtype, mx_out: str | None) -> None:
     from .launch import build_sm100_mxfp8
 
-    build_sm100_mxfp8(out_dtype)
+    build_sm100_mxfp8(out_dtype, mx_out)
 
 
 def compile_targets(arch: str) -> list[CompileTarget]:
     """sm_90a: `mx_gemm_sm90` at the model shapes (N and K static, M dynamic); sm_100a: quack's block-scaled MXFP8
-    GEMM (M, N, K dynamic), built only (no public launch yet)."""
+    GEMM (M, N, K dynamic) with BF16 output, and with MXFP8 output along N and along M (GEMM + quantize epilogue),
+    built only (no public launch yet)."""
     if arch == "sm_100a":
         return [CompileTarget("gemm", "fwd", "mxfp8", f"quack block-scaled mxfp8 {name} (build only)",
-                              partial(_sm100, dt)) for name, dt in (("bf16", torch.bfloat16),)]
+                              partial(_sm100, torch.bfloat16, mx_out))
+                for name, mx_out in (("bf16 out", None), ("mxfp8 out along N", "row"),
+                                     ("mxfp8 out along M", "col"))]
     return [CompileTarget("gemm", "fwd", "mxfp8", mode, partial(_sm90, K, N, dt, bias))
             for mode, K, N, dt, bias in builds()]
