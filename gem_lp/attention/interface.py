@@ -205,14 +205,16 @@ def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, p
     resolved = resolve_backend(backend, q, k, v, kernels=("cute",))
     if resolved == "cute":
         # bf16: FlashAttention-4 at any head dim it takes; mxfp8: the recipe's kernels at D 64 and 128 on sm_90
-        # (sm_100a has a forward kernel only, compiled and never run: the API keeps the reference there);
+        # (sm_100a has kernels on MX payloads and scales, compiled and never run, and no producer of those operands
+        # here: the API keeps the reference there);
         # fp32 (the oracle), other head dims and mxfp8 elsewhere run the reference.
         from .cute.config import HEAD_DIMS, MX_ARCH_MAJORS
 
         mx_here = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] in MX_ARCH_MAJORS
         if precision == "mxfp8" and not mx_here and backend == "cute":
             raise ValueError("backend='cute' cannot run precision='mxfp8' here: its kernels are built for sm_90a "
-                             "only (sm_100a has a forward kernel but no backward yet); use backend='reference'")
+                             "only (the sm_100a kernels are compiled, never run, and take MX payloads the API does not make yet); "
+                             "use backend='reference'")
         if precision == "bf16" or (precision == "mxfp8" and dim in HEAD_DIMS and mx_here):
             from .cute.interface import jagged_attention_cute, varlen_batch
 

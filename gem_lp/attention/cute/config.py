@@ -44,12 +44,26 @@ class Sm100FwdTiles:
 # room for two but is built with one until that is measured (there is no sm_100 GPU here).
 SM100_FWD = {64: Sm100FwdTiles(128, 128, 1), 128: Sm100FwdTiles(128, 128, 1)}
 HEAD_DIMS = (64, 128)
-# Compute-capability majors with MXFP8 attention kernels, per direction: sm_90a both; sm_100a the forward only
-# (compiled and its PTX checked, never run: no Blackwell GPU here).
+
+
+@dataclass(frozen=True)
+class Sm100BwdTiles:
+    tile_m: int  # queries per step
+    tile_n: int  # keys per CTA
+
+
+# sm_100a, mxfp8 backward (`bwd_sm100`), by head dim: FA4's 1-CTA 128 x 128 tiles, one scale tile per query step
+# and per key tile. Tensor-memory columns (512), D = 64: S^T 0-127 (E4M3 P in 0-31), dV 128-191, dP^T 192-319 (E4M3
+# dS in 192-223, dQ 192-255), dK 320-383, ten 4-column scale tiles 384-423. No D = 128: S^T, dV, dP^T / dQ and dK
+# take all 512 columns and the scales of S^T, dP^T and dQ have none free while those MMAs run (bwd_sm100).
+SM100_BWD = {64: Sm100BwdTiles(128, 128)}
+# Compute-capability majors with MXFP8 attention kernels, per direction: sm_90a both; sm_100a both (compiled and
+# their PTX checked, never run: no Blackwell GPU here; the sm_100a backward at D = 64 only).
 MX_FWD_ARCH_MAJORS = (9, 10)
-MX_BWD_ARCH_MAJORS = (9,)
-# Majors where the public API runs mxfp8 on these kernels: a training call needs both directions, so sm_100 keeps
-# the reference recipe until its backward exists.
-MX_ARCH_MAJORS = tuple(m for m in MX_FWD_ARCH_MAJORS if m in MX_BWD_ARCH_MAJORS)
+MX_BWD_ARCH_MAJORS = (9, 10)
+# Majors where the public API runs mxfp8 on these kernels. Not derived from the two above: the sm_100a kernels take
+# E4M3 payloads with their blocked scales (square Q / K / dO with both scale layouts for the backward), and the API
+# has no sm_100 producer of those yet, so sm_100 keeps the reference recipe for mxfp8.
+MX_ARCH_MAJORS = (9,)
 # p_quant modes per arch
 MX_P_QUANTS = {9: ("const_p", "dynamic"), 10: ("const_p", "dynamic")}

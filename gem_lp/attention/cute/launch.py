@@ -19,7 +19,8 @@ from flash_attn.cute.utils import AuxData
 
 from ...backend import fake_mode
 from .bwd_sm90 import MXAttentionBackwardSm90
-from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_FWD, FwdTiles
+from .config import (MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_BWD, SM100_FWD,
+                     FwdTiles)
 from .fwd_sm90 import MXAttentionForwardSm90
 
 _COMPILED: dict[tuple, object] = {}
@@ -107,6 +108,62 @@ def check_sm100_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
                              f"{tuple(tiles.shape)}")
 
 
+@dataclass(frozen=True)
+class MXBwdScales:
+    """The block scales of the sm_100a backward's operands, blocked and per-sequence 128-padded as `MXScales`, each
+    `[H, blocked bytes]` uint8. Q, K, dO are `square`-quantized, and each comes with both layouts of its scales (the
+    same values): `q`, `k`, `do` the `hdim`-shaped ones (row = token, column = 32-feature block; for S = Q K^T and
+    dP = dO V^T) and `q_seq`, `k_seq`, `do_seq` the `seq`-shaped ones (row = feature, column = 32-token block; for
+    dK = dS^T Q, dQ = dS K, dV = P^T dO); `v` V's `hdim` scales. `q_tiles`, `k_tiles` as in `MXScales`."""
+
+    q: torch.Tensor
+    q_seq: torch.Tensor
+    k: torch.Tensor
+    k_seq: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    do_seq: torch.Tensor
+    q_tiles: torch.Tensor
+    k_tiles: torch.Tensor
+
+
+def check_sm100_bwd_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                             do_values: torch.Tensor | None, scales: MXBwdScales | None, cu_q: torch.Tensor,
+                             cu_k: torch.Tensor) -> None:
+    """Shapes and dtypes of the sm_100a backward's operands (raises ValueError)."""
+    if scales is None:
+        raise ValueError("the sm_100a MXFP8 backward takes E4M3 payloads and their block scales: pass "
+                         "scales=MXBwdScales")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
+            raise ValueError(f"{name} must be a [T, H, D] float8_e4m3fn payload, got {t.dtype} {tuple(t.shape)}")
+    heads, dim = q.shape[1], q.shape[2]
+    if dim not in SM100_BWD:
+        raise ValueError(f"the sm_100a MXFP8 backward takes head dims {tuple(SM100_BWD)}, got {dim}")
+    if k.shape[1:] != q.shape[1:] or v.shape != k.shape or do.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, do {tuple(do.shape)}: "
+                         "shapes differ")
+    if do_values is None or do_values.dtype != torch.bfloat16 or do_values.shape != do.shape:
+        got = None if do_values is None else f"{do_values.dtype} {tuple(do_values.shape)}"
+        raise ValueError(f"do_values must be the BF16 values of do's payload and scales, {tuple(do.shape)} (for "
+                         f"Δ = rowsum(dO O)), got {got}")
+    tq, tk = q.shape[0], k.shape[0]
+    for name, tokens in (("q", tq), ("q_seq", tq), ("k", tk), ("k_seq", tk), ("v", tk), ("do", tq),
+                         ("do_seq", tq)):
+        sf = getattr(scales, name)
+        if sf.dtype != torch.uint8 or sf.dim() != 2 or sf.shape[0] != heads or sf.shape[1] % 512:
+            raise ValueError(f"scales.{name} must be [H={heads}, n * 512] uint8 (blocked), got {sf.dtype} "
+                             f"{tuple(sf.shape)}")
+        if sf.shape[1] < (tokens + 127) // 128 * 512:
+            raise ValueError(f"scales.{name} has {sf.shape[1]} bytes per head, fewer than {tokens} tokens need")
+        if not sf.is_contiguous():
+            raise ValueError(f"scales.{name} must be contiguous")
+    for name, tiles, cu in (("q_tiles", scales.q_tiles, cu_q), ("k_tiles", scales.k_tiles, cu_k)):
+        if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
+            raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
+                             f"{tuple(tiles.shape)}")
+
+
 def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                *, causal: bool, scale: float, p_quant: str, arch: str, tiles: FwdTiles | None = None,
                scales: MXScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,16 +204,23 @@ def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
 def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
                 cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str, arch: str,
-                dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None
+                dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+                scales: MXBwdScales | None = None, do_values: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (BF16) of the MXFP8 recipe (`bwd_sm90`; sm_90a only).
+    """dQ, dK, dV (BF16) of the MXFP8 recipe.
+
+    sm_90a (`bwd_sm90`): the operands below. sm_100a (`bwd_sm100`; compiled, never run here): q, k, v, do are the
+    E4M3 payloads, `scales` their block scales (`MXBwdScales`), `do_values` dO's BF16 values (payload times scale)
+    for Δ; the rest as below.
 
     q, k, do: the `square`-quantized operands; v: `hdim`; all MX-exact BF16. `out`, `do` and `dlse` make
     Δ = rowsum(dO ⊙ O) - dLSE (the recipe takes the quantized dO that dP uses); `lse` `[H, Tq]` from the forward.
     `dq`, `dk`, `dv`: where to write them (BF16 `[T, H, D]` with contiguous heads and features, e.g. views into
     one packed gradient), else new tensors.
     """
-    _check_arch(arch, "bwd", p_quant)
+    if _check_arch(arch, "bwd", p_quant) == 10:
+        return _mx_backward_sm100(q, k, v, do, do_values, out, lse, dlse, scales, cu_q, cu_k, causal=causal,
+                                  scale=scale, p_quant=p_quant, dq=dq, dk=dk, dv=dv)
     tq, heads, dim = q.shape
     tk = k.shape[0]
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -237,3 +301,64 @@ def _mx_forward_sm100(q, k, v, scales: MXScales | None, cu_q, cu_k, *, causal: b
         fn(*(t.view(torch.uint8) for t in (q, k, v)), out, lse, scale, *sf, scales.q_tiles, scales.k_tiles, cu_q,
            cu_k, cu_tiles)
     return out, lse
+
+
+def _mx_backward_sm100(q, k, v, do, do_values, out, lse, dlse, scales: MXBwdScales | None, cu_q, cu_k, *,
+                       causal: bool, scale: float, p_quant: str, dq=None, dk=None, dv=None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mx_backward` on sm_100a: FA4's preprocess (Δ from `do_values`, LSE in log2), `MXAttentionBackwardSm100` on
+    E4M3 payloads and blocked scales, FA4's dQ postprocess."""
+    from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
+
+    from .bwd_sm100 import MXAttentionBackwardSm100
+
+    check_sm100_bwd_operands(q, k, v, do, do_values, scales, cu_q, cu_k)
+    tq, heads, dim = q.shape
+    tk = k.shape[0]
+    grads = []
+    for name, given, tokens in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tk)):
+        if given is not None and (given.shape != (tokens, heads, dim) or given.dtype != torch.bfloat16
+                                  or given.stride(2) != 1 or given.stride(1) != dim):
+            raise ValueError(f"{name} must be BF16 {(tokens, heads, dim)} with contiguous heads and features, got "
+                             f"{given.dtype} {tuple(given.shape)} strides {given.stride()}")
+        grads.append(torch.empty(tokens, heads, dim, dtype=torch.bfloat16, device=q.device) if given is None
+                     else given)
+    dq, dk, dv = grads
+    if tq == 0 or tk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    tiles = SM100_BWD[dim]
+    batch = cu_q.shape[0] - 1
+    fake = fake_mode()
+    padded = (tq + batch * tiles.tile_m + tiles.tile_m - 1) // tiles.tile_m * tiles.tile_m
+    dq_accum = torch.empty(heads, padded * dim, dtype=torch.float32, device=q.device)
+    dpsum = torch.empty(heads, padded, dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty(heads, padded, dtype=torch.float32, device=q.device)
+    cu_tiles_q = _cu_tiles(cu_q, tiles.tile_m)
+    cu_tiles_k = _cu_tiles(cu_k, tiles.tile_n)
+    bf16 = cutlass.BFloat16
+    fa4._bwd_preprocess(out, do_values, dpsum, lse, lse_log2, dq_accum, cu_q, None, dlse, bf16, dim, dim,
+                        tiles.tile_m, cu_total_m_blocks=cu_tiles_q, fake_mode=fake, hdim_multiple_of=32)
+    # the kernel reads the scales as 32-bit words (16 bytes per lane of the MMA warp)
+    sf = [getattr(scales, n).view(torch.int32) for n in ("q", "q_seq", "k", "k_seq", "v", "do", "do_seq")]
+    key = ("mx bwd sm100", dim, causal, p_quant, tiles, cu_tiles_k is not None)
+
+    def make():
+        kernel = MXAttentionBackwardSm100(dim, is_causal=causal, p_quant=p_quant, tile_m=tiles.tile_m,
+                                          tile_n=tiles.tile_n)
+        tensors = [to_cute_tensor(t) for t in (q, k, v, do)]
+        tensors += [to_cute_tensor(t) for t in (lse_log2, dpsum, dq_accum, dk, dv)]
+        return cute.compile(
+            kernel, *tensors, scale, *(to_cute_tensor(t) for t in sf), _seq_tensor(scales.q_tiles),
+            _seq_tensor(scales.k_tiles), _seq_tensor(cu_q), _seq_tensor(cu_k), _seq_tensor(cu_tiles_k),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+
+    fn = _build(key, make)
+    if not fake:
+        # FP8 payloads go to the TVM FFI call as uint8 views, as FA4 passes them
+        fn(*(t.view(torch.uint8) for t in (q, k, v, do)), lse_log2, dpsum, dq_accum, dk, dv, scale, *sf,
+           scales.q_tiles, scales.k_tiles, cu_q, cu_k, cu_tiles_k)
+    dq_order = FlashAttentionBackwardSm100.accum_tile_orders(False, tiles.tile_n)[0]
+    fa4._bwd_postprocess_convert(dq_accum, dq, scale, cu_q, None, 100, bf16, dim, tiles.tile_m, 128, 1, False,
+                                 cu_total_m_blocks=cu_tiles_q, accum_order=dq_order, fake_mode=fake,
+                                 hdim_multiple_of=32)
+    return dq, dk, dv

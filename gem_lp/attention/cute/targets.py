@@ -42,6 +42,18 @@ def _sm100_operands(dim: int, batch: int):
     return q, k, v, MXScales(*sf, tiles, tiles)
 
 
+def _sm100_bwd_operands(dim: int, batch: int):
+    """E4M3 payloads of q, k, v, dO, dO's BF16 values, and `MXBwdScales` (both layouts of the square operands)."""
+    from .launch import MXBwdScales
+
+    q, k, v, do = (torch.empty(_TOKENS, _HEADS, dim, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(4))
+    padded_tiles = (_TOKENS + batch * 127) // 128
+    sf = [torch.empty(_HEADS, padded_tiles * 512, dtype=torch.uint8, device="cuda") for _ in range(7)]
+    tiles = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
+    do_values = torch.empty(_TOKENS, _HEADS, dim, dtype=torch.bfloat16, device="cuda")
+    return q, k, v, do, do_values, MXBwdScales(*sf, tiles, tiles)
+
+
 def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arch: str) -> None:
     from .launch import mx_backward, mx_forward
 
@@ -50,6 +62,11 @@ def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arc
     if direction == "fwd" and arch == "sm_100a":
         q, k, v, scales = _sm100_operands(dim, batch)
         mx_forward(q, k, v, cu, cu, scales=scales, **kw)
+    elif arch == "sm_100a":
+        q, k, v, do, do_values, scales = _sm100_bwd_operands(dim, batch)
+        out = torch.empty(_TOKENS, _HEADS, dim, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(_HEADS, _TOKENS, dtype=torch.float32, device="cuda")
+        mx_backward(q, k, v, do, out, lse, None, cu, cu, scales=scales, do_values=do_values, **kw)
     elif direction == "fwd":
         mx_forward(q, k, v, cu, cu, **kw)
     else:
@@ -59,9 +76,9 @@ def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arc
 
 def compile_targets(arch: str) -> list[CompileTarget]:
     """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist: sm_90a forward and backward,
-    sm_100a the forward, each with const_p and dynamic (`gem_lp.compile_check.MISSING` lists the rest; the public
-    API runs the reference for mxfp8 where a direction is missing)."""
-    from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS
+    sm_100a the forward and the D = 64 backward, each with const_p and dynamic (`gem_lp.compile_check.MISSING` lists
+    the rest; the public API runs the reference for mxfp8 where a kernel is missing)."""
+    from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM100_BWD
 
     major = int(arch[3:-1]) // 10
     with_mx = {"fwd": major in MX_FWD_ARCH_MAJORS, "bwd": major in MX_BWD_ARCH_MAJORS}
@@ -74,7 +91,8 @@ def compile_targets(arch: str) -> list[CompileTarget]:
                 for direction in ("fwd", "bwd"):
                     targets.append(CompileTarget("attention", direction, "bf16", mode,
                                                  partial(_bf16, direction, dim, causal, batch)))
-                    for p_quant in p_quants if with_mx[direction] else ():
+                    mx_dim = direction == "fwd" or major != 10 or dim in SM100_BWD
+                    for p_quant in p_quants if with_mx[direction] and mx_dim else ():
                         targets.append(CompileTarget("attention", direction, "mxfp8", f"{mode} {p_quant}",
                                                      partial(_mxfp8, direction, dim, causal, batch, p_quant, arch)))
     return targets
