@@ -76,8 +76,9 @@ def test_producer_builds_its_chunk_map_once_per_offsets_tensor():
 
     clear_plan_cache()
     g = torch.Generator().manual_seed(1)
-    offs = torch.tensor([0, 33, 34, 70])
-    x = torch.randn(70, 2, 64, generator=g).to(torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take CUDA tensors
+    offs = torch.tensor([0, 33, 34, 70], device=device)
+    x = torch.randn(70, 2, 64, generator=g).to(torch.bfloat16).to(device)
     (first,) = producer.mx_operands([(x, offs, producer.ORIENT_SQUARE)])
 
     def plans():
