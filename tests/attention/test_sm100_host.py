@@ -19,7 +19,8 @@ def test_arch_majors():
     assert config.MX_ARCH_MAJORS == (9,)
     assert config.MX_P_QUANTS[10] == ("const_p", "dynamic")
     assert all(t.q_stage == 1 and t.tile_m == t.tile_n == 128 for t in config.SM100_FWD.values())
-    assert tuple(config.SM100_BWD) == (64,) and config.SM100_BWD[64].tile_m == config.SM100_BWD[64].tile_n == 128
+    assert tuple(config.SM100_BWD) == (64, 128)
+    assert all(t.tile_m == t.tile_n == 128 for t in config.SM100_BWD.values())
 
 
 def test_check_arch():
@@ -101,8 +102,10 @@ def test_sm100_bwd_operand_checks():
         check_sm100_bwd_operands(q, k, v, do, dov, None, cu, cu)
     with pytest.raises(ValueError, match="do must be a \\[T, H, D\\] float8_e4m3fn payload"):
         check_sm100_bwd_operands(q, k, v, do.to(torch.bfloat16), dov, scales, cu, cu)
-    with pytest.raises(ValueError, match="backward takes head dims \\(64,\\), got 128"):
-        q2, k2, v2, do2, dov2, s2, _ = _bwd_operands(dim=128)
+    q2, k2, v2, do2, dov2, s2, _ = _bwd_operands(dim=128)
+    check_sm100_bwd_operands(q2, k2, v2, do2, dov2, s2, cu, cu)
+    with pytest.raises(ValueError, match="backward takes head dims \\(64, 128\\), got 96"):
+        q2, k2, v2, do2, dov2, s2, _ = _bwd_operands(dim=96)
         check_sm100_bwd_operands(q2, k2, v2, do2, dov2, s2, cu, cu)
     with pytest.raises(ValueError, match="shapes differ"):
         check_sm100_bwd_operands(q, k, v, do[:, :1], dov, scales, cu, cu)
@@ -142,13 +145,12 @@ def test_compile_targets_say_what_exists():
     fwd100 = [t for t in mx100 if t.direction == "fwd"]
     bwd100 = [t for t in mx100 if t.direction == "bwd"]
     assert len(fwd100) == 2 * 2 * 2 * 2  # head dims x causal x (few, many sequences) x p_quant
-    assert len(bwd100) == 2 * 2 * 2 and all(t.mode.startswith("d64 ") for t in bwd100)  # D = 64 only
+    assert len(bwd100) == 2 * 2 * 2 * 2  # head dims x causal x (few, many sequences) x p_quant
+    assert {t.mode.split()[0] for t in bwd100} == {"d64", "d128"}
     mx90 = [t for t in compile_targets("sm_90a") if t.precision == "mxfp8"]
     assert {t.direction for t in mx90} == {"fwd", "bwd"} and len(mx90) == 2 * 2 * 2 * 2 * 2
-    missing = compile_check.MISSING["sm_100a"]
-    assert any(m.startswith("attention bwd mxfp8 d128: no sm_100a kernel") for m in missing)
-    assert not any("dynamic" in m for m in missing)
-    assert not any("fwd/bwd" in m for m in missing)
+    # every kernel the API can launch on either arch is built: nothing is listed as missing
+    assert not compile_check.MISSING.get("sm_100a") and not compile_check.MISSING.get("sm_90a")
 
 
 def test_scale_tiles_and_stage_count():
@@ -172,11 +174,25 @@ def test_softmax_registers_with_one_q_stage():
     assert softmax_regs(200, 200, 120) == 200  # never below FA4's
 
 
-def test_one_mx_backward_build_for_sm100a(tmp_path):
-    """The D64 causal dynamic-P mxfp8 backward, built for sm_100a in a child process as compile_check does (the CuTe
-    DSL reads its architecture from the environment once): every MMA in its PTX is block-scaled, one per 32-wide K
-    block of the five GEMMs (S^T, dP^T: 2 each; dV, dK, dQ: 4 each; prologue/loop and loop/tail copies)."""
+# per head dim: (block-scaled MMAs: one per 32-wide K block of the five GEMMs, each GEMM in two issue sites; the
+# tensor-memory columns the scale tiles are copied to)
+_BWD_BUILDS = {
+    # S^T, dP^T: 2 K blocks each, dV, dK, dQ: 4 each; the ten tiles from column 384
+    64: (32, set(range(384, 424, 4))),
+    # all five GEMMs 4 K blocks; K's and Q's `hdim` tiles in dP^T past the E4M3 dS (288, 292), the rest in S^T past
+    # the E4M3 P (32-63)
+    128: (40, {288, 292} | set(range(32, 64, 4))),
+}
+
+
+@pytest.mark.parametrize("dim", sorted(_BWD_BUILDS))
+def test_one_mx_backward_build_for_sm100a(tmp_path, dim):
+    """The causal dynamic-P mxfp8 backward, built for sm_100a in a child process as compile_check does (the CuTe DSL
+    reads its architecture from the environment once): every MMA in its PTX is block-scaled, one per 32-wide K
+    block of the five GEMMs (prologue/loop and loop/tail copies), and the scale tiles go to the tensor-memory
+    columns of the design (bwd_sm100's docstring)."""
     import os
+    import re
     import subprocess
     import sys
 
@@ -185,22 +201,27 @@ def test_one_mx_backward_build_for_sm100a(tmp_path):
             "cc.TARGET_MODULES = ('one_target',); "
             "import types; m = types.ModuleType('one_target'); "
             "m.compile_targets = lambda arch: [t for t in targets.compile_targets(arch) "
-            "if t.precision == 'mxfp8' and t.direction == 'bwd' and t.mode == 'd64 causal dynamic']; "
+            f"if t.precision == 'mxfp8' and t.direction == 'bwd' and t.mode == 'd{dim} causal dynamic']; "
             "sys.modules['one_target'] = m; "
             f"sys.exit(cc.run('sm_100a', {str(tmp_path)!r}))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "0"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "MXAttentionBackwardSm100: tcgen05.mma=32 block_scaled=32" in done.stdout
+    mmas, sf_columns = _BWD_BUILDS[dim]
+    assert f"MXAttentionBackwardSm100: tcgen05.mma={mmas} block_scaled={mmas}" in done.stdout
     assert "1 passed, 0 failed" in done.stdout
     ptx = [f for f in os.listdir(tmp_path) if "MXAttentionBackwardSm100" in f and f.endswith(".ptx")]
     assert len(ptx) == 1
     text = open(os.path.join(tmp_path, ptx[0])).read()
     # P and dS go to tensor memory as E4M3, 8 columns (32 values) per thread and stage
     assert "tcgen05.st.sync.aligned.32x32b.x8.b32" in text and "tcgen05.st.sync.aligned.32x32b.x16" not in text
-    # the scale tiles reach tensor memory through tcgen05.cp
-    assert "tcgen05.cp.cta_group::1.32x128b.warpx4" in text
+    # the scale tiles reach tensor memory through tcgen05.cp, at the columns of the design
+    copies = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s*\n\s*tcgen05\.cp\.cta_group::1\.32x128b\.warpx4\s+\[(%r\d+)\]",
+                        text)
+    assert copies and all(a == b for a, _, b in copies)
+    assert len(copies) == text.count("tcgen05.cp.cta_group::1.32x128b.warpx4")
+    assert {int(c) for _, c, _ in copies} == sf_columns
 
 
 _LAYOUT_PROBE = '''
@@ -238,13 +259,24 @@ def probe(kernel: cutlass.Constexpr):
         cols.append(tcgen05.find_tmem_tensor_col_offset(t))
     out["sf columns"] = cols
 
-for p_quant in ("const_p", "dynamic"):
-    k = MXAttentionBackwardSm100(64, is_causal=True, p_quant=p_quant)
-    probe(k)
-    assert out["dS mismatches"] == 0, out
-    assert out["dS swizzles"][0] == out["dS swizzles"][1], out
-    assert out["sf columns"] == [4] * 10, out
-    assert k.tmem_sf_offset == 384 and k.tmem_sf_offset + sum(out["sf columns"]) <= 512
+for dim in (64, 128):
+    for p_quant in ("const_p", "dynamic"):
+        k = MXAttentionBackwardSm100(dim, is_causal=True, p_quant=p_quant)
+        probe(k)
+        assert out["dS mismatches"] == 0, out
+        assert out["dS swizzles"][0] == out["dS swizzles"][1], out
+        assert out["sf columns"] == [4] * 10, out
+        cols = k.tmem_sf_cols
+        if dim == 64:
+            # columns of their own after the accumulators (dK ends at 384)
+            assert not k.sf_serial and k.tmem_sf_offset == 384 and sorted(cols.values()) == list(range(384, 424, 4))
+        else:
+            # S^T 0-127 (E4M3 P 0-31), dV 128-255, dP^T / dQ 256-383 (E4M3 dS 256-287), dK 384-511
+            assert (k.tmem_S_offset, k.tmem_dV_offset, k.tmem_dP_offset, k.tmem_dK_offset) == (0, 128, 256, 384)
+            assert k.tmem_dQ_offset == 256 and k.tmem_P_offset == 0 and k.tmem_dS_offset == 256
+            assert k.sf_serial and cols["Kh"] == 288 and cols["Qh"] == 292
+            assert sorted(c for n, c in cols.items() if n not in ("Kh", "Qh")) == list(range(32, 64, 4))
+        assert len(set(cols.values())) == 10 and max(cols.values()) + 4 <= 512
 print("layouts ok")
 '''
 
@@ -252,7 +284,8 @@ print("layouts ok")
 def test_sm100_bwd_layouts(tmp_path):
     """What the sm_100a backward assumes of its layouts, checked by tracing them for sm_100a (child process): FA4's
     epilogue-layout store of 8-bit dS lands where the MN-major dQ MMA reads it (same swizzle, same offsets), and the
-    ten scale tiles take 4 tensor-memory columns each after column 384."""
+    ten scale tiles take 4 tensor-memory columns each: after column 384 at D = 64, in S^T / dP^T columns past the
+    8-bit P / dS at D = 128."""
     import os
     import subprocess
     import sys
@@ -263,7 +296,7 @@ def test_sm100_bwd_layouts(tmp_path):
     done = subprocess.run([sys.executable, str(probe)], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "0"})
     assert done.returncode == 0 and "layouts ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    with pytest.raises(ValueError, match="head_dim must be one of \\(64,\\)"):
+    with pytest.raises(ValueError, match="head_dim must be one of \\(64, 128\\)"):
         from gem_lp.attention.cute.bwd_sm100 import MXAttentionBackwardSm100
 
-        MXAttentionBackwardSm100(128, is_causal=False)
+        MXAttentionBackwardSm100(96, is_causal=False)

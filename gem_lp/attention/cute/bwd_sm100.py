@@ -16,7 +16,8 @@ FA4's `FlashAttentionBackwardSm100` (1-CTA, one 128-key tile per CTA, 128-query 
   tensor memory, B = Q MN-major), dQ = dS K (dS's query-major scales, K `seq`; A = dS MN-major from shared memory,
   B = K MN-major). Every scale operand of one 128-token tile is one 512-byte 128x4 tile of the blocked layout:
   the MMA warp copies it global -> shared memory (its 32 lanes, 16 bytes each) and `tcgen05.cp` -> tensor memory
-  (as `fwd_sm100`). K's, V's and K `seq` tiles once per CTA; Q's and dO's (both layouts) per query step.
+  (as `fwd_sm100`). K's, V's and K `seq` tiles once per CTA; Q's and dO's (both layouts) per query step (at D =
+  128 every tile is copied on to tensor memory again before each MMA that reads it: below).
 * P (recomputed from S and the LSE, FP32, unchanged FA4 code) goes to tensor memory as E4M3 (4 to a column):
   `const_p` e4m3(256 p) with the constant scale byte 119 (2^-8, written once); `dynamic` per 32x32 block the rceil
   byte of the block max. dS = P (dP - Δ) from the unrounded P (FA4's code), then per 32x32 block its max-abs, the
@@ -28,42 +29,74 @@ FA4's `FlashAttentionBackwardSm100` (1-CTA, one 128-key tile per CTA, 128-query 
   These steps run in a copy of FA4's `compute_loop` (`_jit_copy`) whose `utils.cvt_f16` (FA4's 16-bit conversion of
   P and dS, the only place they are rounded) is `_MXRounding.cvt_f16`, and whose tensor-memory store atom carries
   8 columns per stage instead of FA4's 16 (8-bit P / dS: 32 values are 8 columns).
-* Tensor memory (512 columns; D = 64): S^T 0-127 (P's E4M3 in 0-31), dV 128-191, dP^T 192-319 (dS 192-223, dQ
+* Tensor memory (512 columns), D = 64: S^T 0-127 (P's E4M3 in 0-31), dV 128-191, dP^T 192-319 (dS 192-223, dQ
   192-255), dK 320-383, the ten scale tiles (4 columns each) from 384. FA4's D = 64 "split P / dS" layout (P and dS
   in columns of their own, a P pipeline) is replaced by its aliased one: its dedicated columns are where the scales
-  go. D = 128 does not fit: S^T, dV, dP^T (with dQ) and dK take 4 x 128 = all 512 columns, and the scale factors of
-  the S^T, dP^T and dQ MMAs (24 columns at least) have no column free while those MMAs run (S^T(t+1) is issued
-  before dK(t) / dQ(t), so the S^T columns are live then; dQ overwrites the whole dP^T region). D = 128 needs a
-  different split (e.g. dK / dV in two 64-feature halves per CTA, S^T and dP^T computed twice: 1.4x the MMA work):
-  not done.
+  go. The MMA warp runs FA4's 1-CTA schedule (prologue S^T(0), dP^T(0), dV(0); per step t+1: S^T(t+1), dK(t),
+  dQ(t), dP^T(t+1), dV(t+1); tail dK, dQ), K's, V's and K `seq` scale tiles copied to tensor memory once per CTA.
+* D = 128: FA4's aliased plan takes all 512 columns: S^T 0-127 (E4M3 P 0-31), dV 128-255, dP^T 256-383 (E4M3 dS
+  256-287, dQ 256-383), dK 384-511. The scale tiles go to columns of S^T and dP^T while these hold nothing live,
+  and the MMA warp issues the GEMMs in an order where that holds (`_mma_serial`): per query step t, once the compute
+  warps signal P(t) ready (FA4's S-consumed barrier): dP^T(t) = V dO^T, dV(t) += P^T dO; once dS(t) is ready:
+  dK(t), dQ(t); once the dQ reduce warps have read dQ(t) into registers (FA4's dQ-empty barrier): S^T(t+1). The
+  scale tiles of the dP^T, dV, dK and dQ MMAs (V, dO `hdim`, P, dO `seq`, dS^T, Q `seq`, dS, K `seq`) are in S^T's
+  columns 32-63, past P: after P(t) is ready nothing reads S^T but the dV MMA (P, columns 0-31), and the next
+  write there is S^T(t+1), issued after those MMAs by the same thread. The S^T MMA's (K, Q `hdim`) are in dP^T's
+  columns 288-295, past dS: after dQ(t) has been read nothing is live in dP^T / dQ until dP^T(t+1), issued after
+  S^T(t+1). Each scale tile is copied (tcgen05.cp, from its shared-memory tile) right before each MMA that reads
+  it, K's, V's and K `seq` too (their shared tiles are written once per CTA). What this costs: FA4 issues
+  S^T(t+1) before dK(t) / dQ(t) and dP^T(t) right after S^T(t), so the tensor cores work while the compute warps
+  compute P and dS; here each MMA waits for the compute (or dQ reduce) step before it, and the compute warps wait
+  for S^T(t+1) (behind dK(t), dQ(t) and the dQ read) and for dP^T(t) (behind P(t)): the step is serial. Other
+  plans need FA4 changes beyond the MMA warp: 64-query steps (S^T, dP^T 64 columns) need the dQ MMA at M = 64,
+  which block-scaled tcgen05.mma does not have with one CTA (M = 128 only), or dQ^T = K^T dS^T with a transposed
+  dQ reduce; dQ in two 64-feature halves needs two dQ handshakes per step in FA4's reduce warps.
 * The rest is FA4's: load warp (TMA of the E4M3 payloads, LSE, Δ), dQ reduce warps (FP32 dQ accumulator to global,
   FA4's postprocess converts), dK / dV epilogues (BF16; dK times the softmax scale), preprocess (Δ = rowsum(dO O)).
 * One shared-memory and one tensor-memory tile per scale operand, no stages. A shared tile is rewritten only after
   the tcgen05.commit that follows its last copy has been observed: the MMA warp rewrites Q's / dO's tiles after the
-  compute warps' S-consumed / dS-ready / P-ready signals, which come after commits issued after the copies; the
-  compute warps rewrite P's / dS's tiles after waiting for the next S / dP, committed after the copies. A tensor
-  tile is rewritten by tcgen05.cp issued after the MMAs that read it (same thread, issue order).
-* Registers: FA4's budgets (setmaxnreg) except the MMA warp, 112 per thread (FA4: 88, the load warp's): it also
-  holds the scale tiles' addresses and copy descriptors, and at 88 or 96 ptxas kept FA4's warp index in local
-  memory (8 bytes of stack) in some builds. The register pool still holds the per-warp sum (asserted). FA4's fourth
-  warpgroup already runs different setmaxnreg values per warp (MMA and load 88, relay and empty 24), which the PTX
-  ISA's rule (one setmaxnreg for all warps of a warpgroup) does not describe; this adds a third value there.
+  compute warps' S-consumed / dS-ready / P-ready signals (at D = 128 Q's `hdim` tile after the dQ reduce warps'
+  dQ-read signal), which come after commits issued after the copies; the compute warps rewrite P's / dS's tiles
+  after waiting for the next S / dP, committed after the copies. A tensor tile is rewritten by tcgen05.cp issued
+  after the MMAs that read it (same thread, issue order).
+* Registers, D = 64: the MMA warp 112 per thread (FA4: 88, the load warp's): it also holds the scale tiles'
+  addresses and copy descriptors, and at 88 or 96 ptxas kept FA4's warp index in local memory (8 bytes of stack) in
+  some builds. The dQ reduce warps give up the difference (128 non-causal, 112 causal; they hold 64 FP32 of dQ a
+  thread at D = 64), so reduce + 2 compute + max(MMA, load) stays at the 512 FA4's assert keeps for the warps that
+  share a sub-partition (asserted; ptxas: no local memory). FA4's fourth warpgroup already runs different
+  setmaxnreg values per warp (MMA and load 88, relay and empty 24), which the PTX ISA's rule (one setmaxnreg for all
+  warps of a warpgroup) does not describe; this adds a third value there. D = 128: dQ reduce 152, compute 136, MMA and load 88 (FA4's
+  non-causal budget, for causal too), 152 + 2 x 136 + 88 = 512 as FA4's assert wants: the reduce warps hold the
+  whole 128-feature dQ row (at FA4's causal 136 they spilled); the compute warps fit 136 here. With these ptxas
+  still kept one warp index in local memory through the compute warps' role (8 bytes of stack): the value FA4's
+  kernel body reads once and compares in every role's `if`, and the one the dQ reduce warps read, which LLVM merged
+  into one value read at the kernel's entry. At D = 128 the body and `dQacc_reduce` run with `cute.arch` bound so
+  that each of these reads is a volatile `%tid.x` read where it is used (`_WarpIdxAtEachUse`, `_warp_idx_here`).
 
 What is compiled and checked (on a machine without a GPU, `python -m gem_lp.compile_check --arch sm_100a`): the
-kernel builds for sm_100a at D = 64, causal and not, const_p and dynamic, few and many sequences; its PTX holds 32
-`tcgen05.mma.kind::mxf8f6f4.block_scale` (S^T, dP^T 2 K blocks each, dV, dK, dQ 4 each, each in FA4's two issue
-sites) and no other MMA, `tcgen05.st.32x32b.x8` for P / dS, `tcgen05.cp` for the scale tiles. ptxas (CUDA 13.0, the
-PTX's `.version` lowered from 9.4 to 9.0 since no newer ptxas is installed) reports 128 registers per thread at
-launch, no stack and no spills for all eight builds. Tensor-memory addresses in the PTX were read back: D of S^T 0,
-dV 128, dP^T and dQ 192, dK 320; A of dV (P) column 0, of dK (dS) column 192, 8 columns per 32-wide K block; the
-scale tiles at 384-420, 4 columns each. UNVERIFIED: never run, no Blackwell GPU. In particular unverified on
-hardware: the ordering this relies on between a scale tile's tcgen05.cp into tensor memory and the earlier MMA still
+kernel builds for sm_100a at D = 64 and D = 128, causal and not, const_p and dynamic, few and many sequences; its
+PTX holds only `tcgen05.mma.kind::mxf8f6f4.block_scale` MMAs, one per 32-wide K block of each GEMM in each of its
+two issue sites: 32 at D = 64 (S^T, dP^T 2 K blocks each, dV, dK, dQ 4 each), 40 at D = 128 (all 4); P / dS go
+out by `tcgen05.st.32x32b.x8`, the scale tiles by `tcgen05.cp`. ptxas (CUDA 13.0, the PTX's `.version` lowered
+from 9.4 to 9.0 since no newer ptxas is installed) reports 128 registers per thread at launch, no stack and no
+spills for all sixteen builds. Tensor-memory addresses in the PTX were read back. D = 64: D of S^T 0, dV 128, dP^T
+and dQ 192, dK 320; A of dV (P) column 0, of dK (dS) column 192, 8 columns per 32-wide K block; the scale tiles at
+384-420, 4 columns each. D = 128: D of S^T 0, dV 128, dP^T and dQ 256, dK 384; A of dV columns 0-24, of dK
+256-280; SFA / SFB of S^T 288 / 292, dP^T 32 / 36, dV 40 / 44, dK 48 / 52, dQ 56 / 60, each copied just before
+its MMA. UNVERIFIED: never run, no Blackwell GPU. In particular unverified on hardware: at D = 64 the ordering
+this relies on between a scale tile's tcgen05.cp into tensor memory and the earlier MMA of the same thread still
 reading the previous tile there (tcgen05.cp and tcgen05.mma of one thread execute in issue order, as `fwd_sm100`
-also relies on); that FA4's store of dS through its epilogue-layout view of the dQ MMA's A buffer lands where the
-MN-major 8-bit dQ MMA reads it (the two layouts were compared: same swizzle S<3,4,3>, same key-row / query-column
-offsets); the numerics against `gem_lp.attention.reference`. Left: D = 128 (above); the scale tiles go global ->
-registers -> shared memory in the MMA warp, on the MMA issue path (a TMA load in the load warp is the next step);
-dK / dV as MXFP8 outputs; no sm_100 producer of the operands (payloads with both scale layouts) in the public API.
+also relies on); at D = 128 each copy into S^T / dP^T columns comes after the MMA warp has observed (P-ready,
+dS-ready or dQ-read barrier, each behind a tcgen05.commit) the completion of every earlier MMA that wrote or read
+those columns (only dV(t), using other columns, may still run at dK(t)'s copies), so what it relies on without a
+commit is an MMA (S^T(t+1), dP^T(t+1)) overwriting scale columns that MMAs issued just before it read, the
+MMA-after-MMA order FA4's aliased layout relies on for S^T(t+1) over P(t); that FA4's store of dS through
+its epilogue-layout view of the dQ MMA's A buffer lands where the MN-major 8-bit dQ MMA reads it (the two layouts
+were compared: same swizzle S<3,4,3>, same key-row / query-column offsets); the numerics against
+`gem_lp.attention.reference`; D = 128's serial schedule's speed. Left: the scale tiles go global -> registers ->
+shared memory in the MMA warp, on the MMA issue path (a TMA load in the load warp is the next step); D = 128
+without the serial schedule (above); dK / dV as MXFP8 outputs; no sm_100 producer of the operands (payloads with
+both scale layouts) in the public API.
 """
 from __future__ import annotations
 
@@ -74,7 +107,9 @@ import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils_basic
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+from cutlass.cutlass_dsl import T, dsl_user_op
 from flash_attn.cute import utils as fa4_utils
 from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 from quack import copy_utils
@@ -83,7 +118,7 @@ from .fwd_sm100 import SF_TILE_BYTES, _jit_copy
 from .mx_device import abs_bits_max, fmax_bits, rceil_scale
 
 MX_BLOCK = 32
-HEAD_DIMS = (64,)
+HEAD_DIMS = (64, 128)
 # const_p: P's payload is e4m3(256 p) and its scale 2^-8, the E8M0 byte 127 - 8
 CONST_P_LOG2 = 8
 P_SF_BYTE = 127 - CONST_P_LOG2
@@ -91,8 +126,12 @@ P_SF_BYTE = 127 - CONST_P_LOG2
 # written by the compute warps (P only for dynamic; const_p's is written once).
 SF_TILES = (("Kh", "S", "a"), ("Qh", "S", "b"), ("Vh", "dP", "a"), ("dOh", "dP", "b"), ("P", "dV", "a"),
             ("dOs", "dV", "b"), ("dSt", "dK", "a"), ("Qs", "dK", "b"), ("dS", "dQ", "a"), ("Ks", "dQ", "b"))
+# tensor-memory columns of one 128x4 scale tile (32 lanes x 16 bytes, copied to all four lane quarters)
+SF_TILE_COLS = 4
 # registers per thread of the MMA warp (FA4: 88, the load warp's)
 MMA_WARP_REGS = 112
+# D = 128: registers per thread of the dQ reduce, compute and MMA (and load) warps
+D128_REGS = (152, 136, 88)
 # the global scale tensors the MMA warp reads, by tile name
 SF_GLOBAL = ("Qh", "Qs", "Kh", "Ks", "Vh", "dOh", "dOs")
 
@@ -150,7 +189,87 @@ class _ExtraSmemLaunch:
         return self._launcher.launch(*args, smem=smem + self._extra, **kwargs)
 
 
+@dsl_user_op
+def _warp_idx_here(*, loc=None, ip=None) -> Int32:
+    """The warp index from a `%tid.x` read that the compiler may not merge with another (a volatile asm): a value
+    computed where it is compared, never held across a warp role."""
+    warp = Int32(llvm.inline_asm(T.i32(), [], "{\n\tmov.u32 $0, %tid.x;\n\tshr.b32 $0, $0, 5;\n\t}", "=r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+    return cute.arch.make_warp_uniform(warp, loc=loc, ip=ip)
+
+
+class _WarpIdxAtEachUse:
+    """FA4's kernel body reads the warp index once and compares it in each warp role's `if`; this stands for that
+    value and reads it again at each comparison, so it is not live through the roles (at D = 128 ptxas kept the
+    one value in local memory across the compute warps' role: 8 bytes of stack)."""
+
+    def __eq__(self, other):
+        return _warp_idx_here() == other
+
+    def __ne__(self, other):
+        return _warp_idx_here() != other
+
+    def __ge__(self, other):
+        return _warp_idx_here() >= other
+
+    def __le__(self, other):
+        return _warp_idx_here() <= other
+
+    def __gt__(self, other):
+        return _warp_idx_here() > other
+
+    def __lt__(self, other):
+        return _warp_idx_here() < other
+
+    __hash__ = None
+
+
+class _ArchWarpIdxAtEachUse:
+    """`cute.arch` for the kernel body: `make_warp_uniform(warp_idx())` gives `_WarpIdxAtEachUse`."""
+
+    _marker = object()
+
+    def __getattr__(self, name):
+        return getattr(cute.arch, name)
+
+    def warp_idx(self, **kwargs):
+        return self._marker
+
+    def make_warp_uniform(self, value, **kwargs):
+        if value is self._marker:
+            return _WarpIdxAtEachUse()
+        return cute.arch.make_warp_uniform(value, **kwargs)
+
+
+class _CuteWarpIdxAtEachUse:
+    arch = _ArchWarpIdxAtEachUse()
+
+    def __getattr__(self, name):
+        return getattr(cute, name)
+
+
+class _ArchWarpIdxHere:
+    """`cute.arch` whose `warp_idx()` is `_warp_idx_here()`."""
+
+    def __getattr__(self, name):
+        return getattr(cute.arch, name)
+
+    @staticmethod
+    def warp_idx(**kwargs):
+        return _warp_idx_here()
+
+
+class _CuteWarpIdxHere:
+    arch = _ArchWarpIdxHere()
+
+    def __getattr__(self, name):
+        return getattr(cute, name)
+
+
 _fa4_bwd_kernel_body = _jit_copy(FlashAttentionBackwardSm100.kernel)
+# D = 128: the same body with the warp index read at each role's comparison
+_fa4_bwd_kernel_body_fresh_warp_idx = _jit_copy(FlashAttentionBackwardSm100.kernel, cute=_CuteWarpIdxAtEachUse())
 
 
 class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
@@ -162,17 +281,26 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
         if p_quant not in ("const_p", "dynamic"):
             raise ValueError(f"p_quant must be 'const_p' or 'dynamic', got {p_quant!r}")
         if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS} (D = 128 leaves no tensor-memory columns for "
-                             f"the scale factors: bwd_sm100's docstring), got {head_dim}")
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
         if tile_m != 128 or tile_n != 128:
             raise ValueError(f"tiles must be 128 x 128 (one scale tile per query and key tile), got {tile_m} x "
                              f"{tile_n}")
         super().__init__(head_dim, head_dim, is_causal=is_causal, tile_m=tile_m, tile_n=tile_n)
         self.p_quant = p_quant
-        # the MMA warp keeps the scale tiles' copy descriptors and addresses too: at FA4's 88 registers the kernel
-        # spilled. FA4's budget assert counts the fourth warpgroup at max(load, MMA) for all four of its warps; the
-        # register pool holds the per-warp sum: reduce, compute, MMA, load, relay and empty warps.
-        self.num_regs_mma = MMA_WARP_REGS
+        if head_dim == 64:
+            # the MMA warp keeps the scale tiles' copy descriptors and addresses too: at FA4's 88 registers the
+            # kernel spilled. The reduce warps give it theirs (at D = 64 they hold 64 FP32 of dQ a thread, not 128),
+            # so that each sub-partition's warps (one reduce, two compute and one of the fourth warpgroup) stay
+            # within FA4's 512 registers a thread
+            self.num_regs_mma = MMA_WARP_REGS
+            self.num_regs_reduce = 512 - 2 * self.num_regs_compute - self.num_regs_mma
+        else:
+            # D = 128 (dQ reduce warps hold 128 FP32 per thread): FA4's non-causal budget for causal too, within
+            # FA4's own assert (reduce + 2 compute + max(load, MMA) = 512); at FA4's causal one (reduce 136) the
+            # reduce warps spilled
+            self.num_regs_reduce, self.num_regs_compute, self.num_regs_mma = D128_REGS
+            self.num_regs_load = self.num_regs_mma
+        assert self.num_regs_reduce + 2 * self.num_regs_compute + max(self.num_regs_mma, self.num_regs_load) <= 512
         pool = (len(self.reduce_warp_ids) * self.num_regs_reduce + len(self.compute_warp_ids) * self.num_regs_compute
                 + self.num_regs_mma + self.num_regs_load + 2 * self.num_regs_empty)
         assert pool <= 65536 // cute.arch.WARP_SIZE, f"registers: {pool} per-thread units over the 64K pool"
@@ -182,10 +310,33 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
         self.tmem_dS_offset = self.tmem_dP_offset
         self.tmem_cols_P = self.tmem_cols_S // 4
         self.tmem_cols_dS = self.tmem_cols_dP // 4
-        self.tmem_sf_offset = max(self.tmem_S_offset + self.tmem_cols_S, self.tmem_dV_offset + self.tmem_cols_dV,
-                                  self.tmem_dP_offset + self.tmem_cols_dP, self.tmem_dK_offset + self.tmem_cols_dK)
+        acc_end = max(self.tmem_S_offset + self.tmem_cols_S, self.tmem_dV_offset + self.tmem_cols_dV,
+                      self.tmem_dP_offset + self.tmem_cols_dP, self.tmem_dK_offset + self.tmem_cols_dK)
+        # the scale tiles' tensor-memory columns (4 each). D = 64: columns of their own after the accumulators. D =
+        # 128 (the accumulators take all 512): columns of S^T and dP^T while those hold nothing live (module
+        # docstring), with the MMA warp's serial schedule: K's and Q's `hdim` tiles (the S^T MMA) in dP^T past the
+        # 8-bit dS, the other eight in S^T past the 8-bit P.
+        self.sf_serial = acc_end + len(SF_TILES) * SF_TILE_COLS > self.tmem_alloc_cols
+        if self.sf_serial:
+            in_dP = ("Kh", "Qh")
+            in_S = [name for name, _, _ in SF_TILES if name not in in_dP]
+            self.tmem_sf_cols = {name: self.tmem_dP_offset + self.tmem_cols_dS + SF_TILE_COLS * i
+                                 for i, name in enumerate(in_dP)}
+            self.tmem_sf_cols.update({name: self.tmem_S_offset + self.tmem_cols_P + SF_TILE_COLS * i
+                                      for i, name in enumerate(in_S)})
+            assert self.tmem_dP_offset + self.tmem_cols_dS + SF_TILE_COLS * len(in_dP) <= (
+                self.tmem_dP_offset + self.tmem_cols_dP)
+            assert self.tmem_S_offset + self.tmem_cols_P + SF_TILE_COLS * len(in_S) <= (
+                self.tmem_S_offset + self.tmem_cols_S)
+        else:
+            self.tmem_sf_cols = {name: acc_end + SF_TILE_COLS * i for i, (name, _, _) in enumerate(SF_TILES)}
+        self.tmem_sf_offset = min(self.tmem_sf_cols.values())
         # FA4's compute loop converts P and dS in stages of 32 query columns per thread, 2 warpgroups
         self.cvt_stages = tile_m // (2 * MX_BLOCK)
+        self._kernel_body = _fa4_bwd_kernel_body_fresh_warp_idx if self.sf_serial else _fa4_bwd_kernel_body
+        if self.sf_serial:
+            self.dQacc_reduce = types.MethodType(
+                _jit_copy(FlashAttentionBackwardSm100.dQacc_reduce, cute=_CuteWarpIdxHere()), self)
         self.compute_loop = types.MethodType(
             _jit_copy(FlashAttentionBackwardSm100.compute_loop, utils=_MXRounding(self), tcgen05=_Tcgen05_8bit()),
             self)
@@ -258,29 +409,30 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                    mSFVh: cute.Tensor, mSFdOh: cute.Tensor, mSFdOs: cute.Tensor, mSFTileQ: cute.Tensor,
                    mSFTileK: cute.Tensor, mQ, mQt, mK, mKt, mV, mLSE, mdPsum, mdO, mdOt, mdV, mdK, mdQaccum,
                    mdV_tma_tensor, mdK_tma_tensor, mdQ_semaphore, mdK_semaphore, mdV_semaphore, mCuSeqlensQ,
-                   mCuSeqlensK, mSeqUsedQ, mSeqUsedK, tma_atom_Q, tma_atom_Qt, tma_atom_K, tma_atom_Kt, tma_atom_V,
-                   tma_atom_dO, tma_atom_dOt, tma_atom_dV, tma_atom_dK, sQ_layout, sQt_layout, sK_layout,
-                   sKt_layout, sV_layout, sLSE_layout, sdPsum_layout, sdO_layout, sdOt_layout, sdSt_layout,
-                   sdS_layout, sdS_xchg_layout, sdQaccum_layout, sdK_layout, sdV_layout, tP_layout, tdS_layout,
-                   tiled_mma_S, tiled_mma_dP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tiled_copy_r2s_dKV,
-                   softmax_scale, softmax_scale_log2, window_size_left, window_size_right, tile_sched_params,
-                   aux_data, fastdiv_mods, blocksparse_tensors):
+             mCuSeqlensK, mSeqUsedQ, mSeqUsedK, tma_atom_Q, tma_atom_Qt, tma_atom_K, tma_atom_Kt, tma_atom_V,
+             tma_atom_dO, tma_atom_dOt, tma_atom_dV, tma_atom_dK, sQ_layout, sQt_layout, sK_layout,
+             sKt_layout, sV_layout, sLSE_layout, sdPsum_layout, sdO_layout, sdOt_layout, sdSt_layout,
+             sdS_layout, sdS_xchg_layout, sdQaccum_layout, sdK_layout, sdV_layout, tP_layout, tdS_layout,
+             tiled_mma_S, tiled_mma_dP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tiled_copy_r2s_dKV,
+             softmax_scale, softmax_scale_log2, window_size_left, window_size_right, tile_sched_params,
+             aux_data, fastdiv_mods, blocksparse_tensors):
         # the scale tiles (shared memory), allocated at the kernel's top level for every warp
         smem = cutlass.utils.SmemAllocator()
         sSF = {name: smem.allocate_tensor(cutlass.Float8E8M0FNU, layouts[0], byte_alignment=128)
                for name, layouts in self._sf_layouts().items()}
         self._mx_dev = dict(sSF=sSF, tile_q=mSFTileQ, tile_k=mSFTileK,
                             mSF=dict(zip(SF_GLOBAL, (mSFQh, mSFQs, mSFKh, mSFKs, mSFVh, mSFdOh, mSFdOs))))
-        _fa4_bwd_kernel_body(self, mQ, mQt, mK, mKt, mV, mLSE, mdPsum, mdO, mdOt, mdV, mdK, mdQaccum,
-                             mdV_tma_tensor, mdK_tma_tensor, mdQ_semaphore, mdK_semaphore, mdV_semaphore,
-                             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, tma_atom_Q, tma_atom_Qt, tma_atom_K,
-                             tma_atom_Kt, tma_atom_V, tma_atom_dO, tma_atom_dOt, tma_atom_dV, tma_atom_dK,
-                             sQ_layout, sQt_layout, sK_layout, sKt_layout, sV_layout, sLSE_layout, sdPsum_layout,
-                             sdO_layout, sdOt_layout, sdSt_layout, sdS_layout, sdS_xchg_layout, sdQaccum_layout,
-                             sdK_layout, sdV_layout, tP_layout, tdS_layout, tiled_mma_S, tiled_mma_dP,
-                             tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tiled_copy_r2s_dKV, softmax_scale,
-                             softmax_scale_log2, window_size_left, window_size_right, tile_sched_params, aux_data,
-                             fastdiv_mods, blocksparse_tensors)
+        body = self._kernel_body
+        body(self, mQ, mQt, mK, mKt, mV, mLSE, mdPsum, mdO, mdOt, mdV, mdK, mdQaccum,
+             mdV_tma_tensor, mdK_tma_tensor, mdQ_semaphore, mdK_semaphore, mdV_semaphore,
+             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, tma_atom_Q, tma_atom_Qt, tma_atom_K,
+             tma_atom_Kt, tma_atom_V, tma_atom_dO, tma_atom_dOt, tma_atom_dV, tma_atom_dK,
+             sQ_layout, sQt_layout, sK_layout, sKt_layout, sV_layout, sLSE_layout, sdPsum_layout,
+             sdO_layout, sdOt_layout, sdSt_layout, sdS_layout, sdS_xchg_layout, sdQaccum_layout,
+             sdK_layout, sdV_layout, tP_layout, tdS_layout, tiled_mma_S, tiled_mma_dP,
+             tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tiled_copy_r2s_dKV, softmax_scale,
+             softmax_scale_log2, window_size_left, window_size_right, tile_sched_params, aux_data,
+             fastdiv_mods, blocksparse_tensors)
 
     # ---------------------------------------------------------------------------------------------------------
     # compute warps: P and dS on the recipe's grids (called from the copy of FA4's compute_loop)
@@ -348,7 +500,8 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
             words[lane * 4 + j] = mSF[head_idx, base + j]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
-        cp(0)
+        if const_expr(cp is not None):
+            cp(0)
 
     @cute.jit
     def _gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
@@ -370,10 +523,9 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
             dS_cluster_empty_mbar_ptr, dS_cluster_leader_mbar_ptr, pipeline_Q, pipeline_Qt, pipeline_Kt,
             pipeline_dO, pipeline_S_P, pipeline_dS, pipeline_dKV, pipeline_dP, pipeline_dQ, pipeline_P, block_info,
             SeqlenInfoCls, TileSchedulerCls, is_leader_cta, blocksparse_tensors=None):
-        """FA4's 1-CTA MMA warp (aliased P / dS): prologue S^T(0), dP^T(0), dV(0); per further query step t+1:
-        S^T(t+1), dK(t), dQ(t), dP^T(t+1), dV(t+1); tail dK(last), dQ(last). Each MMA block-scaled, each scale
-        tile copied to tensor memory just before the MMA that reads it (the module docstring says why reusing one
-        tile per operand is safe)."""
+        """The MMA warp (aliased P / dS): the operand fragments and the scale tiles' tensor-memory views and
+        copies, then the schedule: FA4's (`_mma_overlapped`, D = 64) or the serial one (`_mma_serial`, D = 128;
+        the module docstring says why each is safe)."""
         tSrK, tSrQ = tiled_mma_S.make_fragment_A(sK), tiled_mma_S.make_fragment_B(sQ)
         tdPrV, tdPrdOt = tiled_mma_dP.make_fragment_A(sV), tiled_mma_dP.make_fragment_B(sdOt)
         tdQrdS, tdQrK = tiled_mma_dQ.make_fragment_A(sdS), tiled_mma_dQ.make_fragment_B(sKt)
@@ -386,28 +538,54 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
         tdKrdS = tiled_mma_dK.make_fragment_A(cute.make_tensor(tStS.iterator, tdS.layout))
         tdKrdS = cute.make_tensor(tdKrdS.iterator + self.tmem_dS_offset * width_ratio, tdKrdS.layout)
 
-        # the scale tiles in tensor memory, from column tmem_sf_offset, and their shared -> tensor memory copies
+        # the scale tiles in tensor memory (columns `tmem_sf_cols`), and their shared -> tensor memory copies
         layouts = self._sf_layouts()
         sSF = self._mx_dev["sSF"]
         tSF, cp = {}, {}
-        col = self.tmem_sf_offset
         for name, _, _ in SF_TILES:
+            col = self.tmem_sf_cols[name] - self.tmem_S_offset
             ptr = cute.recast_ptr(tStS.iterator + col, dtype=cutlass.Float8E8M0FNU)
             tSF[name] = cute.make_tensor(ptr, layouts[name][1])
-            col += tcgen05.find_tmem_tensor_col_offset(tSF[name])
+            assert tcgen05.find_tmem_tensor_col_offset(tSF[name]) == SF_TILE_COLS, name
+            assert self.tmem_sf_cols[name] + SF_TILE_COLS <= self.tmem_alloc_cols, name
             cp[name] = copy_utils.s2t_get_copy_fn(sSF[name], tSF[name], tcgen05.CtaGroup.ONE)
-        assert col <= self.tmem_alloc_cols, f"the scale factors need tensor-memory columns up to {col}"
 
+        if const_expr(self.sf_serial):
+            self._mma_serial(tiled_mma_S, tiled_mma_dP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tSrK, tSrQ, tdPrV,
+                             tdPrdOt, tdQrdS, tdQrK, tdVrdO, tdKrQ, tdVrP, tdKrdS, tSF, cp, tStS, tdPtdP, tdVtdV,
+                             tdKtdK, tdQtdQ, pipeline_Q, pipeline_S_P, pipeline_dS, pipeline_dKV, pipeline_dP,
+                             pipeline_dQ, pipeline_dO, block_info, SeqlenInfoCls, TileSchedulerCls, is_leader_cta)
+        else:
+            self._mma_overlapped(tiled_mma_S, tiled_mma_dP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tSrK, tSrQ,
+                                 tdPrV, tdPrdOt, tdQrdS, tdQrK, tdVrdO, tdKrQ, tdVrP, tdKrdS, tSF, cp, tStS,
+                                 tdPtdP, tdVtdV, tdKtdK, tdQtdQ, pipeline_Q, pipeline_S_P, pipeline_dS,
+                                 pipeline_dKV, pipeline_dP, pipeline_dQ, pipeline_dO, block_info, SeqlenInfoCls,
+                                 TileSchedulerCls, is_leader_cta)
+
+    @cute.jit
+    def _const_p_sf(self, cp):
+        """const_p: P's scale tile (the constant 2^-8) written to shared memory; `cp` (when given) copies it on."""
+        words = cute.make_tensor(cute.recast_ptr(self._mx_dev["sSF"]["P"].iterator, dtype=Int32),
+                                 cute.make_layout(SF_TILE_BYTES // 4))
+        lane = cute.arch.lane_idx()
+        for j in cutlass.range_constexpr(4):
+            words[lane * 4 + j] = Int32(P_SF_BYTE * 0x01010101)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        if const_expr(cp is not None):
+            cp(0)
+
+    @cute.jit
+    def _mma_overlapped(self, tiled_mma_S, tiled_mma_dP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tSrK, tSrQ,
+                        tdPrV, tdPrdOt, tdQrdS, tdQrK, tdVrdO, tdKrQ, tdVrP, tdKrdS, tSF, cp, tStS, tdPtdP, tdVtdV,
+                        tdKtdK, tdQtdQ, pipeline_Q, pipeline_S_P, pipeline_dS, pipeline_dKV, pipeline_dP,
+                        pipeline_dQ, pipeline_dO, block_info, SeqlenInfoCls, TileSchedulerCls, is_leader_cta):
+        """D = 64: FA4's 1-CTA schedule: prologue S^T(0), dP^T(0), dV(0); per further query step t+1: S^T(t+1),
+        dK(t), dQ(t), dP^T(t+1), dV(t+1); tail dK(last), dQ(last). Each MMA block-scaled, each scale tile (in
+        columns of its own) copied to tensor memory just before the MMA that reads it."""
         if const_expr(self.p_quant == "const_p"):
             # P's scale is the constant 2^-8: its tile once for the kernel
-            words = cute.make_tensor(cute.recast_ptr(sSF["P"].iterator, dtype=Int32),
-                                     cute.make_layout(SF_TILE_BYTES // 4))
-            lane = cute.arch.lane_idx()
-            for j in cutlass.range_constexpr(4):
-                words[lane * 4 + j] = Int32(P_SF_BYTE * 0x01010101)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_warp()
-            cp["P"](0)
+            self._const_p_sf(cp["P"])
 
         pipeline_Q_consumer = pipeline_Q.make_consumer()
         consumer_state_dO = cutlass.pipeline.make_pipeline_state(cutlass.pipeline.PipelineUserType.Consumer,
@@ -510,6 +688,133 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                            tSF["Qs"], accumulate_dK)
                 pipeline_dKV.sync_object_full.arrive(1, pipeline_dKV.producer_mask, cta_group)
                 producer_phase_dKV ^= 1
+                self._gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
+                pipeline_dQ.sync_object_full.arrive(0, pipeline_dQ.producer_mask, cta_group)
+                handle_Q.release()
+                pipeline_dS.consumer_release(consumer_state_dS)
+                consumer_state_dS.advance()
+                producer_phase_acc ^= 1
+            tile_scheduler.advance_to_next_work()
+            work_tile = tile_scheduler.get_current_work()
+
+    @cute.jit
+    def _mma_serial(self, tiled_mma_S, tiled_mma_dP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, tSrK, tSrQ, tdPrV,
+                    tdPrdOt, tdQrdS, tdQrK, tdVrdO, tdKrQ, tdVrP, tdKrdS, tSF, cp, tStS, tdPtdP, tdVtdV, tdKtdK,
+                    tdQtdQ, pipeline_Q, pipeline_S_P, pipeline_dS, pipeline_dKV, pipeline_dP, pipeline_dQ,
+                    pipeline_dO, block_info, SeqlenInfoCls, TileSchedulerCls, is_leader_cta):
+        """D = 128: the scale tiles live in accumulator columns that hold nothing live, so each tile is copied to
+        tensor memory just before every MMA that reads it and the MMAs are issued in an order where those columns
+        are free: per query step t, after P(t) is ready: dP^T(t), dV(t) (their scales in S^T past P); after dS(t)
+        is ready: dK(t), dQ(t) (scales in S^T past P); after the dQ reduce warps have read dQ(t): S^T(t+1) (scales
+        in dP^T past dS). FA4 issues S^T(t+1) before dK(t) / dQ(t) and dP^T(t) right after S^T(t); here the
+        tensor cores wait for the compute warps (module docstring)."""
+        if const_expr(self.p_quant == "const_p"):
+            self._const_p_sf(None)
+
+        pipeline_Q_consumer = pipeline_Q.make_consumer()
+        consumer_state_dO = cutlass.pipeline.make_pipeline_state(cutlass.pipeline.PipelineUserType.Consumer,
+                                                                 self.dO_stage)
+        consumer_state_dS = cutlass.pipeline.make_pipeline_state(cutlass.pipeline.PipelineUserType.Consumer, 1)
+        producer_phase_acc = Int32(1)  # S & P, dP, dQ
+        producer_phase_dKV = Int32(1)
+        cta_group = pipeline_S_P.cta_group
+        tile_q, tile_k = self._mx_dev["tile_q"], self._mx_dev["tile_k"]
+
+        tile_scheduler = TileSchedulerCls()
+        work_tile = tile_scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            n_block, head_idx, batch_idx, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(batch_idx)
+            m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block // self.cluster_shape_mnk[0])
+            process_tile = const_expr(not self.is_local and not self.is_varlen_q) or m_block_min < m_block_max
+            if is_leader_cta and process_tile:
+                q_tile0 = tile_q[batch_idx]
+                k_tile = tile_k[batch_idx] + n_block
+                # this CTA's key tile: K, V (`hdim`) and K (`seq`) scales to shared memory, copied on per MMA
+                self._load_sf("Kh", head_idx, k_tile, None)
+                self._load_sf("Vh", head_idx, k_tile, None)
+                self._load_sf("Ks", head_idx, k_tile, None)
+                # prologue: S^T(0); once P(0) is ready dP^T(0), dV(0)
+                handle_Q = pipeline_Q_consumer.wait_and_advance()
+                pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
+                cp["Kh"](0)
+                self._load_sf("Qh", head_idx, q_tile0 + m_block_min, cp["Qh"])
+                self._gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q.index], tSF["Kh"], tSF["Qh"],
+                           False)
+                pipeline_S_P.sync_object_full.arrive(0, pipeline_S_P.producer_mask, cta_group)
+                pipeline_dO.consumer_wait(consumer_state_dO)
+                pipeline_dP.sync_object_empty.wait(0, producer_phase_acc)
+                pipeline_dQ.sync_object_empty.wait(0, producer_phase_acc)
+                producer_phase_acc ^= 1
+                pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
+                cp["Vh"](0)
+                self._load_sf("dOh", head_idx, q_tile0 + m_block_min, cp["dOh"])
+                self._gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index], tSF["Vh"],
+                           tSF["dOh"], False)
+                pipeline_dP.sync_object_full.arrive(0, pipeline_dP.producer_mask, cta_group)
+                self._load_sf("dOs", head_idx, q_tile0 + m_block_min, cp["dOs"])
+                cp["P"](0)
+                self._gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index], tSF["P"],
+                           tSF["dOs"], False)
+                pipeline_dO.consumer_release(consumer_state_dO)
+                consumer_state_dO.advance()
+                # main loop: the step before is t, this one t + 1
+                accumulate_dK = Boolean(False)
+                for i in cutlass.range(m_block_max - m_block_min - 1, unroll=1):
+                    q_tile = q_tile0 + m_block_min + i
+                    # dK(t) += dS^T Q, dQ(t) = dS K
+                    pipeline_dS.consumer_wait(consumer_state_dS)
+                    self._load_sf("Qs", head_idx, q_tile, cp["Qs"])
+                    cp["dSt"](0)
+                    cp["dS"](0)
+                    self._gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
+                               tSF["Qs"], accumulate_dK)
+                    accumulate_dK = Boolean(True)
+                    handle_Q.release()
+                    cp["Ks"](0)
+                    self._gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
+                    pipeline_dQ.sync_object_full.arrive(0, pipeline_dQ.producer_mask, cta_group)
+                    pipeline_dS.consumer_release(consumer_state_dS)
+                    consumer_state_dS.advance()
+                    # S^T(t+1) = K Q^T, once the reduce warps have read dQ(t) (its scales go where dQ was)
+                    handle_Q_next = pipeline_Q_consumer.wait_and_advance()
+                    pipeline_dQ.sync_object_empty.wait(0, producer_phase_acc)
+                    cp["Kh"](0)
+                    self._load_sf("Qh", head_idx, q_tile + 1, cp["Qh"])
+                    self._gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q_next.index], tSF["Kh"],
+                               tSF["Qh"], False)
+                    pipeline_S_P.sync_object_full.arrive(0, pipeline_S_P.producer_mask, cta_group)
+                    # dP^T(t+1) = V dO^T, dV(t+1) += P^T dO, once P(t+1) is ready (their scales go past it)
+                    pipeline_dO.consumer_wait(consumer_state_dO)
+                    producer_phase_acc ^= 1
+                    pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
+                    cp["Vh"](0)
+                    self._load_sf("dOh", head_idx, q_tile + 1, cp["dOh"])
+                    self._gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index],
+                               tSF["Vh"], tSF["dOh"], False)
+                    pipeline_dP.sync_object_full.arrive(0, pipeline_dP.producer_mask, cta_group)
+                    self._load_sf("dOs", head_idx, q_tile + 1, cp["dOs"])
+                    cp["P"](0)
+                    self._gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index],
+                               tSF["P"], tSF["dOs"], True)
+                    pipeline_dO.consumer_release(consumer_state_dO)
+                    consumer_state_dO.advance()
+                    handle_Q = handle_Q_next
+                pipeline_S_P.sync_object_full.arrive(0, pipeline_S_P.producer_mask, cta_group)
+                # dV is ready for the epilogue
+                pipeline_dKV.sync_object_empty.wait(0, producer_phase_dKV)
+                pipeline_dKV.sync_object_full.arrive(0, pipeline_dKV.producer_mask, cta_group)
+                pipeline_dKV.sync_object_empty.wait(1, producer_phase_dKV)
+                # tail: dK(last), dQ(last)
+                pipeline_dS.consumer_wait(consumer_state_dS)
+                self._load_sf("Qs", head_idx, q_tile0 + m_block_max - 1, cp["Qs"])
+                cp["dSt"](0)
+                cp["dS"](0)
+                self._gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
+                           tSF["Qs"], accumulate_dK)
+                pipeline_dKV.sync_object_full.arrive(1, pipeline_dKV.producer_mask, cta_group)
+                producer_phase_dKV ^= 1
+                cp["Ks"](0)
                 self._gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
                 pipeline_dQ.sync_object_full.arrive(0, pipeline_dQ.producer_mask, cta_group)
                 handle_Q.release()

@@ -54,11 +54,12 @@ class Sm100BwdTiles:
 
 # sm_100a, mxfp8 backward (`bwd_sm100`), by head dim: FA4's 1-CTA 128 x 128 tiles, one scale tile per query step
 # and per key tile. Tensor-memory columns (512), D = 64: S^T 0-127 (E4M3 P in 0-31), dV 128-191, dP^T 192-319 (E4M3
-# dS in 192-223, dQ 192-255), dK 320-383, ten 4-column scale tiles 384-423. No D = 128: S^T, dV, dP^T / dQ and dK
-# take all 512 columns and the scales of S^T, dP^T and dQ have none free while those MMAs run (bwd_sm100).
-SM100_BWD = {64: Sm100BwdTiles(128, 128)}
+# dS in 192-223, dQ 192-255), dK 320-383, ten 4-column scale tiles 384-423. D = 128: S^T 0-127, dV 128-255, dP^T /
+# dQ 256-383, dK 384-511 take all 512 columns; the scale tiles go to S^T columns 32-63 (past the E4M3 P) and dP^T
+# columns 288-295 (past the E4M3 dS) while those hold nothing live, with a serial MMA schedule (bwd_sm100).
+SM100_BWD = {64: Sm100BwdTiles(128, 128), 128: Sm100BwdTiles(128, 128)}
 # Compute-capability majors with MXFP8 attention kernels, per direction: sm_90a both; sm_100a both (compiled and
-# their PTX checked, never run: no Blackwell GPU here; the sm_100a backward at D = 64 only).
+# their PTX checked, never run: no Blackwell GPU here).
 MX_FWD_ARCH_MAJORS = (9, 10)
 MX_BWD_ARCH_MAJORS = (9, 10)
 # Majors where the public API runs mxfp8 on these kernels. Not derived from the two above: the sm_100a kernels take

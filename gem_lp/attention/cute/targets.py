@@ -75,9 +75,9 @@ def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arc
 
 
 def compile_targets(arch: str) -> list[CompileTarget]:
-    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist: sm_90a forward and backward,
-    sm_100a the forward and the D = 64 backward, each with const_p and dynamic (`gem_lp.compile_check.MISSING` lists
-    the rest; the public API runs the reference for mxfp8 where a kernel is missing)."""
+    """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist: sm_90a and sm_100a forward
+    and backward at D = 64 and 128, each with const_p and dynamic (`gem_lp.compile_check.MISSING` would list a
+    missing one; the public API runs the reference for mxfp8 where a kernel is missing)."""
     from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM100_BWD
 
     major = int(arch[3:-1]) // 10
