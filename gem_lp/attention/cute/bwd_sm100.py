@@ -65,9 +65,9 @@ FA4's `FlashAttentionBackwardSm100` (1-CTA, one 128-key tile per CTA, 128-query 
   thread at D = 64), so reduce + 2 compute + max(MMA, load) stays at the 512 FA4's assert keeps for the warps that
   share a sub-partition (asserted; ptxas: no local memory). FA4's fourth warpgroup already runs different
   setmaxnreg values per warp (MMA and load 88, relay and empty 24), which the PTX ISA's rule (one setmaxnreg for all
-  warps of a warpgroup) does not describe; this adds a third value there. D = 128: dQ reduce 152, compute 136, MMA and load 88 (FA4's
-  non-causal budget, for causal too), 152 + 2 x 136 + 88 = 512 as FA4's assert wants: the reduce warps hold the
-  whole 128-feature dQ row (at FA4's causal 136 they spilled); the compute warps fit 136 here. With these ptxas
+  warps of a warpgroup) does not describe; this adds a third value there. D = 128: dQ reduce 152, compute 136, MMA
+  and load 88 (FA4's non-causal budget, for causal too), 152 + 2 x 136 + 88 = 512 as FA4's assert wants: the
+  reduce warps hold the whole 128-feature dQ row (at FA4's causal 136 they spilled); the compute warps fit 136 here. With these ptxas
   still kept one warp index in local memory through the compute warps' role (8 bytes of stack): the value FA4's
   kernel body reads once and compares in every role's `if`, and the one the dQ reduce warps read, which LLVM merged
   into one value read at the kernel's entry. At D = 128 the body and `dQacc_reduce` run with `cute.arch` bound so
@@ -114,8 +114,9 @@ from flash_attn.cute import utils as fa4_utils
 from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 from quack import copy_utils
 
-from .fwd_sm100 import SF_TILE_BYTES, _jit_copy
+from .fwd_sm100 import _jit_copy
 from .mx_device import abs_bits_max, fmax_bits, rceil_scale
+from .sm100_mma import SF_TILE_BYTES, block_scaled_gemm, load_scale_tile
 
 MX_BLOCK = 32
 HEAD_DIMS = (64, 128)
@@ -489,33 +490,13 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
     # ---------------------------------------------------------------------------------------------------------
     @cute.jit
     def _load_sf(self, name: cutlass.Constexpr[str], head_idx: Int32, tile: Int32, cp):
-        """One 512-byte scale tile global -> shared memory (the warp's 32 lanes, 16 bytes each), visible to the
-        async proxy, then -> tensor memory (tcgen05.cp, ordered before the MMAs issued after it)."""
-        mSF = self._mx_dev["mSF"][name]
+        """One scale tile global -> shared memory by the MMA warp, then -> tensor memory (tcgen05.cp, ordered before
+        the MMAs issued after it) unless `cp` is None."""
         sSF = self._mx_dev["sSF"][name]
         words = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32), cute.make_layout(SF_TILE_BYTES // 4))
-        lane = cute.arch.lane_idx()
-        base = tile * (SF_TILE_BYTES // 4) + lane * 4
-        for j in cutlass.range_constexpr(4):
-            words[lane * 4 + j] = mSF[head_idx, base + j]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
+        load_scale_tile(self._mx_dev["mSF"][name], head_idx, tile, words)
         if const_expr(cp is not None):
             cp(0)
-
-    @cute.jit
-    def _gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              tSFA: cute.Tensor, tSFB: cute.Tensor, accumulate):
-        """acc (+)= A B over the tile's K: one block-scaled MMA per 32-element K block."""
-        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its fields are set per call
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            if const_expr(k == 0):
-                atom.set(tcgen05.Field.ACCUMULATE, accumulate)
-            else:
-                atom.set(tcgen05.Field.ACCUMULATE, True)
-            atom.set(tcgen05.Field.SFA, tSFA[None, None, k].iterator)
-            atom.set(tcgen05.Field.SFB, tSFB[None, None, k].iterator)
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
 
     @cute.jit
     def mma(self, tiled_mma_S, tiled_mma_dP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, sQ, sQt, sK, sKt, sV, sdO,
@@ -614,23 +595,23 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                 handle_Q = pipeline_Q_consumer.wait_and_advance()
                 pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
                 self._load_sf("Qh", head_idx, q_tile0 + m_block_min, cp["Qh"])
-                self._gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q.index], tSF["Kh"], tSF["Qh"],
-                           False)
+                block_scaled_gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q.index], tSF["Kh"], tSF["Qh"],
+                                  False)
                 pipeline_S_P.sync_object_full.arrive(0, pipeline_S_P.producer_mask, cta_group)
                 pipeline_dO.consumer_wait(consumer_state_dO)
                 pipeline_dP.sync_object_empty.wait(0, producer_phase_acc)
                 pipeline_dQ.sync_object_empty.wait(0, producer_phase_acc)
                 self._load_sf("dOh", head_idx, q_tile0 + m_block_min, cp["dOh"])
-                self._gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index], tSF["Vh"],
-                           tSF["dOh"], False)
+                block_scaled_gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index],
+                                  tSF["Vh"], tSF["dOh"], False)
                 pipeline_dP.sync_object_full.arrive(0, pipeline_dP.producer_mask, cta_group)
                 producer_phase_acc ^= 1
                 pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
                 self._load_sf("dOs", head_idx, q_tile0 + m_block_min, cp["dOs"])
                 if const_expr(self.p_quant == "dynamic"):
                     cp["P"](0)
-                self._gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index], tSF["P"],
-                           tSF["dOs"], False)
+                block_scaled_gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index],
+                                  tSF["P"], tSF["dOs"], False)
                 pipeline_dO.consumer_release(consumer_state_dO)
                 consumer_state_dO.advance()
                 # main loop: the step before is t, this one t + 1
@@ -640,19 +621,19 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                     # S^T(t+1) = K Q^T
                     handle_Q_next = pipeline_Q_consumer.wait_and_advance()
                     self._load_sf("Qh", head_idx, q_tile + 1, cp["Qh"])
-                    self._gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q_next.index], tSF["Kh"],
-                               tSF["Qh"], False)
+                    block_scaled_gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q_next.index], tSF["Kh"],
+                                      tSF["Qh"], False)
                     pipeline_S_P.sync_object_full.arrive(0, pipeline_S_P.producer_mask, cta_group)
                     # dK(t) += dS^T Q, dQ(t) = dS K
                     pipeline_dS.consumer_wait(consumer_state_dS)
                     self._load_sf("Qs", head_idx, q_tile, cp["Qs"])
                     cp["dSt"](0)
                     cp["dS"](0)
-                    self._gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
-                               tSF["Qs"], accumulate_dK)
+                    block_scaled_gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
+                                      tSF["Qs"], accumulate_dK)
                     accumulate_dK = Boolean(True)
                     handle_Q.release()
-                    self._gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
+                    block_scaled_gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
                     pipeline_dQ.sync_object_full.arrive(0, pipeline_dQ.producer_mask, cta_group)
                     pipeline_dS.consumer_release(consumer_state_dS)
                     consumer_state_dS.advance()
@@ -660,8 +641,8 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                     pipeline_dO.consumer_wait(consumer_state_dO)
                     pipeline_dQ.sync_object_empty.wait(0, producer_phase_acc)
                     self._load_sf("dOh", head_idx, q_tile + 1, cp["dOh"])
-                    self._gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index],
-                               tSF["Vh"], tSF["dOh"], False)
+                    block_scaled_gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index],
+                                      tSF["Vh"], tSF["dOh"], False)
                     pipeline_dP.sync_object_full.arrive(0, pipeline_dP.producer_mask, cta_group)
                     # dV(t+1) += P^T dO
                     producer_phase_acc ^= 1
@@ -669,8 +650,8 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                     self._load_sf("dOs", head_idx, q_tile + 1, cp["dOs"])
                     if const_expr(self.p_quant == "dynamic"):
                         cp["P"](0)
-                    self._gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index],
-                               tSF["P"], tSF["dOs"], True)
+                    block_scaled_gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index],
+                                      tSF["P"], tSF["dOs"], True)
                     pipeline_dO.consumer_release(consumer_state_dO)
                     consumer_state_dO.advance()
                     handle_Q = handle_Q_next
@@ -684,11 +665,11 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                 self._load_sf("Qs", head_idx, q_tile0 + m_block_max - 1, cp["Qs"])
                 cp["dSt"](0)
                 cp["dS"](0)
-                self._gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
-                           tSF["Qs"], accumulate_dK)
+                block_scaled_gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
+                                  tSF["Qs"], accumulate_dK)
                 pipeline_dKV.sync_object_full.arrive(1, pipeline_dKV.producer_mask, cta_group)
                 producer_phase_dKV ^= 1
-                self._gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
+                block_scaled_gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
                 pipeline_dQ.sync_object_full.arrive(0, pipeline_dQ.producer_mask, cta_group)
                 handle_Q.release()
                 pipeline_dS.consumer_release(consumer_state_dS)
@@ -739,8 +720,8 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                 pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
                 cp["Kh"](0)
                 self._load_sf("Qh", head_idx, q_tile0 + m_block_min, cp["Qh"])
-                self._gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q.index], tSF["Kh"], tSF["Qh"],
-                           False)
+                block_scaled_gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q.index], tSF["Kh"], tSF["Qh"],
+                                  False)
                 pipeline_S_P.sync_object_full.arrive(0, pipeline_S_P.producer_mask, cta_group)
                 pipeline_dO.consumer_wait(consumer_state_dO)
                 pipeline_dP.sync_object_empty.wait(0, producer_phase_acc)
@@ -749,13 +730,13 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                 pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
                 cp["Vh"](0)
                 self._load_sf("dOh", head_idx, q_tile0 + m_block_min, cp["dOh"])
-                self._gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index], tSF["Vh"],
-                           tSF["dOh"], False)
+                block_scaled_gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index],
+                                  tSF["Vh"], tSF["dOh"], False)
                 pipeline_dP.sync_object_full.arrive(0, pipeline_dP.producer_mask, cta_group)
                 self._load_sf("dOs", head_idx, q_tile0 + m_block_min, cp["dOs"])
                 cp["P"](0)
-                self._gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index], tSF["P"],
-                           tSF["dOs"], False)
+                block_scaled_gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index],
+                                  tSF["P"], tSF["dOs"], False)
                 pipeline_dO.consumer_release(consumer_state_dO)
                 consumer_state_dO.advance()
                 # main loop: the step before is t, this one t + 1
@@ -767,12 +748,12 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                     self._load_sf("Qs", head_idx, q_tile, cp["Qs"])
                     cp["dSt"](0)
                     cp["dS"](0)
-                    self._gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
-                               tSF["Qs"], accumulate_dK)
+                    block_scaled_gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
+                                      tSF["Qs"], accumulate_dK)
                     accumulate_dK = Boolean(True)
                     handle_Q.release()
                     cp["Ks"](0)
-                    self._gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
+                    block_scaled_gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
                     pipeline_dQ.sync_object_full.arrive(0, pipeline_dQ.producer_mask, cta_group)
                     pipeline_dS.consumer_release(consumer_state_dS)
                     consumer_state_dS.advance()
@@ -781,8 +762,8 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                     pipeline_dQ.sync_object_empty.wait(0, producer_phase_acc)
                     cp["Kh"](0)
                     self._load_sf("Qh", head_idx, q_tile + 1, cp["Qh"])
-                    self._gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q_next.index], tSF["Kh"],
-                               tSF["Qh"], False)
+                    block_scaled_gemm(tiled_mma_S, tStS, tSrK, tSrQ[None, None, None, handle_Q_next.index], tSF["Kh"],
+                                      tSF["Qh"], False)
                     pipeline_S_P.sync_object_full.arrive(0, pipeline_S_P.producer_mask, cta_group)
                     # dP^T(t+1) = V dO^T, dV(t+1) += P^T dO, once P(t+1) is ready (their scales go past it)
                     pipeline_dO.consumer_wait(consumer_state_dO)
@@ -790,13 +771,13 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                     pipeline_S_P.sync_object_empty.wait(0, producer_phase_acc)
                     cp["Vh"](0)
                     self._load_sf("dOh", head_idx, q_tile + 1, cp["dOh"])
-                    self._gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index],
-                               tSF["Vh"], tSF["dOh"], False)
+                    block_scaled_gemm(tiled_mma_dP, tdPtdP, tdPrV, tdPrdOt[None, None, None, consumer_state_dO.index],
+                                      tSF["Vh"], tSF["dOh"], False)
                     pipeline_dP.sync_object_full.arrive(0, pipeline_dP.producer_mask, cta_group)
                     self._load_sf("dOs", head_idx, q_tile + 1, cp["dOs"])
                     cp["P"](0)
-                    self._gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index],
-                               tSF["P"], tSF["dOs"], True)
+                    block_scaled_gemm(tiled_mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, consumer_state_dO.index],
+                                      tSF["P"], tSF["dOs"], True)
                     pipeline_dO.consumer_release(consumer_state_dO)
                     consumer_state_dO.advance()
                     handle_Q = handle_Q_next
@@ -810,12 +791,12 @@ class MXAttentionBackwardSm100(FlashAttentionBackwardSm100):
                 self._load_sf("Qs", head_idx, q_tile0 + m_block_max - 1, cp["Qs"])
                 cp["dSt"](0)
                 cp["dS"](0)
-                self._gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
-                           tSF["Qs"], accumulate_dK)
+                block_scaled_gemm(tiled_mma_dK, tdKtdK, tdKrdS, tdKrQ[None, None, None, handle_Q.index], tSF["dSt"],
+                                  tSF["Qs"], accumulate_dK)
                 pipeline_dKV.sync_object_full.arrive(1, pipeline_dKV.producer_mask, cta_group)
                 producer_phase_dKV ^= 1
                 cp["Ks"](0)
-                self._gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
+                block_scaled_gemm(tiled_mma_dQ, tdQtdQ, tdQrdS, tdQrK, tSF["dS"], tSF["Ks"], False)
                 pipeline_dQ.sync_object_full.arrive(0, pipeline_dQ.producer_mask, cta_group)
                 handle_Q.release()
                 pipeline_dS.consumer_release(consumer_state_dS)

@@ -57,10 +57,9 @@ from flash_attn.cute.utils import AuxData
 from quack import copy_utils
 
 from .mx_device import abs_bits_max, ceil_f32, e4m3x4_sum, e8m0_value, exp2_int, rceil_scale
+from .sm100_mma import SF_TILE_BYTES, block_scaled_gemm, load_scale_tile
 
 MX_BLOCK = 32
-# bytes of one 128x4 tile of the blocked scale layout (the scale-factor atom of tcgen05 block-scaled MMA)
-SF_TILE_BYTES = 512
 # the E8M0 byte of 2^0, P's scale factor (FA4's P already holds 2^8 p, the const_p payload)
 P_SF_BYTE = 127
 # FA4's FP8 P is 2^8 p (its `max_offset`; its correction warps take the 8 out of the LSE)
@@ -396,48 +395,17 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
     @cute.jit
     def _load_sf(self, mSF: cute.Tensor, head_idx: Int32, tile: Int32, sSF: cute.Tensor, stage: Int32,
                  stage_words: cutlass.Constexpr[int], cp):
-        """One 512-byte scale tile of head `head_idx`, tile `tile`, global -> shared memory stage `stage` by the 32
-        lanes of the MMA warp (16 bytes each), made visible to the async proxy, then shared -> tensor memory
-        (tcgen05.cp, ordered before the MMAs issued after it)."""
+        """One scale tile of head `head_idx`, tile `tile`, global -> shared memory stage `stage` by the MMA warp,
+        then shared -> tensor memory (tcgen05.cp, ordered before the MMAs issued after it)."""
         words = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32) + stage * stage_words,
                                  cute.make_layout(SF_TILE_BYTES // 4))
-        lane = cute.arch.lane_idx()
-        base = tile * (SF_TILE_BYTES // 4) + lane * 4
-        for j in cutlass.range_constexpr(4):
-            words[lane * 4 + j] = mSF[head_idx, base + j]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
+        load_scale_tile(mSF, head_idx, tile, words)
         cp(stage)
 
-    @cute.jit
-    def _gemm_qk(self, mma_qk: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                 tSFQ: cute.Tensor, tSFK: cute.Tensor):
-        """S = Q K^T of one tile: D / 32 block-scaled MMAs, K = 32 each."""
-        mma_qk = cute.make_mma_atom(mma_qk.op)  # a fresh atom: its fields are set per call
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
-            mma_qk.set(tcgen05.Field.SFA, tSFQ[None, None, k].iterator)
-            mma_qk.set(tcgen05.Field.SFB, tSFK[None, None, k].iterator)
-            cute.gemm(mma_qk, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
-
-    @cute.jit
-    def _gemm_pv(self, mma_pv: cute.TiledMma, acc: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
-                 tSFP: cute.Tensor, tSFV: cute.Tensor, accumulate: Boolean, mbar_lastsplit, phase: Int32):
-        """O (+)= P V of one tile: tile_n / 32 block-scaled MMAs; before the columns of P past FA4's
-        `split_P_arrive` it waits for the softmax warps' second arrive."""
-        mma_pv = cute.make_mma_atom(mma_pv.op)
-        n_k = const_expr(cute.size(tOrV, mode=[2]))
-        split = const_expr(self.split_P_arrive // MX_BLOCK if self.split_P_arrive > 0 else n_k)
-        for k in cutlass.range_constexpr(n_k):
-            if const_expr(k == split):
-                cute.arch.mbarrier_wait(mbar_lastsplit, phase)
-            if const_expr(k == 0):
-                mma_pv.set(tcgen05.Field.ACCUMULATE, accumulate)
-            else:
-                mma_pv.set(tcgen05.Field.ACCUMULATE, True)
-            mma_pv.set(tcgen05.Field.SFA, tSFP[None, None, k].iterator)
-            mma_pv.set(tcgen05.Field.SFB, tSFV[None, None, k].iterator)
-            cute.gemm(mma_pv, acc, tOrP[None, None, k], tOrV[None, None, k], acc)
+    def _p_split_k(self) -> int:
+        """The K block of O = P V before which the MMA waits for the second part of P (FA4's `split_P_arrive`:
+        the softmax warps arrive twice per P), or -1."""
+        return self.split_P_arrive // MX_BLOCK if self.split_P_arrive > 0 else -1
 
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP, pipeline_q, pipeline_kv,
@@ -524,8 +492,8 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                         pipeline_kv.consumer_wait(kv_state)
                         self._load_sf(mSFK, head_idx, tile_k0 + n_block_max - 1, sSFKV, kv_state.index,
                                       sfkv_stage_words, cp_k)
-                    self._gemm_qk(mma_qk, tStS[None, None, None, stage], tSrQ[None, None, None, stage],
-                                  tSrK[None, None, None, kv_state.index], tSFQ[stage], tSFK)
+                    block_scaled_gemm(mma_qk, tStS[None, None, None, stage], tSrQ[None, None, None, stage],
+                                      tSrK[None, None, None, kv_state.index], tSFQ[stage], tSFK, False)
                     pipeline_s_p_o.producer_commit_w_index(stage)
                 mma_q_consumer_phase ^= 1
                 pipeline_kv.consumer_release(kv_state)
@@ -542,10 +510,10 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                         pipeline_s_p_o.producer_acquire_w_index_phase(stage, P_full_O_rescaled_phase)
                         if const_expr(self.p_quant == "dynamic"):
                             cp_p[stage](stage)  # P's scales, written with P (before the P-full arrive)
-                        self._gemm_pv(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
-                                      tOrV[None, None, None, v_index], tSFP[stage % self.p_sf_stages], tSFV,
-                                      O_should_accumulate,
-                                      mbar_lastsplit[stage], P_full_O_rescaled_phase)
+                        block_scaled_gemm(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
+                                          tOrV[None, None, None, v_index], tSFP[stage % self.p_sf_stages], tSFV,
+                                          O_should_accumulate, self._p_split_k(), mbar_lastsplit[stage],
+                                          P_full_O_rescaled_phase)
                         if const_expr(stage == self.q_stage - 1):
                             pipeline_kv.consumer_release(release_state)
                         # S = Q K(n_block - 1)^T
@@ -554,8 +522,8 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                             pipeline_kv.consumer_wait(kv_state)
                             self._load_sf(mSFK, head_idx, tile_k0 + n_block - 1, sSFKV, kv_state.index,
                                           sfkv_stage_words, cp_k)
-                        self._gemm_qk(mma_qk, tStS[None, None, None, stage], tSrQ[None, None, None, stage],
-                                      tSrK[None, None, None, kv_state.index], tSFQ[stage], tSFK)
+                        block_scaled_gemm(mma_qk, tStS[None, None, None, stage], tSrQ[None, None, None, stage],
+                                          tSrK[None, None, None, kv_state.index], tSFQ[stage], tSFK, False)
                         pipeline_s_p_o.producer_commit_w_index(stage)
                     pipeline_kv.consumer_release(kv_state)
                     kv_state.advance()
@@ -570,10 +538,10 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
                     pipeline_s_p_o.producer_acquire_w_index_phase(stage, P_full_O_rescaled_phase)
                     if const_expr(self.p_quant == "dynamic"):
                         cp_p[stage](stage)
-                    self._gemm_pv(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
-                                  tOrV[None, None, None, kv_state.index], tSFP[stage % self.p_sf_stages], tSFV,
-                                  O_should_accumulate,
-                                  mbar_lastsplit[stage], P_full_O_rescaled_phase)
+                    block_scaled_gemm(mma_pv, tOtO[None, None, None, stage], tOrP[None, None, None, stage],
+                                      tOrV[None, None, None, kv_state.index], tSFP[stage % self.p_sf_stages], tSFV,
+                                      O_should_accumulate, self._p_split_k(), mbar_lastsplit[stage],
+                                      P_full_O_rescaled_phase)
                     pipeline_o_acc.producer_commit_w_index(stage)
                 P_full_O_rescaled_phase ^= 1
                 pipeline_kv.consumer_release(kv_state)

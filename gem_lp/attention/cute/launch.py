@@ -201,6 +201,37 @@ def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
     return out, lse
 
 
+def _grad_outputs(dq, dk, dv, tq: int, tk: int, heads: int, dim: int, device) -> tuple[torch.Tensor, ...]:
+    """dQ, dK, dV as the backward kernels write them: the caller's (checked: BF16 `[T, H, D]` with contiguous heads
+    and features, e.g. views into one packed gradient), else new tensors."""
+    grads = []
+    for name, given, tokens in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tk)):
+        if given is None:
+            given = torch.empty(tokens, heads, dim, dtype=torch.bfloat16, device=device)
+        elif (given.shape != (tokens, heads, dim) or given.dtype != torch.bfloat16 or given.stride(2) != 1
+              or given.stride(1) != dim):
+            raise ValueError(f"{name} must be BF16 {(tokens, heads, dim)} with contiguous heads and features, got "
+                             f"{given.dtype} {tuple(given.shape)} strides {given.stride()}")
+        grads.append(given)
+    return tuple(grads)
+
+
+def _bwd_preprocess(out, do_values, lse, dlse, cu_q, cu_k, tiles):
+    """FA4's backward preprocess for query tiles of `tiles.tile_m` rows: Δ = rowsum(dO ⊙ O) - dLSE (from
+    `do_values`, dO's BF16 values), the LSE in log2 and a zeroed FP32 dQ accumulator, each with every sequence
+    padded to whole tiles. Returns `(dq_accum, dpsum, lse_log2, cu_tiles_q, cu_tiles_k)`."""
+    tq, heads, dim = out.shape
+    tile_m = tiles.tile_m
+    padded = (tq + (cu_q.shape[0] - 1) * tile_m + tile_m - 1) // tile_m * tile_m
+    dq_accum = torch.empty(heads, padded * dim, dtype=torch.float32, device=out.device)
+    dpsum = torch.empty(heads, padded, dtype=torch.float32, device=out.device)
+    lse_log2 = torch.empty(heads, padded, dtype=torch.float32, device=out.device)
+    cu_tiles_q = _cu_tiles(cu_q, tile_m)
+    fa4._bwd_preprocess(out, do_values, dpsum, lse, lse_log2, dq_accum, cu_q, None, dlse, cutlass.BFloat16, dim, dim,
+                        tile_m, cu_total_m_blocks=cu_tiles_q, fake_mode=fake_mode(), hdim_multiple_of=32)
+    return dq_accum, dpsum, lse_log2, cu_tiles_q, _cu_tiles(cu_k, tiles.tile_n)
+
+
 def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: torch.Tensor | None, cu_q: torch.Tensor,
                 cu_k: torch.Tensor, *, causal: bool, scale: float, p_quant: str, arch: str,
@@ -222,29 +253,13 @@ def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
         return _mx_backward_sm100(q, k, v, do, do_values, out, lse, dlse, scales, cu_q, cu_k, causal=causal,
                                   scale=scale, p_quant=p_quant, dq=dq, dk=dk, dv=dv)
     tq, heads, dim = q.shape
-    tk = k.shape[0]
-    for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if given is not None and (given.shape != like.shape or given.dtype != torch.bfloat16
-                                  or given.stride(2) != 1 or given.stride(1) != dim):
-            raise ValueError(f"{name} must be BF16 {tuple(like.shape)} with contiguous heads and features, got "
-                             f"{given.dtype} {tuple(given.shape)} strides {given.stride()}")
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
-    if tq == 0 or tk == 0:
+    dq, dk, dv = _grad_outputs(dq, dk, dv, tq, k.shape[0], heads, dim, q.device)
+    if tq == 0 or k.shape[0] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     tiles = SM90_BWD[dim]
-    batch = cu_q.shape[0] - 1
     fake = fake_mode()
-    padded = (tq + batch * tiles.tile_m + tiles.tile_m - 1) // tiles.tile_m * tiles.tile_m
-    dq_accum = torch.empty(heads, padded * dim, dtype=torch.float32, device=q.device)
-    dpsum = torch.empty(heads, padded, dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty(heads, padded, dtype=torch.float32, device=q.device)
-    cu_tiles_q = _cu_tiles(cu_q, tiles.tile_m)
-    cu_tiles_k = _cu_tiles(cu_k, tiles.tile_n)
+    dq_accum, dpsum, lse_log2, cu_tiles_q, cu_tiles_k = _bwd_preprocess(out, do, lse, dlse, cu_q, cu_k, tiles)
     bf16 = cutlass.BFloat16
-    fa4._bwd_preprocess(out, do, dpsum, lse, lse_log2, dq_accum, cu_q, None, dlse, bf16, dim, dim,
-                        tiles.tile_m, cu_total_m_blocks=cu_tiles_q, fake_mode=fake, hdim_multiple_of=32)
     key = ("mx bwd sm90", dim, causal, p_quant, tiles, cu_tiles_k is not None)
 
     def make():
@@ -314,30 +329,14 @@ def _mx_backward_sm100(q, k, v, do, do_values, out, lse, dlse, scales: MXBwdScal
 
     check_sm100_bwd_operands(q, k, v, do, do_values, scales, cu_q, cu_k)
     tq, heads, dim = q.shape
-    tk = k.shape[0]
-    grads = []
-    for name, given, tokens in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tk)):
-        if given is not None and (given.shape != (tokens, heads, dim) or given.dtype != torch.bfloat16
-                                  or given.stride(2) != 1 or given.stride(1) != dim):
-            raise ValueError(f"{name} must be BF16 {(tokens, heads, dim)} with contiguous heads and features, got "
-                             f"{given.dtype} {tuple(given.shape)} strides {given.stride()}")
-        grads.append(torch.empty(tokens, heads, dim, dtype=torch.bfloat16, device=q.device) if given is None
-                     else given)
-    dq, dk, dv = grads
-    if tq == 0 or tk == 0:
+    dq, dk, dv = _grad_outputs(dq, dk, dv, tq, k.shape[0], heads, dim, q.device)
+    if tq == 0 or k.shape[0] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     tiles = SM100_BWD[dim]
-    batch = cu_q.shape[0] - 1
     fake = fake_mode()
-    padded = (tq + batch * tiles.tile_m + tiles.tile_m - 1) // tiles.tile_m * tiles.tile_m
-    dq_accum = torch.empty(heads, padded * dim, dtype=torch.float32, device=q.device)
-    dpsum = torch.empty(heads, padded, dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty(heads, padded, dtype=torch.float32, device=q.device)
-    cu_tiles_q = _cu_tiles(cu_q, tiles.tile_m)
-    cu_tiles_k = _cu_tiles(cu_k, tiles.tile_n)
+    dq_accum, dpsum, lse_log2, cu_tiles_q, cu_tiles_k = _bwd_preprocess(out, do_values, lse, dlse, cu_q, cu_k,
+                                                                         tiles)
     bf16 = cutlass.BFloat16
-    fa4._bwd_preprocess(out, do_values, dpsum, lse, lse_log2, dq_accum, cu_q, None, dlse, bf16, dim, dim,
-                        tiles.tile_m, cu_total_m_blocks=cu_tiles_q, fake_mode=fake, hdim_multiple_of=32)
     # the kernel reads the scales as 32-bit words (16 bytes per lane of the MMA warp)
     sf = [getattr(scales, n).view(torch.int32) for n in ("q", "q_seq", "k", "k_seq", "v", "do", "do_seq")]
     key = ("mx bwd sm100", dim, causal, p_quant, tiles, cu_tiles_k is not None)
