@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import Bench, host_us_per_call, lognormal_lengths, offsets_of  # noqa: E402
 from gem_lp.attention import jagged_attention  # noqa: E402
-from gem_lp.numerics import sqnr_db  # noqa: E402
+from gem_lp.accuracy import sqnr_db  # noqa: E402
 
 DEV = "cuda"
 D = 128

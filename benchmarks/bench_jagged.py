@@ -46,7 +46,7 @@ import torch
 from benchmarks.common import Bench, host_us_per_call, lognormal_lengths, offsets_of
 from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
+from gem_lp.jagged.kernels.triton_quantize import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
                                          default_launch, launch)
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
 from gem_lp.mx.layout import from_blocked
@@ -246,12 +246,12 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
     payloads, scales = allocate_outputs(values, layout.padded_total, orients)
     op_args = (values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.tile_tokens,
                layout.padded_total, True, True, False, True)
-    from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
+    from gem_lp.jagged.kernels.triton_quantize import _jagged_mx_kernel, launch_args
 
     grid, jit_args, jit_kwargs = launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
                                              layout.padded_total, payloads, scales, True,
                                              tile_tokens=layout.tile_tokens)
-    import gem_lp.triton_launch as tl_launch
+    import gem_lp.runtime.triton_launch as tl_launch
 
     def jit_call():
         saved, tl_launch.DIRECT_RELAUNCH = tl_launch.DIRECT_RELAUNCH, False
@@ -480,8 +480,8 @@ def build_figures(orientations: tuple[str, ...], heads: int, dim: int, opts: Lau
     go out before the first is used (`loads_before_first_use`; a persistent walk: counted from its first
     load, the prologue's); for a persistent walk, `walk_fits`: its programs per SM are all resident at once
     (else the grid's last programs start only when others end)."""
-    from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
-    from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+    from gem_lp.jagged.kernels.triton_quantize import _jagged_mx_kernel, launch_args
+    from gem_lp.mx.kernels.triton_quantize import compile_for_target, ptxas_usage
 
     t, tp = 1000, 1280  # the build depends on H, D and the launch options, not on the batch
     values = torch.empty(t, heads, dim, dtype=torch.bfloat16)

@@ -52,17 +52,18 @@ def operands(M: int, K: int, N: int):
 
 
 def gemm_group(bench: Bench, M: int, K: int, N: int, candidates: bool) -> None:
-    from gem_lp.gemm.cute import mx_gemm_sm90
-    from gem_lp.gemm.cute.launch import LAUNCH_CANDIDATES, device_arch, launch_for
+    from gem_lp.linear.kernels.cute_gemm import mx_gemm_sm90
+    from gem_lp.linear.kernels.cute_gemm import LAUNCH_CANDIDATES, launch_for
+    from gem_lp.runtime.device import build_arch
     from gem_lp.mx import MXTensor
-    from gem_lp.norm_gemm.triton_gemm import mx_dequantize_operand
+    from gem_lp.linear.functions import mx_dequantize_operand
 
     group = f"gemm {M}x{K}x{N}"
     flop = 2.0 * M * N * K
     a, a_blocked, b = operands(M, K, N)
     ref = a.dequantize().float() @ b.float().t()
     a_mx = MXTensor(a.data, a_blocked, "1d", 1, "rceil", torch.float32, "blocked")
-    default = launch_for(device_arch(a.data.device), N, K)
+    default = launch_for(build_arch(a.data.device), N, K)
     launches = [default] + ([c for c in LAUNCH_CANDIDATES if c != default] if candidates else [])
     for launch in launches:
         name = f"ours mx_gemm_sm90 {launch.tile_m}x{launch.tile_n} cluster={launch.cluster_n}" + \

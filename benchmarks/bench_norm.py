@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import Bench, host_us_per_call  # noqa: E402
 from gem_lp.mx import quantize_dual, quantize_reference, to_blocked  # noqa: E402
-from gem_lp.norm_gemm import rms_norm_quantize  # noqa: E402
-from gem_lp.norm_gemm.reference import rms_norm_quantize_reference  # noqa: E402
+from gem_lp.norm import rms_norm_quantize  # noqa: E402
+from gem_lp.linear.reference import rms_norm_quantize_reference  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6
@@ -84,14 +84,15 @@ def copy_row(bench: Bench, group: str, nbytes: int) -> None:
 
 
 def norm_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
-    from gem_lp.norm.cute.config import NormLaunch, launch_for
-    from gem_lp.norm.cute.launch import device_arch, norm_mx_cast
+    from gem_lp.mx.kernels.cute_cast_config import NormLaunch, launch_for
+    from gem_lp.mx.kernels.cute_cast_launch import norm_mx_cast
+    from gem_lp.runtime.device import build_arch
 
     group = f"norm {M}x{K}"
     g = torch.Generator(device=DEV).manual_seed(M + K)
     x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
     w = (torch.rand(K, device=DEV, generator=g) + 0.5).bfloat16()
-    default = launch_for(device_arch(x.device), K)
+    default = launch_for(build_arch(x.device), K)
     launches = [default] + ([NormLaunch(*c) for c in LAUNCH_CANDIDATES.get(K, ()) if NormLaunch(*c) != default]
                             if candidates else [])
     out = norm_mx_cast(x, w, EPS)
@@ -170,7 +171,7 @@ def _same_bytes(a, b) -> bool:
 
 
 def casts_group(bench: Bench, M: int, K: int) -> None:
-    from gem_lp.norm_gemm import triton_gemm as tg
+    from gem_lp.linear import functions as tg
 
     group = f"casts {M}x{K}"
     g = torch.Generator(device=DEV).manual_seed(M + 3 * K)
@@ -212,11 +213,11 @@ BACKWARD_CANDIDATES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8), (64, 16))
 def backward_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
     """The RMSNorm backward as the MX linears run it (dY of the normalized x in FP32, from the GEMM that makes it):
     ours (Triton, `rms_norm_backward`) at its table's launch and the candidates, and on the CuTe kernel (quack's kernel
-    built by `gem_lp.norm.cute.backward`, which the MX linears take where `CUTE_NORM_BACKWARD_ARCHES` says), beside
+    built by `gem_lp.norm.kernels.cute_backward`, which the MX linears take where `CUTE_NORM_BACKWARD_ARCHES` says), beside
     quack's `rmsnorm_bwd` on the same FP32 dY and on BF16 dY (what the BF16 model's norm sees), and a copy of the same
     bytes. dx checked against the FP64 formula (largest error over the largest |dx|, `dx_rel_err` in the JSON; BF16
     rounding alone: ~2^-9)."""
-    from gem_lp.norm_gemm.triton_norm import rms_norm_backward
+    from gem_lp.mx.kernels.triton_cast import rms_norm_backward
 
     group = f"norm backward {M}x{K}"
     g = torch.Generator(device=DEV).manual_seed(M + 5 * K)
@@ -242,7 +243,7 @@ def backward_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
         err = rel_err(dx)
         bench.time(group, name, lambda kw=kw: rms_norm_backward(x, w, rstd, dy, **kw), nbytes=nbytes, dx_rel_err=err)
     try:
-        from gem_lp.norm.cute.backward import rms_norm_backward_cute
+        from gem_lp.norm.kernels.cute_backward import rms_norm_backward_cute
 
         dx, _ = rms_norm_backward_cute(x, w, rstd, dy)
         bench.time(group, "ours cute (quack's kernel, one build per K)", lambda: rms_norm_backward_cute(x, w, rstd, dy),

@@ -5,7 +5,7 @@ Sections (each one guarded: a failing variant or peer is recorded, the rest stil
 
 * norm: `rms_norm_mx` (rowwise + colwise MX, blocked scales, rstd) per launch configuration of
   `triton_norm.CANDIDATE_CONFIGS` (the default first), bytes checked against the reference; then host against
-  kernel time: the public `gem_lp.norm_gemm.rms_norm_quantize` (plain scales, checked too), the bare Triton
+  kernel time: the public `gem_lp.norm.rms_norm_quantize` (plain scales, checked too), the bare Triton
   launch into preallocated outputs and a CUDA-graph replay (no host work) of the default and of the fastest
   launch, each with its host microseconds per call (JSON `norm_host_us_per_call`); peers: `torch.compile` of
   RMSNorm + torchao `to_mx` in both layouts (or, without torchao, of our reference RMSNorm + dual cast) and a
@@ -43,12 +43,12 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
 
 from benchmarks.common import Bench, host_us_per_call  # noqa: E402
 from gem_lp.mx import dequantize, quantize_reference, to_blocked  # noqa: E402
-from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
-from gem_lp.norm_gemm.reference import rms_norm_quantize_reference  # noqa: E402
-from gem_lp.norm_gemm.triton_gemm import GemmConfig, mx_gemm, mx_linear_triton, rms_norm_mx_linear_triton  # noqa: E402
-from gem_lp.norm_gemm import triton_norm as tn  # noqa: E402
-from gem_lp.norm_gemm.triton_norm import rms_norm_mx  # noqa: E402
-from gem_lp.numerics import sqnr_db  # noqa: E402
+from gem_lp.linear import functions as tg  # noqa: E402
+from gem_lp.linear.reference import rms_norm_quantize_reference  # noqa: E402
+from gem_lp.linear.functions import GemmConfig, mx_gemm, mx_linear_triton, rms_norm_mx_linear_triton  # noqa: E402
+from gem_lp.mx.kernels import triton_cast as tn  # noqa: E402
+from gem_lp.mx.kernels.triton_cast import rms_norm_mx  # noqa: E402
+from gem_lp.accuracy import sqnr_db  # noqa: E402
 
 EPS = 1e-6
 DEVICE = "cuda"
@@ -167,7 +167,7 @@ def bench_operand_cast(bench: Bench, checks: dict) -> None:
     launch of `operand_cast_configs`, operands checked; then the same with `column_sums` (the bias gradient, sums
     checked) beside torch's FP32 column sum alone, the payload-only dual cast of `triton_quantize` and a copy.
     TB/s counts the bytes moved: dY read once and both operands written (and the FP32 sums)."""
-    from gem_lp.mx.triton_quantize import mx_cast_2d
+    from gem_lp.mx.kernels.triton_quantize import mx_cast_2d
 
     for M, K in OPERAND_CAST_SHAPES:
         group = f"dY operand cast {M}x{K}"
@@ -294,7 +294,7 @@ def bench_norm(bench: Bench, checks: dict, ks: tuple[int, ...] | None = None, ma
     public `rms_norm_quantize` call, the bare launch into preallocated outputs and CUDA-graph replays of the
     default and the best launch, then the row operand and the peers. `ks`: the K of the shapes to run
     (default NORM_SHAPES'); `match`: time only the candidates whose name contains it (and the default)."""
-    from gem_lp.norm_gemm import rms_norm_quantize
+    from gem_lp.norm import rms_norm_quantize
 
     shapes = [s for s in NORM_SHAPES + NORM_EXTRA_SHAPES if s[1] in ks] if ks else NORM_SHAPES
     for M, K in shapes:
@@ -430,7 +430,7 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
     atomic adds in the PTX (`atomics`), and the re-read bytes in flight (resident row blocks of a multi-pass launch,
     H200)."""
     from gem_lp.mx.layout import blocked_size
-    from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+    from gem_lp.mx.kernels.triton_quantize import compile_for_target, ptxas_usage
 
     dev = "meta"
     x = torch.empty(M, K, dtype=x_dtype, device=dev)
@@ -682,7 +682,7 @@ def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEA
                             flop=flop / 3)
         if (M, K, N) == shapes[-1]:  # the public module (ops.mx_linear's checks and dispatch) once
             try:
-                from gem_lp.norm_gemm import MXLinear
+                from gem_lp.linear import MXLinear
 
                 layer = MXLinear(K, N, backend="triton").to(DEVICE)
                 with torch.no_grad():
@@ -697,9 +697,9 @@ def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEA
             except Exception as e:
                 _fail(bench, group, "ours MXLinear module", e)
             else:
-                _time_with_host(bench, group, "ours MXLinear module (gem_lp.norm_gemm.MXLinear, cuBLAS route)",
+                _time_with_host(bench, group, "ours MXLinear module (gem_lp.linear.MXLinear, cuBLAS route)",
                                 module_step, flop=flop)
-                _time_with_host(bench, fwd_group, "ours MXLinear module (gem_lp.norm_gemm.MXLinear, cuBLAS route)",
+                _time_with_host(bench, fwd_group, "ours MXLinear module (gem_lp.linear.MXLinear, cuBLAS route)",
                                 lambda: layer(x), flop=flop / 3)
                 del layer, params
         if (M, K, N) == shapes[0]:  # the fused RMSNorm + linear once

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
 
 from benchmarks.common import Bench  # noqa: E402
 from gem_lp.mx import quantize_reference, to_blocked  # noqa: E402
-from gem_lp.mx.triton_quantize import (CANDIDATE_CONFIGS, DEFAULT_CONFIGS, CastConfig,  # noqa: E402
+from gem_lp.mx.kernels.triton_quantize import (CANDIDATE_CONFIGS, DEFAULT_CONFIGS, CastConfig,  # noqa: E402
                                        mx_cast_2d)
 
 SHAPES = ((65536, 2048), (32768, 4096))
@@ -225,7 +225,7 @@ def main(shapes=SHAPES, device: str = "cuda") -> None:
 
 def compile_only(shapes=SHAPES) -> int:
     """Build every configuration the GPU run times for sm_90, on this machine (no GPU); 1 if one fails."""
-    from gem_lp.mx.triton_quantize import (_mx_cast_2d_kernel, cast_2d_launch, compile_for_target, output_specs,
+    from gem_lp.mx.kernels.triton_quantize import (_mx_cast_2d_kernel, cast_2d_launch, compile_for_target, output_specs,
                                            ptxas_usage)
 
     failed = 0

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
-from gem_lp.norm_gemm import triton_norm as tn  # noqa: E402
+from gem_lp.linear import functions as tg  # noqa: E402
+from gem_lp.mx.kernels import triton_cast as tn  # noqa: E402
 
 
 class _NoLaunch:

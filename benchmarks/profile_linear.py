@@ -25,8 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import host_us_per_call  # noqa: E402
-from gem_lp.norm_gemm import triton_gemm as tg  # noqa: E402
-from gem_lp.norm_gemm.triton_norm import rms_norm_mx  # noqa: E402
+from gem_lp.linear import functions as tg  # noqa: E402
+from gem_lp.mx.kernels.triton_cast import rms_norm_mx  # noqa: E402
 
 SECTIONS = ("kernels", "cublas_host", "calls")
 DEV = "cuda"

@@ -25,7 +25,8 @@ from typing import Callable
 ARCHES = ("sm_90a", "sm_100a")
 # SM count the builds are specialized for (H200 / B200); FA4's schedulers read it from the driver otherwise.
 NUM_SMS = {"sm_90a": 132, "sm_100a": 148}
-TARGET_MODULES = ("gem_lp.attention.cute.targets", "gem_lp.norm.cute.targets", "gem_lp.gemm.cute.targets")
+TARGET_MODULES = ("gem_lp.mx.kernels.cute_targets", "gem_lp.norm.kernels.cute_targets", "gem_lp.linear.kernels.cute_targets",
+                  "gem_lp.attention.cute.targets")
 # What the API runs without a CuTe kernel on an arch, said on every run for that arch.
 MISSING: dict[str, list[str]] = {}
 
@@ -34,7 +35,7 @@ MISSING: dict[str, list[str]] = {}
 class CompileTarget:
     """One build: `build()` compiles (never launches) under FakeTensorMode; its PTX lands in the dump dir."""
 
-    op: str  # attention, norm, linear, gemm
+    op: str  # cast, norm, linear, attention
     direction: str  # fwd, bwd, cast
     precision: str  # bf16, mxfp8
     mode: str  # what else selects the kernel (head dim, causal, ...)

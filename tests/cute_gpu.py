@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gem_lp.backend import cute_unavailable
+from gem_lp.runtime.device import cute_unavailable
 
 
 def require_cute_gpu(arch_major: int | None = None) -> None:

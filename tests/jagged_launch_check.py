@@ -4,7 +4,7 @@ import torch
 
 from gem_lp.jagged import JaggedLayout, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import launch
+from gem_lp.jagged.kernels.triton_quantize import launch
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 
 SCALE_NAMES = {"hdim": ("hdim",), "seq": ("seq",), "square": ("square_hdim", "square_seq")}

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from gem_lp.backend import resolve_backend
+from gem_lp.runtime.dispatch import resolve_backend
 from gem_lp.compile_check import _kernel_name, mma_counts
 
 PTX = """

@@ -1,9 +1,9 @@
-"""Direct relaunch of compiled Triton kernels (`gem_lp.triton_launch`), with the JIT and driver faked (no GPU)."""
+"""Direct relaunch of compiled Triton kernels (`gem_lp.runtime.triton_launch`), with the JIT and driver faked (no GPU)."""
 import pytest
 import torch
 
-import gem_lp.triton_launch as triton_launch
-from gem_lp.triton_launch import KernelLaunch, constexpr_values
+import gem_lp.runtime.triton_launch as triton_launch
+from gem_lp.runtime.triton_launch import KernelLaunch, constexpr_values
 from launch_fakes import FakeDriver, FakeJit
 
 

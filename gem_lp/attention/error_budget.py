@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from ..numerics import sqnr_db
-from .layout import make_plan
-from .reference import MXRecipe, attention_reference
-from .rotation import rotate_qk
+from gem_lp.accuracy import sqnr_db
+from gem_lp.attention.layout import make_plan
+from gem_lp.attention.reference import MXRecipe, attention_reference
+from gem_lp.rotation import rotate_qk
 
 TENSORS = ("O", "dQ", "dK", "dV")
 # Jagged lengths with partial 32-token blocks: 4 sequences, 354 tokens.

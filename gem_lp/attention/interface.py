@@ -5,12 +5,12 @@ import math
 
 import torch
 
-from ..backend import resolve_backend
-from ..mx.formats import BLOCK
-from .layout import check_offsets, check_offsets_form, check_qkv, make_plan
-from .plan import cached_plan
-from .reference import P_QUANTS, PRECISIONS, attention_reference
-from .rotation import check_qk_rotation, rotate_qk
+from gem_lp.runtime.dispatch import resolve_backend
+from gem_lp.mx.formats import BLOCK
+from gem_lp.attention.layout import check_offsets, check_offsets_form, check_qkv, make_plan
+from gem_lp.attention.plan import cached_plan
+from gem_lp.attention.reference import P_QUANTS, PRECISIONS, attention_reference
+from gem_lp.rotation import check_qk_rotation, rotate_qk
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> None:
     check_qkv(q, k, v)
@@ -89,7 +89,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         broadcast_q: see q; output row `b * Lq + i` is query i against sequence b; dq sums over b.
         precision: `"fp32"` (the oracle), `"bf16"` (a 16-bit flash kernel's rounding) or `"mxfp8"`
             (LP-FA4 recipe; D a multiple of 32).
-        backend: `"auto"`, `"reference"` or `"cute"` (see `gem_lp.backend.resolve_backend`; `auto` takes `cute`
+        backend: `"auto"`, `"reference"` or `"cute"` (see `gem_lp.runtime.dispatch.resolve_backend`; `auto` takes `cute`
             on sm_90 / sm_100 when the CuTe DSL stack imports, the reference elsewhere).
         softmax_scale: defaults to `1/sqrt(D)`.
         p_quant: `"const_p"` or `"dynamic"` (how `mxfp8` quantizes P).
@@ -208,7 +208,7 @@ def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, p
         # (sm_100a has kernels on MX payloads and scales, compiled and never run, and no producer of those operands
         # here: the API keeps the reference there);
         # fp32 (the oracle), other head dims and mxfp8 elsewhere run the reference.
-        from .cute.config import HEAD_DIMS, MX_ARCH_MAJORS
+        from gem_lp.attention.cute.config import HEAD_DIMS, MX_ARCH_MAJORS
 
         mx_here = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] in MX_ARCH_MAJORS
         if precision == "mxfp8" and not mx_here and backend == "cute":
@@ -216,7 +216,7 @@ def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, p
                              "only (the sm_100a kernels are compiled, never run, and take MX payloads the API does not make yet); "
                              "use backend='reference'")
         if precision == "bf16" or (precision == "mxfp8" and dim in HEAD_DIMS and mx_here):
-            from .cute.interface import jagged_attention_cute, varlen_batch
+            from gem_lp.attention.cute.interface import jagged_attention_cute, varlen_batch
 
             vb = varlen_batch(q_offsets, kv_offsets, q_offs, kv_offs, broadcast_q=broadcast_q, q_rows=q.shape[0],
                               device=q.device, max_lengths=(max_seqlen_q, max_seqlen_k) if trusted else None)

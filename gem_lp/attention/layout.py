@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from ..jagged.metadata import check_offsets_form as check_jagged_offsets_form
-from ..mx.formats import BLOCK, INPUT_DTYPES, ceil_div
+from gem_lp.jagged.metadata import check_offsets_form as check_jagged_offsets_form
+from gem_lp.mx.formats import BLOCK, INPUT_DTYPES, ceil_div
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Checks every backend shares: q/k/v tensors `[T, H, D]` of one float dtype and device, k and v alike,

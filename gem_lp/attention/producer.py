@@ -8,7 +8,7 @@ token. Memory-bound: it ran at 92-94% of copy bandwidth on the H200 (docs/PERF.m
 
 Inputs may be views with a token stride larger than H x D (q, k, v of a fused projection's output).
 A program takes a ROWS-token chunk of one sequence and one head; each thread a strip of THREAD_ROWS tokens x 8
-features (`gem_lp.mx.triton_quantize.tile_axes`): one 16-byte load and store per token row, the 32-token max
+features (`gem_lp.mx.kernels.triton_quantize.tile_axes`): one 16-byte load and store per token row, the 32-token max
 mostly inside the thread, the 32-feature max across 4 lanes. Up to four tensors, each with its own offsets,
 share a launch (`program_id(1)` picks the tensor).
 
@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreter_enabled
-from ..mx.triton_numerics import abs_bits, e4m3_bits, inv_scale, scale_byte
-from ..mx.triton_quantize import max_cols_of_blocks, max_rows_of_blocks, tile_axes
-from ..triton_launch import KernelLaunch
-from .plan import cached_plan
+from gem_lp.runtime.device import interpreter_enabled
+from gem_lp.mx.kernels.triton_numerics import abs_bits, e4m3_bits, inv_scale, scale_byte
+from gem_lp.mx.kernels.triton_quantize import max_cols_of_blocks, max_rows_of_blocks, tile_axes
+from gem_lp.runtime.triton_launch import KernelLaunch
+from gem_lp.attention.plan import cached_plan
 
 MX_BLOCK = 32
 # orientation codes of the producer (`mx_operands`' specs)
@@ -316,7 +316,7 @@ def mx_operands(specs, pack=None):
                   PACK0=pack_orients[0], PACK1=pack_orients[1], PACK2=pack_orients[2], PACK3=pack_orients[3],
                   FROM_PACK0=from_pack[0], FROM_PACK1=from_pack[1], FROM_PACK2=from_pack[2], FROM_PACK3=from_pack[3],
                   HW_CAST=not interpret, INTERPRET=interpret, num_warps=warps)
-    # a direct relaunch of the build an earlier batch found (`gem_lp.triton_launch`): the JIT's argument binding
+    # a direct relaunch of the build an earlier batch found (`gem_lp.runtime.triton_launch`): the JIT's argument binding
     # of these 33 arguments cost more host time than the kernel takes at the GPU model's sizes
     KernelLaunch(_producer_kernel, (upper * heads, len(specs)), len(args), kwargs)(tuple(args), not interpret)
     return outs if pack is None else (outs, packed)

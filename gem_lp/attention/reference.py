@@ -30,8 +30,8 @@ import math
 
 import torch
 
-from ..mx.reference import dequantize, encode_payload, quantize_reference
-from .layout import JaggedPlan, chunk_rows, visibility_mask
+from gem_lp.mx.reference import dequantize, encode_payload, quantize_reference
+from gem_lp.attention.layout import JaggedPlan, chunk_rows, visibility_mask
 
 PRECISIONS = ("fp32", "bf16", "mxfp8")
 P_QUANTS = ("const_p", "dynamic")

@@ -21,10 +21,10 @@ tokens `offsets[b] .. offsets[b+1] - 1`, of length L_b. Definitions:
 
 Numerics (scale rules, payload rounding) are those of `gem_lp.mx.reference`.
 """
-from .metadata import JaggedLayout
-from .ops import quantize_jagged
-from .reference import quantize_jagged_reference, quantize_sequence_reference
-from .tensor import ORIENTATIONS, JaggedMXTensor, dequantize_jagged
+from gem_lp.jagged.metadata import JaggedLayout
+from gem_lp.jagged.ops import quantize_jagged
+from gem_lp.jagged.reference import quantize_jagged_reference, quantize_sequence_reference
+from gem_lp.jagged.tensor import ORIENTATIONS, JaggedMXTensor, dequantize_jagged
 
 __all__ = [
     "ORIENTATIONS",

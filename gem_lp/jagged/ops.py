@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import resolve_backend
-from ..mx.formats import check_scaling
-from .metadata import JaggedLayout
-from .reference import quantize_jagged_reference
-from .tensor import JaggedMXTensor, check_orientations, check_values
+from gem_lp.runtime.dispatch import resolve_backend
+from gem_lp.mx.formats import check_scaling
+from gem_lp.jagged.metadata import JaggedLayout
+from gem_lp.jagged.reference import quantize_jagged_reference
+from gem_lp.jagged.tensor import JaggedMXTensor, check_orientations, check_values
 
 
 def quantize_jagged(
@@ -49,6 +49,6 @@ def quantize_jagged(
     backend = resolve_backend(backend, values, layout.offsets)
     if backend == "reference":
         return quantize_jagged_reference(values, layout, orientations, scaling)
-    from .triton_kernel import quantize_jagged_triton
+    from gem_lp.jagged.kernels.triton_quantize import quantize_jagged_triton
 
     return quantize_jagged_triton(values, layout, orientations, scaling)

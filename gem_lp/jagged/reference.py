@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from ..mx.formats import BLOCK, PAYLOAD_DTYPE, ceil_div
-from ..mx.layout import to_blocked
-from ..mx.reference import quantize_reference
-from .metadata import JaggedLayout
-from .tensor import JaggedMXTensor
+from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE, ceil_div
+from gem_lp.mx.layout import to_blocked
+from gem_lp.mx.reference import quantize_reference
+from gem_lp.jagged.metadata import JaggedLayout
+from gem_lp.jagged.tensor import JaggedMXTensor
 
 
 def quantize_sequence_reference(x: torch.Tensor, orientation: str, scaling: str = "rceil"):

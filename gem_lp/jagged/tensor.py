@@ -5,10 +5,10 @@ import dataclasses
 
 import torch
 
-from ..mx.formats import BLOCK, INPUT_DTYPES, ceil_div
-from ..mx.layout import blocked_size, from_blocked
-from ..mx.reference import scale_f32
-from .metadata import JaggedLayout
+from gem_lp.mx.formats import BLOCK, INPUT_DTYPES, ceil_div
+from gem_lp.mx.layout import blocked_size, from_blocked
+from gem_lp.mx.reference import scale_f32
+from gem_lp.jagged.metadata import JaggedLayout
 
 ORIENTATIONS = ("hdim", "seq", "square")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import check_offsets_form
+from gem_lp.jagged.metadata import check_offsets_form
 
 
 def _torchrec():

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_lp.attention import jagged_attention_kvpacked, jagged_attention_qkvpacked
-from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear, rms_norm_mx_mlp
-from gem_lp.norm_gemm.ops import INPUT_ACTIVATIONS
+from gem_lp.linear import MXLinear, RMSNormMXLinear, rms_norm_mx_mlp
+from gem_lp.linear.ops import INPUT_ACTIVATIONS
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 

@@ -34,12 +34,12 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from gem_lp.data.batch import RecBatch
 from gem_lp.data.spec import ITEM_TABLE, FeatureSpec
-from gem_lp.norm_gemm import RMSNorm
+from gem_lp.norm import RMSNorm
 
-from .blocks import _ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
-from .config import GemModelConfig
-from .packing import lengths_to_offsets, prefix_rows, prepend_tokens
-from .sequence_graphs import SequenceGraphs
+from gem_lp.models.blocks import _ACTIVATIONS, CrossNetwork, JaggedSelfAttentionBlock, OpSettings, SequenceReadout
+from gem_lp.models.config import GemModelConfig
+from gem_lp.models.packing import lengths_to_offsets, prefix_rows, prepend_tokens
+from gem_lp.models.sequence_graphs import SequenceGraphs
 
 
 class GemRanker(nn.Module):

@@ -81,13 +81,13 @@ class MXTensor:
         """Scale bytes in the plain layout, whatever the stored layout is."""
         if self.scale_layout == "plain":
             return self.scale
-        from .layout import from_blocked
+        from gem_lp.mx.layout import from_blocked
 
         rows, cols = self.data.shape
         return from_blocked(self.scale, rows, ceil_div(cols, BLOCK))
 
     def dequantize(self) -> torch.Tensor:
-        from .reference import dequantize
+        from gem_lp.mx.reference import dequantize
 
         return dequantize(self)
 

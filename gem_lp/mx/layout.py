@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import ceil_div
+from gem_lp.mx.formats import ceil_div
 
 
 def blocked_size(rows: int, cols: int) -> int:

@@ -10,11 +10,11 @@ import math
 
 import torch
 
-from ..backend import resolve_backend
-from .formats import BLOCK, BLOCKS, MXTensor, check_input, check_scaling
-from .layout import to_blocked
-from .reference import dequantize as _dequantize_reference
-from .reference import quantize_reference
+from gem_lp.runtime.dispatch import resolve_backend
+from gem_lp.mx.formats import BLOCK, BLOCKS, MXTensor, check_input, check_scaling
+from gem_lp.mx.layout import to_blocked
+from gem_lp.mx.reference import dequantize as _dequantize_reference
+from gem_lp.mx.reference import quantize_reference
 
 SCALE_LAYOUTS = ("plain", "blocked")
 
@@ -45,7 +45,7 @@ def _triton_unsupported(x: torch.Tensor, ax: int | None, block: str) -> str | No
 
 
 def _quantize_triton(x: torch.Tensor, ax: int | None, scaling: str, block: str, scale_layout: str) -> MXTensor:
-    from .triton_quantize import mx_cast_2d
+    from gem_lp.mx.kernels.triton_quantize import mx_cast_2d
 
     blocked = scale_layout == "blocked"
     if block == "square":
@@ -149,7 +149,7 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
     requested = backend
     backend = resolve_backend(backend, x, kernels=("triton", "cute"))
     if backend == "cute":
-        from ..norm.cute.launch import norm_mx_cast, unsupported
+        from gem_lp.mx.kernels.cute_cast_launch import norm_mx_cast, unsupported
 
         why = unsupported(x)
         if why is None:
@@ -160,7 +160,7 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
             raise ValueError(f"backend='cute' cannot run quantize_dual: {why}")
         backend = "triton"
     if backend == "triton":
-        from .triton_quantize import mx_cast_2d
+        from gem_lp.mx.kernels.triton_quantize import mx_cast_2d
 
         row_data, row_scale, col_data, col_scale = mx_cast_2d(
             x, rowwise=True, colwise=True, scaling=scaling, blocked_scales=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (
+from gem_lp.mx.formats import (
     BLOCK,
     E4M3_MAX,
     E8M0_NAN,

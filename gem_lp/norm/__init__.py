@@ -1,3 +1,6 @@
-"""RMSNorm (+ MX cast) kernels by toolchain; the public ops stay in `gem_lp.norm_gemm` (`rms_norm_quantize`) and
-`gem_lp.mx` (`quantize_dual`), which dispatch here for `backend="cute"`; the MX norm linears' backward takes the
-CuTe RMSNorm backward (`cute/backward.py`) where `gem_lp.norm_gemm.triton_gemm.CUTE_NORM_BACKWARD_ARCHES` says."""
+"""RMSNorm, with and without the MX cast: `rms_norm`, `rms_norm_quantize`, the `RMSNorm` module."""
+from gem_lp.linear.modules import RMSNorm
+from gem_lp.linear.ops import rms_norm, rms_norm_quantize
+from gem_lp.linear.reference import RMSNormQuantized
+
+__all__ = ["RMSNorm", "RMSNormQuantized", "rms_norm", "rms_norm_quantize"]

@@ -1,17 +1,4 @@
-"""RMSNorm(+MX quantize), the MXFP8 linear recipe and their modules (recipe: docs/numerics.md)."""
-from .modules import RECIPES, MXLinear, RMSNorm, RMSNormMXLinear
-from .ops import mx_linear, rms_norm, rms_norm_mx_linear, rms_norm_mx_mlp, rms_norm_quantize
-from .reference import RMSNormQuantized
-
-__all__ = [
-    "RECIPES",
-    "MXLinear",
-    "RMSNorm",
-    "RMSNormMXLinear",
-    "RMSNormQuantized",
-    "mx_linear",
-    "rms_norm",
-    "rms_norm_mx_linear",
-    "rms_norm_mx_mlp",
-    "rms_norm_quantize",
-]
+"""Removed: the package is split by op."""
+raise ImportError(
+    "gem_lp.norm_gemm is gone; its names moved by op: MXLinear, RMSNormMXLinear, mx_linear, rms_norm_mx_linear, "
+    "rms_norm_mx_mlp -> gem_lp.linear; RMSNorm, rms_norm, rms_norm_quantize, RMSNormQuantized -> gem_lp.norm")

@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 
-from ..backend import cute_kernel_builds, cute_kernel_keys
+from gem_lp.runtime.builds import cute_kernel_builds, cute_kernel_keys
 
 log = logging.getLogger("gem_lp.train")
 
@@ -132,7 +132,7 @@ class Stopwatch:
 class KernelBuilds:
     """Counts kernel builds while active: Triton's (JIT compiles, or loads from Triton's on-disk cache) through
     `triton.knobs.runtime.jit_post_compile_hook` (a hook already set keeps being called), and CuTe DSL kernels
-    newly held by the in-memory caches (`gem_lp.backend.cute_kernel_builds`). A build during a timed training step
+    newly held by the in-memory caches (`gem_lp.runtime.builds.cute_kernel_builds`). A build during a timed training step
     stalls it; the trainer reports how many happened after its warm-up steps. Counts no Triton builds where Triton
     is not installed."""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gem_lp.attention import jagged_attention
-from gem_lp.numerics import cosine, sqnr_db
+from gem_lp.accuracy import cosine, sqnr_db
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ import torch
 from gem_lp.attention import (attention_reference, jagged_attention, jagged_attention_kvpacked,
                               jagged_attention_qkvpacked, make_plan, naive_jagged_attention)
 from gem_lp.mx import dequantize, quantize_reference
-from gem_lp.numerics import cosine, sqnr_db
+from gem_lp.accuracy import cosine, sqnr_db
 
 MIXED = [0, 1, 31, 33, 127, 129]
 

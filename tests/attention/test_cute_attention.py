@@ -7,7 +7,7 @@ import torch
 
 from gem_lp.attention import jagged_attention, jagged_attention_kvpacked, jagged_attention_qkvpacked
 from gem_lp.mx import dequantize, quantize_reference
-from gem_lp.numerics import sqnr_db
+from gem_lp.accuracy import sqnr_db
 
 from cute_gpu import require_cute_gpu
 

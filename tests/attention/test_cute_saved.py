@@ -29,7 +29,7 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(launch, "mx_forward", forward)
     monkeypatch.setattr(launch, "mx_backward", backward)
-    monkeypatch.setattr(launch, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(cute_interface, "build_arch", lambda device: "sm_90a")
     return calls
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from gem_lp.attention import attention_reference, jagged_attention, make_plan
-from gem_lp.attention.rotation import hadamard_matrix, hadamard_transform, rotate_qk
-from gem_lp.numerics import sqnr_db
+from gem_lp.rotation import hadamard_matrix, hadamard_transform, rotate_qk
+from gem_lp.accuracy import sqnr_db
 
 
 def offsets(lengths):

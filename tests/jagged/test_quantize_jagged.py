@@ -7,7 +7,7 @@ import torch
 
 from gem_lp.jagged import JaggedLayout, dequantize_jagged, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import launch
+from gem_lp.jagged.kernels.triton_quantize import launch
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
 from gem_lp.mx.layout import from_blocked
 from gem_lp.mx.reference import dequantize, quantize_reference
@@ -88,7 +88,7 @@ def test_launch_options_give_the_same_bytes(mixed_batch, rows, thread_rows, row_
 
 def test_int64_offsets_give_the_same_bytes(mixed_batch, monkeypatch):
     """The int64 in-chunk offsets used for huge strides, forced on a small batch (D = 96: padding too)."""
-    import gem_lp.jagged.triton_kernel as tk
+    import gem_lp.jagged.kernels.triton_quantize as tk
 
     monkeypatch.setattr(tk, "_INT32_SPAN", 0)
     values, offsets = mixed_batch(2, 96, torch.bfloat16)
@@ -365,9 +365,9 @@ _HOPPER_COMPILE = """
 import json, torch
 from gem_lp.jagged.tensor import scale_sizes
 import re
-from gem_lp.jagged.triton_kernel import _jagged_mx_kernel, launch_args
+from gem_lp.jagged.kernels.triton_quantize import _jagged_mx_kernel, launch_args
 from gem_lp.mx.formats import PAYLOAD_DTYPE
-from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+from gem_lp.mx.kernels.triton_quantize import compile_for_target, ptxas_usage
 SETS = dict(hs=("hdim", "seq"), h=("hdim",), q=("square",), all=("hdim", "seq", "square"))
 for name, heads, dim in (("hs", 16, 128), ("h", 16, 128), ("q", 4, 128), ("all", 2, 96)):
     t, tp = 1000, 1280

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import gem_lp.jagged.triton_kernel as tk
-import gem_lp.triton_launch as triton_launch
+import gem_lp.jagged.kernels.triton_quantize as tk
+import gem_lp.runtime.triton_launch as triton_launch
 from launch_fakes import FakeDriver, FakeJit
 from gem_lp.jagged import JaggedLayout, quantize_jagged
 
@@ -86,7 +86,7 @@ def test_launch_plan_reuse_follows_the_ints(mixed_batch):
 @pytest.mark.parametrize("bad", [dict(rows=16), dict(max_registers=300)])
 def test_invalid_options_raise_every_time(mixed_batch, bad):
     """A rejected launch is not cached as accepted."""
-    from gem_lp.jagged.triton_kernel import launch
+    from gem_lp.jagged.kernels.triton_quantize import launch
 
     values, layout = _batch(mixed_batch)
     payloads, scales = tk._allocate(values, layout.padded_total, True, False, False)

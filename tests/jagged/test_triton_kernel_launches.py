@@ -6,7 +6,7 @@ import torch
 
 from gem_lp.jagged import JaggedLayout
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import (CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES,
+from gem_lp.jagged.kernels.triton_quantize import (CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES,
                                          LaunchOptions)
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from jagged_launch_check import check_launch
@@ -55,7 +55,7 @@ def test_candidate_launch_every_byte(mixed_batch, case):
 
 def test_max_registers_option(mixed_batch):
     """The register limit reaches the launch as Triton's `maxnreg` (none when 0) and is checked."""
-    from gem_lp.jagged.triton_kernel import launch_args
+    from gem_lp.jagged.kernels.triton_quantize import launch_args
 
     values, offsets = mixed_batch(1, 64, lengths=(3,))
     layout = JaggedLayout.from_offsets(offsets, values)
@@ -76,10 +76,10 @@ def test_max_registers_option(mixed_batch):
 _HOPPER_CANDIDATES = """
 import json, torch
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
+from gem_lp.jagged.kernels.triton_quantize import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
                                          _jagged_mx_kernel, launch_args)
 from gem_lp.mx.formats import PAYLOAD_DTYPE
-from gem_lp.mx.triton_quantize import compile_for_target, ptxas_usage
+from gem_lp.mx.kernels.triton_quantize import compile_for_target, ptxas_usage
 heads, dim, t, tp = 4, 128, 1000, 1280
 values = torch.empty(t, heads, dim, dtype=torch.bfloat16)
 offsets, scale_offsets = torch.tensor([0, 600, 1000]), torch.tensor([0, 640, 1280])

@@ -7,7 +7,7 @@ import torch
 
 from gem_lp.jagged import JaggedLayout
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.triton_kernel import LAUNCH_SETS, PERSISTENT_LAUNCHES, launch, launch_args
+from gem_lp.jagged.kernels.triton_quantize import LAUNCH_SETS, PERSISTENT_LAUNCHES, launch, launch_args
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from jagged_launch_check import check_launch
 

@@ -9,7 +9,7 @@ from gem_lp.attention import jagged_attention, jagged_attention_kvpacked, jagged
 from gem_lp.data import CAND_ITEM, HIST_ITEM, PlantedTeacher, SparseFeatureSpec, SyntheticDataConfig, make_batch
 from gem_lp.models import GemModelConfig, GemRanker, lengths_to_offsets, prefix_rows, prepend_tokens
 from gem_lp.models.blocks import OpSettings, SequenceReadout
-from gem_lp.norm_gemm import MXLinear, RMSNormMXLinear
+from gem_lp.linear import MXLinear, RMSNormMXLinear
 
 DATA = SyntheticDataConfig(batch_size=12, num_items=200, history_mean=9.0, history_min=0, history_max=40,
                            sparse_features=(SparseFeatureSpec("a", 40, 1), SparseFeatureSpec("b", 60, 3)))

@@ -15,7 +15,7 @@ import torch
 from byte_checks import assert_same_bytes
 
 from gem_lp.mx import MXTensor, dequantize, quantize, quantize_dual, quantize_reference, to_blocked
-from gem_lp.mx.triton_quantize import CANDIDATE_CONFIGS, mx_cast_2d
+from gem_lp.mx.kernels.triton_quantize import CANDIDATE_CONFIGS, mx_cast_2d
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -169,7 +169,7 @@ def test_non_contiguous_inputs():
 
 def test_int64_offsets_give_the_same_bytes(monkeypatch):
     """The int64 in-tile offsets used for huge tensors, forced on a small one."""
-    import gem_lp.mx.triton_quantize as tq
+    import gem_lp.mx.kernels.triton_quantize as tq
 
     monkeypatch.setattr(tq, "_INT32_SPAN", 0)
     x = mx_test_input(100, 96, torch.bfloat16, 21)
@@ -311,7 +311,7 @@ def test_torch_compile_fullgraph():
 
 _HOPPER_COMPILE = """
 import json, torch
-from gem_lp.mx.triton_quantize import (CastConfig, _mx_cast_2d_kernel, cast_2d_launch, compile_for_target,
+from gem_lp.mx.kernels.triton_quantize import (CastConfig, _mx_cast_2d_kernel, cast_2d_launch, compile_for_target,
                                        default_config, output_specs, ptxas_usage)
 FLAGS = dict(rowwise=(True, False, False), colwise=(False, True, False), dual=(True, True, False),
              square=(False, False, True), all=(True, True, True), colsq=(False, True, True))

@@ -1,4 +1,4 @@
-"""The RMSNorm backward on the CuTe kernel (`gem_lp.norm.cute.backward`) on the GPU, against the FP64 formula and the
+"""The RMSNorm backward on the CuTe kernel (`gem_lp.norm.kernels.cute_backward`) on the GPU, against the FP64 formula and the
 Triton kernel, at odd token counts, the model's widths, strided rows; and inside the MX norm linear's backward.
 sm_90 / sm_100 with the CuTe DSL stack only."""
 import pytest
@@ -9,10 +9,10 @@ from cute_gpu import require_cute_gpu
 pytestmark = pytest.mark.gpu
 require_cute_gpu()
 
-from gem_lp.norm.cute.backward import rms_norm_backward_cute  # noqa: E402
-from gem_lp.norm_gemm import triton_gemm  # noqa: E402
-from gem_lp.norm_gemm.ops import rms_norm_mx_linear  # noqa: E402
-from gem_lp.norm_gemm.triton_norm import rms_norm_backward  # noqa: E402
+from gem_lp.norm.kernels.cute_backward import rms_norm_backward_cute  # noqa: E402
+from gem_lp.linear import functions as triton_gemm  # noqa: E402
+from gem_lp.linear.ops import rms_norm_mx_linear  # noqa: E402
+from gem_lp.mx.kernels.triton_cast import rms_norm_backward  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6

@@ -1,5 +1,5 @@
-"""The BF16 recipe's RMSNorm on the CuTe kernels (`gem_lp.norm.cute.forward.RMSNormCute`: quack's forward, the
-backward of `gem_lp.norm.cute.backward`) on the GPU, against torch's `F.rms_norm` and the FP64 formula, at odd token
+"""The BF16 recipe's RMSNorm on the CuTe kernels (`gem_lp.norm.kernels.cute_forward.RMSNormCute`: quack's forward, the
+backward of `gem_lp.norm.kernels.cute_backward`) on the GPU, against torch's `F.rms_norm` and the FP64 formula, at odd token
 counts and the model's widths; and inside `RMSNormMXLinear(recipe="bf16")`. sm_90 / sm_100 with the CuTe DSL stack
 only."""
 import pytest
@@ -11,9 +11,9 @@ from cute_gpu import require_cute_gpu
 pytestmark = pytest.mark.gpu
 require_cute_gpu()
 
-from gem_lp.backend import cute_kernel_builds  # noqa: E402
-from gem_lp.norm.cute.forward import RMSNormCute  # noqa: E402
-from gem_lp.norm_gemm import RMSNormMXLinear  # noqa: E402
+from gem_lp.runtime.builds import cute_kernel_builds  # noqa: E402
+from gem_lp.norm.kernels.cute_forward import RMSNormCute  # noqa: E402
+from gem_lp.linear import RMSNormMXLinear  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6

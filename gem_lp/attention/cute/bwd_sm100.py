@@ -114,9 +114,9 @@ from flash_attn.cute import utils as fa4_utils
 from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 from quack import copy_utils
 
-from .fwd_sm100 import _jit_copy
-from .mx_device import abs_bits_max, fmax_bits, rceil_scale
-from .sm100_mma import SF_TILE_BYTES, block_scaled_gemm, load_scale_tile
+from gem_lp.attention.cute.fwd_sm100 import _jit_copy
+from gem_lp.attention.cute.mx_device import abs_bits_max, fmax_bits, rceil_scale
+from gem_lp.attention.cute.sm100_mma import SF_TILE_BYTES, block_scaled_gemm, load_scale_tile
 
 MX_BLOCK = 32
 HEAD_DIMS = (64, 128)

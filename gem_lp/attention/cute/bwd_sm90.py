@@ -24,8 +24,8 @@ from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierBwd
 from quack import copy_utils, layout_utils
 
-from .config import BwdTiles
-from .mx_device import abs_bits_max, const_p_bf16x2, fmax_bits, mx_bf16x2, mx_scales
+from gem_lp.attention.cute.config import BwdTiles
+from gem_lp.attention.cute.mx_device import abs_bits_max, const_p_bf16x2, fmax_bits, mx_bf16x2, mx_scales
 
 MX_BLOCK = 32
 WARPS_PER_WG = 4

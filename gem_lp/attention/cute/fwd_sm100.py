@@ -56,8 +56,8 @@ from flash_attn.cute.softmax import SoftmaxSm100
 from flash_attn.cute.utils import AuxData
 from quack import copy_utils
 
-from .mx_device import abs_bits_max, ceil_f32, e4m3x4_sum, e8m0_value, exp2_int, rceil_scale
-from .sm100_mma import SF_TILE_BYTES, block_scaled_gemm, load_scale_tile
+from gem_lp.attention.cute.mx_device import abs_bits_max, ceil_f32, e4m3x4_sum, e8m0_value, exp2_int, rceil_scale
+from gem_lp.attention.cute.sm100_mma import SF_TILE_BYTES, block_scaled_gemm, load_scale_tile
 
 MX_BLOCK = 32
 # the E8M0 byte of 2^0, P's scale factor (FA4's P already holds 2^8 p, the const_p payload)

@@ -31,7 +31,7 @@ from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.softmax import Softmax
 from quack import layout_utils, sm90_utils
 
-from .mx_device import abs_bits_max, ceil_f32, e4m3_bf16x2, fmax_bits, mx_bf16x2, mx_scales, rint_f32
+from gem_lp.attention.cute.mx_device import abs_bits_max, ceil_f32, e4m3_bf16x2, fmax_bits, mx_bf16x2, mx_scales, rint_f32
 
 LN2 = math.log(2.0)
 

@@ -19,8 +19,9 @@ import math
 
 import torch
 
-from ..plan import cached_plan
-from ..producer import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, PackedMX, mx_operands
+from gem_lp.attention.plan import cached_plan
+from gem_lp.runtime.device import build_arch
+from gem_lp.attention.producer import ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE, PackedMX, mx_operands
 
 
 # FA4's backward compiles another kernel when the longest sequence fits in one tile (a compile-key flag that guards
@@ -139,7 +140,7 @@ class CuteAttention(torch.autograd.Function):
                 packing: str | None):
         from flash_attn.cute import interface as fa4
 
-        from .launch import device_arch, mx_forward
+        from gem_lp.attention.cute.launch import mx_forward
 
         if packing == "qkv":
             q, k, v = a.unbind(1)
@@ -164,7 +165,7 @@ class CuteAttention(torch.autograd.Function):
                 [(_rows(q), vb.q_offsets, ORIENT_HDIM), (_rows(k), vb.kv_offsets, ORIENT_HDIM),
                  (_rows(v), vb.kv_offsets, ORIENT_SEQ)], pack=[ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM])
             out, lse = mx_forward(_repeat_q(qd, vb), kd, vd, vb.cu_q, vb.cu_k, causal=causal, scale=scale,
-                                  p_quant=p_quant, arch=device_arch(q.device))
+                                  p_quant=p_quant, arch=build_arch(q.device))
             ctx.save_for_backward(*(t for p in packed for t in (p.payload, p.scales)), out, lse)
             ctx.chunk_rows = packed[0].chunk_rows
         ctx.q_rows, ctx.dtypes = q.shape[0], (q.dtype, k.dtype, v.dtype)
@@ -176,7 +177,7 @@ class CuteAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         from flash_attn.cute import interface as fa4
 
-        from .launch import device_arch, mx_backward
+        from gem_lp.attention.cute.launch import mx_backward
 
         *inputs, out, lse = ctx.saved_tensors
         vb = ctx.vb
@@ -203,7 +204,7 @@ class CuteAttention(torch.autograd.Function):
                                            (vp, vb.kv_offsets, ORIENT_HDIM), (d_out, vb.out_offsets, ORIENT_SQUARE)])
             dq, dk, dv = mx_backward(_repeat_q(qs, vb), ks, vh, dos, out, lse, dlse, vb.cu_q, vb.cu_k,
                                      causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
-                                     arch=device_arch(out.device), dq=dq_out, dk=dk_out, dv=dv_out)
+                                     arch=build_arch(out.device), dq=dq_out, dk=dk_out, dv=dv_out)
         dq = _sum_q(dq, vb, ctx.q_rows).to(q_dtype)
         rest = (None,) * 6
         if ctx.packing is None:

@@ -17,13 +17,14 @@ from flash_attn.cute import interface as fa4
 from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from flash_attn.cute.utils import AuxData
 
-from ...backend import fake_mode
-from .bwd_sm90 import MXAttentionBackwardSm90
-from .config import (MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_BWD, SM100_FWD,
+from gem_lp.runtime.builds import register_cache
+from gem_lp.runtime.device import build_arch, fake_mode
+from gem_lp.attention.cute.bwd_sm90 import MXAttentionBackwardSm90
+from gem_lp.attention.cute.config import (MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_BWD, SM100_FWD,
                      FwdTiles)
-from .fwd_sm90 import MXAttentionForwardSm90
+from gem_lp.attention.cute.fwd_sm90 import MXAttentionForwardSm90
 
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[tuple, object] = register_cache("attention", {})
 # FA4 gives its varlen schedulers a cumulative tile count above this many sequences (a binary search below).
 _CU_TILES_ABOVE = fa4.BIN_BATCH_SEARCH_THRESH
 
@@ -39,12 +40,6 @@ def _cu_tiles(cu_seqlens: torch.Tensor, tile: int) -> torch.Tensor | None:
     if cu_seqlens.shape[0] - 1 <= _CU_TILES_ABOVE:
         return None
     return fa4._compute_tile_cumsum(cu_seqlens=cu_seqlens, tile_size=tile)[0]
-
-
-def device_arch(device: torch.device) -> str:
-    """`sm_90a` / `sm_100a` of a CUDA device."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}a"
 
 
 def _seq_tensor(t: torch.Tensor | None):
@@ -285,7 +280,7 @@ def mx_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
 def _mx_forward_sm100(q, k, v, scales: MXScales | None, cu_q, cu_k, *, causal: bool, scale: float,
                       p_quant: str = "const_p") -> tuple[torch.Tensor, torch.Tensor]:
     """`mx_forward` on sm_100a: `MXAttentionForwardSm100` on E4M3 payloads and blocked scales."""
-    from .fwd_sm100 import MXAttentionForwardSm100
+    from gem_lp.attention.cute.fwd_sm100 import MXAttentionForwardSm100
 
     check_sm100_operands(q, k, v, scales, cu_q, cu_k)
     tq, heads, dim = q.shape
@@ -325,7 +320,7 @@ def _mx_backward_sm100(q, k, v, do, do_values, out, lse, dlse, scales: MXBwdScal
     E4M3 payloads and blocked scales, FA4's dQ postprocess."""
     from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 
-    from .bwd_sm100 import MXAttentionBackwardSm100
+    from gem_lp.attention.cute.bwd_sm100 import MXAttentionBackwardSm100
 
     check_sm100_bwd_operands(q, k, v, do, do_values, scales, cu_q, cu_k)
     tq, heads, dim = q.shape

@@ -5,8 +5,8 @@ from functools import partial
 
 import torch
 
-from ...compile_check import CompileTarget
-from .config import HEAD_DIMS
+from gem_lp.compile_check import CompileTarget
+from gem_lp.attention.cute.config import HEAD_DIMS
 
 # A varlen batch for the builds (shapes are dynamic in the kernels: any batch reuses them); above 256 sequences
 # FA4's schedulers take a cumulative tile count, a second build of each kernel.
@@ -33,7 +33,7 @@ def _bf16(direction: str, dim: int, causal: bool, batch: int) -> None:
 
 def _sm100_operands(dim: int, batch: int):
     """E4M3 payloads and blocked scales as `quantize_jagged` lays them out (each sequence padded to 128 rows)."""
-    from .launch import MXScales
+    from gem_lp.attention.cute.launch import MXScales
 
     q, k, v = (torch.empty(_TOKENS, _HEADS, dim, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(3))
     padded_tiles = (_TOKENS + batch * 127) // 128
@@ -44,7 +44,7 @@ def _sm100_operands(dim: int, batch: int):
 
 def _sm100_bwd_operands(dim: int, batch: int):
     """E4M3 payloads of q, k, v, dO, dO's BF16 values, and `MXBwdScales` (both layouts of the square operands)."""
-    from .launch import MXBwdScales
+    from gem_lp.attention.cute.launch import MXBwdScales
 
     q, k, v, do = (torch.empty(_TOKENS, _HEADS, dim, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(4))
     padded_tiles = (_TOKENS + batch * 127) // 128
@@ -55,7 +55,7 @@ def _sm100_bwd_operands(dim: int, batch: int):
 
 
 def _mxfp8(direction: str, dim: int, causal: bool, batch: int, p_quant: str, arch: str) -> None:
-    from .launch import mx_backward, mx_forward
+    from gem_lp.attention.cute.launch import mx_backward, mx_forward
 
     q, k, v, cu = _tensors(dim, batch)
     kw = dict(causal=causal, scale=dim**-0.5, p_quant=p_quant, arch=arch)
@@ -78,7 +78,7 @@ def compile_targets(arch: str) -> list[CompileTarget]:
     """bf16 (FlashAttention-4's kernels) on both arches; mxfp8 where its kernels exist: sm_90a and sm_100a forward
     and backward at D = 64 and 128, each with const_p and dynamic (`gem_lp.compile_check.MISSING` would list a
     missing one; the public API runs the reference for mxfp8 where a kernel is missing)."""
-    from .config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM100_BWD
+    from gem_lp.attention.cute.config import MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM100_BWD
 
     major = int(arch[3:-1]) // 10
     with_mx = {"fwd": major in MX_FWD_ARCH_MAJORS, "bwd": major in MX_BWD_ARCH_MAJORS}

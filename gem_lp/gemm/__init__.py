@@ -1,1 +1,0 @@
-"""GEMM kernels (the MX GEMM on the CuTe DSL: `gem_lp.gemm.cute`)."""
