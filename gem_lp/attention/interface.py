@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from gem_lp.runtime.dispatch import resolve_backend
+from gem_lp.runtime import dispatch
 from gem_lp.mx.formats import BLOCK
 from gem_lp.attention.layout import check_offsets, check_offsets_form, check_qkv, make_plan
 from gem_lp.attention.plan import cached_plan
@@ -89,8 +89,8 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
         broadcast_q: see q; output row `b * Lq + i` is query i against sequence b; dq sums over b.
         precision: `"fp32"` (the oracle), `"bf16"` (a 16-bit flash kernel's rounding) or `"mxfp8"`
             (LP-FA4 recipe; D a multiple of 32).
-        backend: `"auto"`, `"reference"` or `"cute"` (see `gem_lp.runtime.dispatch.resolve_backend`; `auto` takes `cute`
-            on sm_90 / sm_100 when the CuTe DSL stack imports, the reference elsewhere).
+        backend: `"auto"` (the table's, `gem_lp.runtime.dispatch`: FA4 for bf16 and the recipe's kernels for mxfp8
+            on sm_90 / sm_100 when the CuTe DSL stack imports, the reference elsewhere), `"reference"` or `"cute"`.
         softmax_scale: defaults to `1/sqrt(D)`.
         p_quant: `"const_p"` or `"dynamic"` (how `mxfp8` quantizes P).
         return_lse: also return LSE.
@@ -202,28 +202,24 @@ def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, p
     if qk_rotation is not None:
         packed = None  # rotated q and k are new tensors, no longer views of the packed one
     q, k = rotate_qk(q, k, qk_rotation)  # before dispatch, so that every backend gets it
-    resolved = resolve_backend(backend, q, k, v, kernels=("cute",))
-    if resolved == "cute":
-        # bf16: FlashAttention-4 at any head dim it takes; mxfp8: the recipe's kernels at D 64 and 128 on sm_90
-        # (sm_100a has kernels on MX payloads and scales, compiled and never run, and no producer of those operands
-        # here: the API keeps the reference there);
-        # fp32 (the oracle), other head dims and mxfp8 elsewhere run the reference.
-        from gem_lp.attention.cute.config import HEAD_DIMS, MX_ARCH_MAJORS
+    impl = dispatch.choose("attention", precision, q.device, backend)
+    if impl != dispatch.REFERENCE and precision == "mxfp8":
+        from gem_lp.attention.cute.config import HEAD_DIMS
 
-        mx_here = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] in MX_ARCH_MAJORS
-        if precision == "mxfp8" and not mx_here and backend == "cute":
-            raise ValueError("backend='cute' cannot run precision='mxfp8' here: its kernels are built for sm_90a "
-                             "only (the sm_100a kernels are compiled, never run, and take MX payloads the API does not make yet); "
-                             "use backend='reference'")
-        if precision == "bf16" or (precision == "mxfp8" and dim in HEAD_DIMS and mx_here):
-            from gem_lp.attention.cute.interface import jagged_attention_cute, varlen_batch
+        if dim not in HEAD_DIMS:
+            why = f"the MXFP8 kernels take head dims {HEAD_DIMS}, got D={dim}"
+            if backend == "cute":
+                raise ValueError(f"backend='cute' cannot run precision='mxfp8': {why}")
+            dispatch.warn_once("attention", precision, q.device, f"{why}: the reference runs instead")
+            impl = dispatch.REFERENCE
+    if impl != dispatch.REFERENCE:
+        from gem_lp.attention.cute.interface import jagged_attention_cute, varlen_batch
 
-            vb = varlen_batch(q_offsets, kv_offsets, q_offs, kv_offs, broadcast_q=broadcast_q, q_rows=q.shape[0],
-                              device=q.device, max_lengths=(max_seqlen_q, max_seqlen_k) if trusted else None)
-            out, lse = jagged_attention_cute(q, k, v, vb, causal=causal, precision=precision, scale=scale,
-                                             p_quant=p_quant, packed=packed)
-            return (out, lse) if return_lse else out
-        resolved = "reference"
+        vb = varlen_batch(q_offsets, kv_offsets, q_offs, kv_offs, broadcast_q=broadcast_q, q_rows=q.shape[0],
+                          device=q.device, max_lengths=(max_seqlen_q, max_seqlen_k) if trusted else None)
+        out, lse = jagged_attention_cute(q, k, v, vb, causal=causal, precision=precision, scale=scale,
+                                         p_quant=p_quant, packed=packed, impl=impl)
+        return (out, lse) if return_lse else out
     if trusted:  # the reference builds its plan on the host: it checks them as it would untrusted offsets
         q_offs = None if broadcast_q else _checked(q_offsets, "q_offsets", q.shape[0])
         kv_offs = _checked(kv_offsets if kv_offsets is not None else q_offsets, "kv_offsets", k.shape[0])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from gem_lp.runtime.dispatch import resolve_backend
+from gem_lp.runtime import dispatch
 from gem_lp.mx.formats import check_scaling
 from gem_lp.jagged.metadata import JaggedLayout
 from gem_lp.jagged.reference import quantize_jagged_reference
@@ -46,7 +46,12 @@ def quantize_jagged(
                              f"{values.shape[0]}")
     else:
         layout = JaggedLayout.from_offsets(offsets_or_layout, values)
-    backend = resolve_backend(backend, values, layout.offsets)
+    if layout.offsets.device != values.device:
+        if backend not in ("auto", "reference"):
+            raise ValueError(f"backend={backend!r} needs the offsets on values' device {values.device}, got "
+                             f"{layout.offsets.device}")
+        backend = "reference"
+    backend = dispatch.choose("quantize_jagged", "mxfp8", values.device, backend)
     if backend == "reference":
         return quantize_jagged_reference(values, layout, orientations, scaling)
     from gem_lp.jagged.kernels.triton_quantize import quantize_jagged_triton

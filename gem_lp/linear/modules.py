@@ -1,7 +1,7 @@
 """nn.Modules of the norm/linear ops. The recipe picks the math; the backend is passed through untouched.
 
-Recipes: `"bf16"` (plain `F.linear` / `F.rms_norm` in the input dtype, the norm on the CuTe kernels on sm_90 / sm_100;
-parameters cast to it), `"fp32"`
+Recipes: `"bf16"` (plain `F.linear` and the BF16 recipe's RMSNorm, `gem_lp.norm.rms_norm(precision="bf16")`, in the
+input dtype; parameters cast to it), `"fp32"`
 (the same in FP32, output in the input dtype) and `"mxfp8"` (the MXLinear recipe, reference.py).
 """
 from __future__ import annotations
@@ -12,13 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_lp.runtime.device import cute_unavailable
 
+from gem_lp.runtime import dispatch
 from gem_lp.runtime.dispatch import BACKENDS
 from gem_lp.mx.formats import BLOCK
-from gem_lp.linear.ops import INPUT_ACTIVATIONS, check_input_activation, mx_linear, rms_norm, rms_norm_mx_linear
+from gem_lp.linear.ops import mx_linear, rms_norm_mx_linear
+from gem_lp.mx.reference import INPUT_ACTIVATIONS, check_input_activation
 
 RECIPES = ("bf16", "fp32", "mxfp8")
+
+
+def _rms_norm(x, weight, eps, **kw):
+    """The BF16 / FP32 recipes' norm: `gem_lp.norm.rms_norm`, reached through the table (ops do not import each
+    other)."""
+    return dispatch.entry("gem_lp.norm.ops:rms_norm")(x, weight, eps, **kw)
 
 
 def _check_recipe(recipe: str, backend: str, in_features: int, out_features: int) -> None:
@@ -128,19 +135,6 @@ class MXLinear(_LinearParams):
                 f"recipe={self.recipe!r}, backend={self.backend!r}{act}{self._rotation_repr()}")
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
-    """`F.rms_norm(x, (K,), weight, eps)`; a 16-bit x on sm_90 / sm_100 takes the CuTe kernels (`backend` "auto" or
-    "cute"; `gem_lp.norm.kernels.cute_forward`), which measured ~3x torch's norm kernels at the GPU model's sizes
-    (docs/PERF.md)."""
-    if backend in ("auto", "cute") and x.is_cuda and cute_unavailable(x.device) is None:
-        from gem_lp.norm.kernels.cute_forward import RMSNormCute, takes
-
-        if takes(x, weight):
-            k = x.shape[-1]
-            return RMSNormCute.apply(x.reshape(-1, k), weight, float(eps)).view(x.shape)
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
 class RMSNormMXLinear(_LinearParams):
     """`y = RMSNorm(x) W^T + b`: RMSNorm (weight `norm_weight [in]`, ones at init) fused with a linear layer.
 
@@ -160,26 +154,9 @@ class RMSNormMXLinear(_LinearParams):
         if self.recipe == "mxfp8":
             return rms_norm_mx_linear(x, self.norm_weight, weight, bias, self.eps, backend=self.backend)
         dtype = torch.float32 if self.recipe == "fp32" else x.dtype
-        h = _rms_norm(x.to(dtype), self.norm_weight.to(dtype), self.eps, self.backend)
+        h = _rms_norm(x.to(dtype), self.norm_weight.to(dtype), self.eps, precision="bf16", backend=self.backend)
         return F.linear(h, weight.to(dtype), _cast(bias, dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"eps={self.eps}, recipe={self.recipe!r}, backend={self.backend!r}{self._rotation_repr()}")
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim (FP32 math, output in the input dtype), weight `[dim]` ones at init."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        if dim <= 0:
-            raise ValueError(f"dim must be positive, got {dim}")
-        self.dim, self.eps = dim, eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"

@@ -1,4 +1,4 @@
-"""Reference RMSNorm(+quantize) and MXFP8 linear layers: FP32 math with MX rounding at the recipe's points.
+"""Reference MXFP8 linear layers (the oracle of `gem_lp.linear`): FP32 math with MX rounding at the recipe's points.
 
 MXLinear recipe, `X [M, K]`, `W [N, K]`, `Y = X W^T + b [M, N]`:
 
@@ -12,56 +12,12 @@ a BF16 layer. All GEMMs take exactly dequantized operands and accumulate in FP32
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from gem_lp.mx.formats import MXTensor
-from gem_lp.mx.reference import dequantize, quantize_reference
-
-# Input activations an MX linear can apply to its input (`input_activation=`), as the torch functions that define
-# them (the oracle; the kernels compute the same values inside their casts).
-INPUT_ACTIVATIONS = {"silu": F.silu}
-
-
-def check_input_activation(activation: str | None, name: str = "input_activation") -> None:
-    """A clear error unless `activation` is None or a key of INPUT_ACTIVATIONS (`name`: the argument's name)."""
-    if activation is not None and activation not in INPUT_ACTIVATIONS:
-        raise ValueError(f"{name} must be None or one of {tuple(INPUT_ACTIVATIONS)}, got {activation!r}")
-
-
-@dataclasses.dataclass
-class RMSNormQuantized:
-    """RMSNorm output `y [M, K]` in MXFP8 with both layouts, from one FP32 computation.
-
-    Attributes:
-        rowwise: y quantized 1x32 along K (payload `[M, K]`, scale `[M, K/32]`): the forward GEMM operand.
-        colwise: y^T `[K, M]` quantized 1x32 along M (scale `[K, ceil(M/32)]`, a partial last block takes
-            its max over the real rows): the operand of the weight gradient. Contiguous here; the Triton
-            kernel's payload is a view with rows padded to a multiple of 16 bytes (same values).
-        rstd: `[M]` float32, `1 / sqrt(mean(x^2) + eps)`.
-    """
-
-    rowwise: MXTensor
-    colwise: MXTensor
-    rstd: torch.Tensor
-
-
-def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """y = fp32(x) * rstd * fp32(weight) `[..., K]` and rstd `[...]`, both FP32 (differentiable)."""
-    x32 = x.to(torch.float32)
-    rstd = torch.rsqrt(x32.square().mean(-1) + eps)
-    return x32 * rstd[..., None] * weight.to(torch.float32), rstd
-
-
-def rms_norm_quantize_reference(x2: torch.Tensor, weight: torch.Tensor, eps: float, scaling: str) -> RMSNormQuantized:
-    """RMSNorm of `x2 [M, K]` quantized rowwise and colwise from the FP32 output."""
-    y, rstd = rms_norm_fp32(x2.detach(), weight.detach(), eps)
-    rowwise = quantize_reference(y, axis=1, scaling=scaling)
-    colwise = quantize_reference(y.t(), axis=1, scaling=scaling, allow_partial=True)
-    return RMSNormQuantized(rowwise, colwise, rstd)
+from gem_lp.mx.reference import dequantize, quantize_reference, rms_norm_fp32
 
 
 def rows_mx(t: torch.Tensor, scaling: str) -> torch.Tensor:
@@ -103,7 +59,7 @@ def _restore_mx(ctx, data: torch.Tensor, scale: torch.Tensor) -> MXTensor:
     return MXTensor(data, scale, block, axis, scaling, orig_dtype)
 
 
-class MXLinearFunction(torch.autograd.Function):
+class MXLinearReference(torch.autograd.Function):
     """`Y [M, N] = X [M, K] W^T + b` by the MXLinear recipe; saves X's colwise MX tensor, not X."""
 
     @staticmethod
@@ -127,7 +83,7 @@ class MXLinearFunction(torch.autograd.Function):
         return dx.to(x_dtype), dw.to(w_dtype), None if db is None else db.to(b_dtype), None
 
 
-class RMSNormMXLinearFunction(torch.autograd.Function):
+class RMSNormMXLinearReference(torch.autograd.Function):
     """`Y = RMSNorm(X) W^T + b` with the normalized activation produced once in both MX layouts.
 
     Forward: rowwise MX of yn feeds the GEMM; its colwise MX, rstd and X are saved. Backward: dYn and dW
@@ -138,11 +94,11 @@ class RMSNormMXLinearFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast
     def forward(ctx, x2, norm_weight, weight, bias, eps: float, scaling: str):
-        yn = rms_norm_quantize_reference(x2, norm_weight, eps, scaling)
-        y = dequantize(yn.rowwise) @ rows_mx(weight, scaling).t()
+        yn, rstd = rms_norm_fp32(x2.detach(), norm_weight.detach(), eps)
+        y = rows_mx(yn, scaling) @ rows_mx(weight, scaling).t()
         if bias is not None:
             y = y + bias.to(torch.float32)
-        ctx.save_for_backward(x2, norm_weight, yn.rstd, *_saved_mx(ctx, yn.colwise), weight)
+        ctx.save_for_backward(x2, norm_weight, rstd, *_saved_mx(ctx, cols_mx(yn, scaling)), weight)
         ctx.scaling, ctx.has_bias = scaling, bias is not None
         ctx.dtypes = (x2.dtype, norm_weight.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x2.dtype)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from gem_lp.runtime.dispatch import resolve_backend
+from gem_lp.runtime import dispatch
 from gem_lp.mx.formats import BLOCK, BLOCKS, MXTensor, check_input, check_scaling
 from gem_lp.mx.layout import to_blocked
 from gem_lp.mx.reference import dequantize as _dequantize_reference
@@ -90,7 +90,7 @@ def quantize(
         scale_layout: `"plain"` (scales shaped like the payload with blocked dims divided by 32) or
             `"blocked"` (the 128x4 layout of `layout.to_blocked`; only for `"1d"` along the last
             axis of a 2-D `[M, K]` tensor: a flat uint8 tensor for the `[M, K/32]` scale matrix).
-        backend: `"auto"`, `"reference"` or `"triton"`.
+        backend: `"auto"` (the table's: triton on GPUs, the reference on the CPU), `"reference"` or `"triton"`.
 
     Returns:
         `MXTensor` with payload of `x`'s shape. From the Triton backend with `axis=0` the payload
@@ -110,7 +110,7 @@ def quantize(
             f"scale_layout='blocked' needs block='1d' along the last axis of a 2-D tensor; got "
             f"block={block!r}, axis={axis} for shape {tuple(x.shape)}")
     requested = backend
-    backend = resolve_backend(backend, x)
+    backend = dispatch.choose("quantize", "mxfp8", x.device, backend)
     if backend == "triton":
         why = _triton_unsupported(x, ax, block)
         if why is None:
@@ -129,8 +129,8 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
     Args:
         x: `[M, K]` float32/bfloat16/float16; K a multiple of 32, M any size.
         scaling: `"rceil"` (default) or `"floor"`.
-        backend: `"auto"` (cute on sm_90 / sm_100 with the CuTe DSL stack, triton on other GPUs, the
-            reference on the CPU), `"reference"`, `"triton"` or `"cute"` (K at most 8192).
+        backend: `"auto"` (the table's: cute on sm_90 / sm_100 with the CuTe DSL stack, triton on other GPUs,
+            the reference on the CPU), `"reference"`, `"triton"` or `"cute"` (K at most 8192).
 
     Returns:
         `(rowwise, colwise)`: `rowwise` has payload `[M, K]` (1x32 blocks along K) and the blocked
@@ -147,7 +147,7 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     _check_multiple(x.shape[1], "x.shape[1] (K)")
     requested = backend
-    backend = resolve_backend(backend, x, kernels=("triton", "cute"))
+    backend = dispatch.choose("quantize_dual", "mxfp8", x.device, backend)
     if backend == "cute":
         from gem_lp.mx.kernels.cute_cast_launch import norm_mx_cast, unsupported
 

@@ -18,6 +18,7 @@ value) gets byte 247 and a payload that rounds up to 256, and 256 * 2^120 = 2^12
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gem_lp.mx.formats import (
     BLOCK,
@@ -162,3 +163,21 @@ def dequantize(mx: MXTensor) -> torch.Tensor:
         factor = factor[..., : payload.shape[-2], : payload.shape[-1]]
         return payload * factor
     raise ValueError(f"unknown block {mx.block!r}")
+
+
+# The prologues the MX cast kernels can apply before quantizing (`gem_lp.mx.kernels`): an input activation, as the
+# torch functions that define them (the oracle; the kernels compute the same values), or RMSNorm (`rms_norm_fp32`).
+INPUT_ACTIVATIONS = {"silu": F.silu}
+
+
+def check_input_activation(activation: str | None, name: str = "input_activation") -> None:
+    """A clear error unless `activation` is None or a key of INPUT_ACTIVATIONS (`name`: the argument's name)."""
+    if activation is not None and activation not in INPUT_ACTIVATIONS:
+        raise ValueError(f"{name} must be None or one of {tuple(INPUT_ACTIVATIONS)}, got {activation!r}")
+
+
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = fp32(x) * rstd * fp32(weight) `[..., K]` and rstd `[...]`, both FP32 (differentiable)."""
+    x32 = x.to(torch.float32)
+    rstd = torch.rsqrt(x32.square().mean(-1) + eps)
+    return x32 * rstd[..., None] * weight.to(torch.float32), rstd

@@ -1,6 +1,6 @@
 """RMSNorm, with and without the MX cast: `rms_norm`, `rms_norm_quantize`, the `RMSNorm` module."""
-from gem_lp.linear.modules import RMSNorm
-from gem_lp.linear.ops import rms_norm, rms_norm_quantize
-from gem_lp.linear.reference import RMSNormQuantized
+from gem_lp.norm.modules import RMSNorm
+from gem_lp.norm.ops import rms_norm, rms_norm_quantize
+from gem_lp.norm.reference import RMSNormQuantized, rms_norm_quantize_reference
 
-__all__ = ["RMSNorm", "RMSNormQuantized", "rms_norm", "rms_norm_quantize"]
+__all__ = ["RMSNorm", "RMSNormQuantized", "rms_norm", "rms_norm_quantize", "rms_norm_quantize_reference"]

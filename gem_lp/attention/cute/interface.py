@@ -216,9 +216,11 @@ class CuteAttention(torch.autograd.Function):
 
 
 def jagged_attention_cute(q, k, v, vb: VarlenBatch, *, causal: bool, precision: str, scale: float, p_quant: str,
-                          packed: tuple[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          packed: tuple[str, torch.Tensor] | None = None, impl: str = "fa4"
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """O `[T_out, H, D]` in q's dtype and LSE `[T_out, H]` FP32 (arguments validated by `jagged_attention`).
-    `packed`: None, or ("qkv" | "kv", the tensor q, k, v (or k, v) are `unbind` views of)."""
+    `packed`: None, or ("qkv" | "kv", the tensor q, k, v (or k, v) are `unbind` views of). `impl`: the table's
+    implementation (`fa4` for bf16; `cute_sm90` or `cute_sm100` for mxfp8)."""
     if math.prod(q.shape) and q.shape[2] % 8:
         raise ValueError(f"the cute backend needs a head dim that is a multiple of 8, got D={q.shape[2]}")
     if packed is None:

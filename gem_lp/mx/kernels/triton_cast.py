@@ -1,47 +1,31 @@
-"""Fused RMSNorm + MXFP8 quantize in one Triton kernel, its backward, and the same pass without the norm.
+"""The MX cast kernel in Triton: `x [M, K]` (optionally through a prologue: RMSNorm by a weight, or an input
+activation) to its MX casts in one pass, the producer of the MX linears' operands and of `rms_norm_quantize`.
 
-Forward (`rms_norm_mx`), per program `block_m` rows of `x [M, K]`:
+Per program `block_m` rows of `x` (`rms_norm_mx`):
 
-1. sweep over K in chunks: sum of squares per row (FP32), then `rstd = 1 / sqrt(sum / K + eps)` with
-   correctly rounded division and square root (as the reference computes on CPU), once per row;
-2. sweep again (the chunks come back from L2; with one chunk covering K the tile stays in registers):
-   `y = (fp32(x) * rstd) * fp32(w)` in the reference's operation order, then from the FP32 `y`:
-   the rowwise MX cast (1x32 along K, payload `[M, K]`), the colwise MX cast (32x1 along M, payload of
-   `y^T`, `[K, M]` with rows padded to a multiple of 16 bytes, see `colwise_payload_buffer`; a last partial
-   block takes its max over the real rows), scales plain or straight in
-   the 128x4 blocked layout (its padding bytes written too: no zero-fill launch), and optionally the
-   MX-exact dequantized operands for a BF16/FP32 GEMM:
-   `deq(rowwise)` and `deq(colwise)`, both in `x`'s `[M, K]` layout.
+1. with the RMSNorm prologue, a sweep over K in chunks: the sum of squares per row (FP32), then
+   `rstd = 1 / sqrt(sum / K + eps)` with correctly rounded division and square root (as the reference computes on
+   the CPU), once per row;
+2. a sweep over K (the chunks come back from L2; with one chunk covering K the tile stays in registers):
+   `y = (fp32(x) * rstd) * fp32(w)` in the reference's operation order (or `y = act(x)`, or `y = x`), then from
+   the FP32 `y` any of: the rowwise MX cast (1x32 along K, payload `[M, K]`), the colwise MX cast (32x1 along M,
+   payload of `y^T`, `[K, M]` with rows padded to a multiple of 16 bytes, see `colwise_payload_buffer`; a last
+   partial block takes its max over the real rows), scales plain or in the 128x4 blocked layout (its padding bytes
+   written too), the MX-exact dequantized operands for a BF16/FP32 GEMM (`deq(rowwise)`, `deq(colwise)`, both in
+   x's `[M, K]` layout), and x's FP32 column sums (the bias gradient of a linear layer, from the pass that casts
+   its dY; atomic adds into a zero-filled `[K]` buffer).
 
-The second sweep is the dual cast of `gem_lp.mx.kernels.triton_quantize` applied to `y`, with its thread strips
-(each thread holds `thread_rows` consecutive rows x 8 consecutive columns: the 32-row maxima are mostly
-inside the thread and the `y^T` payload leaves as vector stores), its paired colwise store (the hardware
-conversion takes two rows of a column and writes two consecutive bytes of `y^T`; for any M, since the rows
-of `y^T` are padded to a multiple of 16 bytes) and its cheaper scale and payload steps; the sum of squares
-reduces the same strips, and rstd goes through its output buffer so that one thread per row computes it
-(the strips hold a row's sum in many threads). On sm_90, bf16 x with both casts, this is 17-18 instructions
-per element on full tiles (19-22 at M not a multiple of 32, whose builds mask every row block; 20-27 with
-byte-wise `y^T` stores before its rows were padded) against 49-51 for the previous layout, 32x32-block tiles
-`[BLOCK_M/32, 32, BLOCK_K/32, 32]`, which `thread_rows=0` still selects (`_rms_norm_mx_kernel`, a candidate
-launch). The strips are the GPU default (`default_config`). Rows of more than `block_k` elements are swept
-twice; `programs_per_sm` bounds the row blocks in flight so that the second sweep can find them in L2, and
-`max_registers` caps the registers of a launch so that more programs fit on an SM.
-
-With `weight=None` the kernel skips the norm (`y = x`): a dual MX cast that also writes the dequantized
-operands, the producer pass of the MX GEMMs. It has no row reduction and reads x once, either one program per
-row block looping over K or (`tile_programs`) one program per tile as `triton_quantize`'s dual cast; with
-`column_sums` it also adds each row block's column sums of x into a zero-filled FP32 `[K]` buffer by atomic
-adds (the bias gradient of a linear layer, from the pass that casts its dY). `prefetch` double-buffers the
-chunk loads of the sweeps over K.
+Threads hold strips of `thread_rows` consecutive rows x 8 consecutive columns, so the 32-row maxima are mostly
+inside a thread and the `y^T` payload leaves as vector stores (the hardware conversion takes two rows of a column
+and writes two consecutive bytes of `y^T`). Rows of more than `block_k` elements are swept twice;
+`programs_per_sm` bounds the row blocks in flight so that the second sweep finds them in L2; `max_registers` caps
+a launch's registers so that more programs fit on an SM; `prefetch` double-buffers the chunk loads; without the
+norm, `tile_programs` launches one program per tile instead of one per row block.
 
 The MX steps are `gem_lp.mx.kernels.triton_quantize` / `triton_numerics` device functions, so the bytes equal
-`quantize_reference`'s for the same FP32 `y`. The sum of squares is accumulated in the kernel's own order,
-which can differ from torch's in the last bit of `rstd`; whenever that FP32 sum is exact (order-free), `rstd`
-and every byte equal the reference.
-
-Backward (`rms_norm_backward`): `dx = rstd * (dxhat - xhat * mean(dxhat * xhat))` with
-`xhat = x * rstd`, `dxhat = dy * w`, and per-program partial `dw = sum_rows(dy * xhat)` (FP32) reduced
-by one `sum` over programs.
+`quantize_reference`'s for the same FP32 `y`. The sum of squares is accumulated in the kernel's own order, which can
+differ from torch's in the last bit of `rstd`; whenever that FP32 sum is exact (order-free), `rstd` and every byte
+equal the reference.
 """
 from __future__ import annotations
 
@@ -62,7 +46,7 @@ from gem_lp.mx.kernels.triton_numerics import abs_bits, encode, exact_f32, scale
 from gem_lp.mx.kernels.triton_quantize import (block_payload, block_scale, float_max_cols_of_blocks, float_max_rows_of_blocks,
                                   max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
                                   strip_coordinates)
-from gem_lp.linear.reference import RMSNormQuantized, check_input_activation
+from gem_lp.mx.reference import check_input_activation
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -75,8 +59,7 @@ class NormConfig(tuple):
     sweeps K in chunks of `block_k` (`block_k >= K`: x is read once and kept in registers).
     `thread_rows` (1..32, a power of two): the strip kernel, each thread holding `thread_rows` consecutive
     rows x 8 columns; `row_blocks_in_thread`: a thread holds whole 32-column blocks of its rows (see
-    `triton_quantize.CastConfig`). `thread_rows=0`: the 32x32-block tile kernel (block_m 32 or 64).
-    `programs_per_sm` (strips only): 0 launches one program per row block; n > 0 launches n programs per
+    `triton_quantize.CastConfig`). `programs_per_sm` (strips only): 0 launches one program per row block; n > 0 launches n programs per
     SM that walk the row blocks, which bounds the bytes in flight between the two sweeps (L2 reuse).
     `max_registers`: 0 leaves the register count to the compiler; n > 0 caps it at n per thread (Triton's
     `maxnreg`, 16..255), so that more programs fit on an SM (the compiler spills what does not fit).
@@ -105,96 +88,26 @@ CONFIG_FIELDS = ("block_m", "block_k", "num_warps", "thread_rows", "row_blocks_i
                  "max_registers", "prefetch", "tile_programs")
 
 
-# `strip_config` gives the thread-strip launch chosen by sm_90 instruction count
-# (`python -m benchmarks.bench_norm_gemm --compile-only` prints the builds): per K, the fewest SASS
-# instructions per element among builds without register spills (also with a masked last row block) that an SM
-# holds at least twice, a tie (within 2%) going to the launch that keeps fewer bytes between the two sweeps.
-# Up to ONE_PASS_MAX_K one tile covers K and x is read once; beyond it, 64x128 tiles re-read x chunk by chunk
-# (from L2 while it holds the resident row blocks). bf16 x, RMSNorm + rowwise + colwise: 17-21 instructions
-# per element, against 49-51 for the 32x32-block tiles.
+# `strip_config` gives the thread-strip launch chosen by sm_90 instruction count (per K, the fewest SASS instructions
+# per element among builds without register spills, also with a masked last row block, that an SM holds at least
+# twice; `benchmarks/tune_casts.py` prints the builds and times the alternatives). Up to ONE_PASS_MAX_K one tile
+# covers K and x is read once; beyond it, 64x128 tiles re-read x chunk by chunk from L2.
 ONE_PASS_MAX_K = 512
 ONE_PASS_CONFIGS = {  # K rounded up to a power of two -> configuration
     32: NormConfig(64, 32, 1, 8), 64: NormConfig(32, 64, 1, 8), 128: NormConfig(32, 128, 2, 8),
     256: NormConfig(32, 256, 2, 16), 512: NormConfig(32, 512, 4, 16),
 }
 MULTI_PASS_CONFIG = NormConfig(64, 128, 4, 8)
-# The GPU default at K = 1024 and 4096 (RMSNorm, M even, hardware conversion, no dequantized operands): 32x256
-# tiles in 4 warps, 8-row strips, measured fastest on the H200 at K=1024 and 4096 (0.099 / 0.263 ms for 32768
-# rows, docs/PERF.md) with 167-168 registers (3 programs per SM). The cap keeps that where M is not a multiple
-# of 128 (the build with the extra padding program takes 212 registers at K = 4096 when left alone); it does
-# not spill there. Since the block maxima became NaN-propagating float maxima the build takes 162 registers
-# (still 3 programs per SM), so the one that runs is no longer exactly the one measured.
+# The GPU default at K = 1024 and 4096 (RMSNorm, hardware conversion, no dequantized operands), chosen by time: 32x256
+# tiles in 4 warps, 8-row strips, registers capped so that 3 programs fit an SM at any M.
 MEASURED_CONFIG = NormConfig(32, 256, 4, 8, False, 0, 168)
 MEASURED_KS = (1024, 4096)
-# Where MEASURED_CONFIG is also the default for M not a multiple of 32. H200, M = 32784 / 32766 / 32767: at
-# K = 4096 it took 0.301 / 0.263 / 0.263 ms against the light launch's 0.351 / 0.283 / 0.283 (aligned M = 32768:
-# 0.246); at K = 1024 the light launch won, 0.145 / 0.138 / 0.136 against 0.151 / 0.152 / 0.151 (aligned 0.139).
+# Where MEASURED_CONFIG is also the default for M not a multiple of 32 (elsewhere the lighter launch was faster).
 MEASURED_UNALIGNED_KS = (4096,)
 # M not a multiple of 32 (see `strip_config`), dequantized operands or the integer E4M3 rounding need more
 # registers than those tiles leave: 32 rows (64 for K = 32) x at most 64 columns a program, in one warp.
 HEAVY_BLOCK_K = 64
-# The tuning space `benchmarks/bench_norm_gemm.py` times (each checked against the reference) and the GPU tests
-# run, for the K of the benchmark shapes: thread strips (programs_per_sm > 0: a persistent walk that bounds the
-# re-read bytes in flight; max_registers: a register cap for more programs per SM) and the 32x32-block tile
-# kernel's best measured launch (thread_rows=0). The strips keep every thread busy when
-# 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps.
-# Comments: sm_90 registers per thread (ptxas, M = 32768, bf16 x, RMSNorm + both casts, blocked scales), the
-# programs an SM holds and the warps that makes; none spills. Left out for spilling (bytes): 32x256 w4 r8, 64x128
-# w4 r8, 32x128 w2 r8 capped at 128 (24-40), 32x128 w4 r4 at 80 (32-36), prefetch under caps below its ~125
-# registers (76-96), one pass in 32 warps (capped at 64), 32x1024 w16 r8 at K = 4096 (16).
-# At K = 4096 a row block is 256 KiB: 4 resident per SM would re-read 132 MiB, more than the L2 holds, so
-# the second sweep there comes from DRAM unless few row blocks are in flight (1-2 per SM).
-CANDIDATE_CONFIGS = {
-    1024: (
-        MEASURED_CONFIG,  # 162, 3/SM, 12 warps
-        NormConfig(32, 256, 4, 8, False, 2),  # 248, 2/SM, persistent
-        NormConfig(32, 1024, 8, 16),  # 183, 1/SM, one pass: x read once
-        NormConfig(32, 1024, 16, 8),  # 105, 1/SM, 16 warps, one pass, 64 elements a thread
-        NormConfig(32, 1024, 16, 4, False, 0, 128),  # 122, 1/SM, 16 warps, one pass, 2 strips of 4 rows
-        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 127, 4/SM, 16 warps, prefetch
-        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 123, 2/SM, 16 warps, prefetch
-        NormConfig(32, 512, 16, 4, False, 0, 128, True),  # 124, 1/SM, 16 warps, prefetch, 8 MiB re-read in flight
-        NormConfig(32, 256, 8, 4, False, 2, 128),  # 125, 2/SM, 16 warps, persistent, 16.5 MiB in flight
-        NormConfig(64, 128, 4, 8),  # 166, 3/SM
-        NormConfig(32, 128, 4, 4),  # 96, 5/SM, 20 warps: 32 elements a thread
-        NormConfig(32, 128, 2, 8),  # 165, 6/SM
-        NormConfig(32, 64, 1, 8, False, 0, 168),  # 164, 12/SM
-        NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
-    ),
-    4096: (
-        MEASURED_CONFIG,  # 162, 3/SM, 12 warps, 99 MiB re-read in flight
-        NormConfig(32, 256, 4, 8, False, 2),  # 242, 2/SM, persistent
-        NormConfig(64, 128, 4, 8),  # 166, 3/SM
-        NormConfig(32, 512, 8, 8, False, 1),  # 240, 1/SM, persistent
-        NormConfig(32, 256, 8, 4, False, 1),  # 155, 1/SM, persistent, 33 MiB in flight
-        NormConfig(32, 256, 8, 4, False, 1, 0, True),  # 185, 1/SM, persistent, prefetch
-        NormConfig(32, 256, 8, 4, False, 2, 128),  # 124, 2/SM, 16 warps, persistent, 66 MiB in flight
-        NormConfig(32, 256, 8, 4, False, 0, 0, True),  # 123, 2/SM, 16 warps, prefetch
-        NormConfig(32, 128, 4, 4, False, 0, 0, True),  # 127, 4/SM, 16 warps, prefetch, 132 MiB in flight
-        NormConfig(32, 128, 4, 4),  # 95, 5/SM, 20 warps
-        NormConfig(32, 128, 2, 8),  # 165, 6/SM
-        NormConfig(32, 128, 4, 0),  # 168, 3/SM, 32x32-block tiles
-    ),
-}
-# The dual cast without the norm into both dequantized operands (weight None, row_operand + col_operand, no
-# payloads: MXLinear's dY, 32768 x 3072 in the benchmark), per K: the launches the benchmark times beside the
-# default (`strip_config(K, operands=True)`: 32x64 w1 r8, 128 registers, 16 warps per SM; 226 before the float
-# block maxima). Tile programs drop the loop over K and its live addresses. Comments as above (sm_90, M = 32768,
-# bf16); with `column_sums` the same launches take 56-105 registers and 1.5-3 more instructions per element.
-OPERAND_CAST_CANDIDATE_CONFIGS = {
-    3072: (
-        NormConfig(32, 64, 1, 8, tile_programs=True),  # 104, 19/SM, 19 warps, 64 elements a thread
-        NormConfig(32, 64, 2, 4, tile_programs=True),  # 62, 16/SM, 32 warps, 32 elements a thread
-        NormConfig(32, 128, 4, 4, tile_programs=True),  # 62, 8/SM, 32 warps
-        NormConfig(64, 128, 8, 4, tile_programs=True),  # 62, 4/SM, 32 warps
-        NormConfig(64, 64, 2, 8, tile_programs=True),  # 104, 9/SM, 18 warps
-        NormConfig(32, 64, 2, 2, tile_programs=True),  # 48, 21/SM, 42 warps, 16 elements a thread
-        NormConfig(32, 64, 1, 4),  # 104, 19/SM, 19 warps, the loop over K
-    ),
-}
-# The dual operand cast without the norm (MXLinear's dY), one program per 32x128 tile: measured on the H200 at
-# 32768x3072, 0.155 ms (3.90 TB/s, 96% of copy) against 0.228 for the looping 32x64 w1 r8 launch, and 0.159 with
-# the bias gradient's column sums (the looping launch 0.211 plus torch's 0.073 reduction without them).
+# The dual operand cast without the norm (MXLinear's dY): one program per 32x128 tile.
 OPERAND_CAST_CONFIG = NormConfig(32, 128, 4, 4, tile_programs=True)
 # Under the interpreter the cost is per program and per op: one chunk when it fits.
 INTERPRETER_MAX_BLOCK_K = 128
@@ -383,147 +296,6 @@ def _zero_m_padding(M, K: tl.constexpr, row_scale_ptr, col_scale_ptr, ROW_MX: tl
     if COL_MX:
         for kt in range(N_COL_ROW_TILES):
             _zero_padding_of_tile(col_scale_ptr, kt * n_groups + t, K, (M + 31) // 32)
-
-
-# ----------------------------------------------------------------------------- forward kernel: 32x32-block tiles
-
-
-@triton.jit
-def _quantize_chunk(
-    x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-    NMB: tl.constexpr, NKB: tl.constexpr, NORMALIZE: tl.constexpr,
-    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
-    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr,
-):
-    """Normalize one [NMB, 32, NKB, 32] chunk (rows m0 + m, columns k0 + k) and write its casts."""
-    if NORMALIZE:
-        w = load_f32(w_ptr + k0 + k, k < K - k0)
-        y = (x * rstd[:, :, None, None]) * w  # the reference's order: (x * rstd) * w
-        # rows past M (and columns past K) are 0 for the block maxima, whatever rstd is there
-        y = tl.where(in_bounds, y, 0.0)
-    else:
-        y = x
-    a = abs_bits(y)
-    row_off = m0.to(tl.int64) * K + k0  # element (m0, k0) of an [M, K] output
-    if ROW_MX or ROW_OP:
-        byte = scale_byte(tl.max(a, axis=3), RCEIL)  # [NMB, 32, NKB]
-        q = encode(y, byte[:, :, :, None], HW_CAST)
-        if ROW_MX:
-            tl.store(row_data_ptr + row_off + m * K + k, q, mask=in_bounds)
-            r = m0 + tl.arange(0, NMB)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
-            c = k0 // 32 + tl.arange(0, NKB)[None, None, :]
-            tl.store(row_scale_ptr + scale_offset(r, c, K // 32, BLOCKED_SCALES), byte.to(tl.uint8),
-                     mask=(r < M) & (c < K // 32))
-        if ROW_OP:
-            deq = e4m3_value(q, HW_CAST) * scale_value(byte)[:, :, :, None]
-            store_operand(row_op_ptr + row_off + m * K + k, deq, in_bounds, HW_CAST)
-    if COL_MX or COL_OP:
-        byte = scale_byte(tl.max(a, axis=1), RCEIL)  # [NMB, NKB, 32]; rows past M hold 0
-        q = encode(y, byte[:, None, :, :], HW_CAST)
-        if COL_MX:  # payload of y^T, [K, M] with rows col_stride apart
-            col_off = tl.cast(k0, tl.int64) * col_stride + m0
-            tl.store(col_data_ptr + col_off + k * col_stride + m, q, mask=in_bounds)
-            r = k0 + tl.arange(0, NKB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-            c = m0 // 32 + tl.arange(0, NMB)[:, None, None]
-            n_cols = (M + 31) // 32
-            tl.store(col_scale_ptr + scale_offset(r, c, n_cols, BLOCKED_SCALES), byte.to(tl.uint8),
-                     mask=(r < K) & (c < n_cols))
-        if COL_OP:
-            deq = e4m3_value(q, HW_CAST) * scale_value(byte)[:, None, :, :]
-            store_operand(col_op_ptr + row_off + m * K + k, deq, in_bounds, HW_CAST)
-
-
-@triton.jit
-def _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """colsum[k0 + k] += the sum over rows of the FP32 chunk `x [NMB, 32, NKB, 32]` (atomically; see
-    `_add_column_sums`). `k` holds the chunk's column indices, `[1, 1, NKB, 32]`."""
-    s = tl.sum(tl.sum(x, axis=1, keep_dims=True), axis=0, keep_dims=True)
-    if K % BLOCK_K == 0:
-        tl.atomic_add(colsum_ptr + k0 + k, s, sem="relaxed")
-    else:
-        tl.atomic_add(colsum_ptr + k0 + k, s, mask=k < K - k0, sem="relaxed")
-
-
-@triton.jit
-def _blocks_row_block(
-    m0, x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
-    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
-    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    COL_SUMS: tl.constexpr, ACT: tl.constexpr,
-):
-    """Rows m0 .. m0 + BLOCK_M - 1 in 32x32-block tiles: rstd, then every requested output (of the input
-    activation of x, ACT, without the norm)."""
-    # Tiles are [BLOCK_M/32, 32, BLOCK_K/32, 32] = (row block, row, column block, column): every MX block
-    # max is a plain reduction over one axis. x's last dim is contiguous (checked by the wrapper).
-    NMB: tl.constexpr = BLOCK_M // 32
-    NKB: tl.constexpr = BLOCK_K // 32
-    if BLOCKED_SCALES and K % 128 != 0:
-        _zero_k_padding(m0, M, K, row_scale_ptr, col_scale_ptr, BLOCK_M, ROW_MX, COL_MX)
-    m = tl.arange(0, NMB)[:, None, None, None] * 32 + tl.arange(0, 32)[None, :, None, None]
-    k = tl.arange(0, NKB)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
-    if LARGE_OFFSETS:  # k * M or m * stride inside one chunk reaches 2^31
-        m = m.to(tl.int64)
-        k = k.to(tl.int64)
-    row_ok = m < M - m0
-    x_rows = x_ptr + m0.to(tl.int64) * stride_xm + m * stride_xm
-    if ACT >= 4:  # the activation input of a gradient cast
-        a_rows = a_ptr + m0.to(tl.int64) * stride_am + m * stride_am
-    else:
-        a_rows = x_rows  # never read
-    rstd = tl.zeros((NMB, 32), tl.float32)
-    if ONE_PASS:  # BLOCK_K covers K: one read of x
-        in_bounds = row_ok & (k < K)
-        x = _activated(load_f32(x_rows + k, in_bounds), a_rows + k, in_bounds, ACT, False)
-        if COL_SUMS:
-            _add_column_sums_of_blocks(colsum_ptr, x, k, 0, K, BLOCK_K)
-        if NORMALIZE:
-            sum_sq = tl.sum(tl.sum(x * x, axis=3), axis=2)
-            rstd = _rstd(sum_sq, K, eps)
-        _quantize_chunk(x, m, k, m0, 0, M, K, in_bounds, rstd, w_ptr,
-                        row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                        NMB, NKB, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST)
-    else:
-        if NORMALIZE:
-            acc = tl.zeros((NMB, 32, NKB, 32), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                x = load_f32(x_rows + k0 + k, row_ok & (k < K - k0))
-                acc += x * x
-            sum_sq = tl.sum(tl.sum(acc, axis=3), axis=2)
-            rstd = _rstd(sum_sq, K, eps)
-        for k0 in range(0, K, BLOCK_K):
-            in_bounds = row_ok & (k < K - k0)
-            x = _activated(load_f32(x_rows + k0 + k, in_bounds), a_rows + k0 + k, in_bounds, ACT, False)
-            if COL_SUMS:
-                _add_column_sums_of_blocks(colsum_ptr, x, k, k0, K, BLOCK_K)
-            _quantize_chunk(x, m, k, m0, k0, M, K, in_bounds, rstd, w_ptr,
-                            row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr,
-                            col_op_ptr, NMB, NKB, NORMALIZE, ROW_MX, COL_MX, ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL,
-                            HW_CAST)
-    if NORMALIZE:
-        rows = m0 + tl.arange(0, NMB)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-
-
-@triton.jit
-def _rms_norm_mx_kernel(
-    x_ptr, stride_xm, w_ptr, M, K: tl.constexpr, eps, rstd_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr, colsum_ptr,
-    a_ptr, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, NORMALIZE: tl.constexpr,
-    ROW_MX: tl.constexpr, COL_MX: tl.constexpr, ROW_OP: tl.constexpr, COL_OP: tl.constexpr,
-    BLOCKED_SCALES: tl.constexpr, RCEIL: tl.constexpr, HW_CAST: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-    COL_SUMS: tl.constexpr, M_PADDING: tl.constexpr, ACT: tl.constexpr,
-):
-    # M_PADDING: the last program zeroes the M padding of the blocked scales, the others take one row block each.
-    if M_PADDING and tl.program_id(0) == tl.num_programs(0) - 1:
-        _zero_m_padding(M, K, row_scale_ptr, col_scale_ptr, ROW_MX, COL_MX)
-    else:
-        _blocks_row_block(tl.program_id(0) * BLOCK_M, x_ptr, stride_xm, w_ptr, M, K, eps, rstd_ptr,
-                          row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
-                          colsum_ptr, a_ptr, stride_am, BLOCK_M, BLOCK_K, ONE_PASS, NORMALIZE, ROW_MX, COL_MX,
-                          ROW_OP, COL_OP, BLOCKED_SCALES, RCEIL, HW_CAST, LARGE_OFFSETS, COL_SUMS, ACT)
 
 
 # ----------------------------------------------------------------------------- forward kernel: thread strips
@@ -895,54 +667,6 @@ def _rms_norm_mx_strips_kernel(
                         EVEN_M, PAIRED_COLWISE, COL_SUMS, PREFETCH, ACT)
 
 
-# ----------------------------------------------------------------------------- backward kernel
-
-
-# (largest K, block_m, num_warps) of `rms_norm_backward`, first match; otherwise 16 rows on 8 warps. A row is one tile
-# up to K = 2048, wider rows go in 1024-column chunks. Measured on the H200 (`bench_norm --only backward`,
-# docs/PERF.md): at K = 256, 32 rows on 4 warps ran 2.1x the (16, 8) launch at 262143 rows and 1.6x at 32767; at
-# K = 1024, (16, 8) was the fastest of six candidates (32 or more rows spill: 6-8x slower).
-BWD_LAUNCHES = ((256, 32, 4),)
-
-
-@triton.jit(do_not_specialize=["M"])  # M (tokens) changes every batch and is used only in masks
-def _rms_norm_bwd_kernel(
-    x_ptr, stride_xm, dy_ptr, stride_dym, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, HW_CAST: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    cols = tl.arange(0, BLOCK_K)
-    rows64 = rows.to(tl.int64)[:, None]
-    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    if ONE_PASS:
-        ok = row_ok[:, None] & (cols < K)[None, :]
-        xhat = load_f32(x_ptr + rows64 * stride_xm + cols[None, :], ok) * rstd
-        dy = load_f32(dy_ptr + rows64 * stride_dym + cols[None, :], ok)
-        dxhat = dy * load_f32(w_ptr + cols, cols < K)[None, :]
-        mean = tl.div_rn(tl.sum(dxhat * xhat, axis=1), tl.full((), K, tl.float32))[:, None]
-        store_operand(dx_ptr + rows64 * K + cols[None, :], rstd * (dxhat - xhat * mean), ok, HW_CAST)
-        tl.store(dw_part_ptr + pid.to(tl.int64) * K + cols, tl.sum(dy * xhat, axis=0), mask=cols < K)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            c = k0 + cols
-            ok = row_ok[:, None] & (c < K)[None, :]
-            xhat = load_f32(x_ptr + rows64 * stride_xm + c[None, :], ok) * rstd
-            dxhat = load_f32(dy_ptr + rows64 * stride_dym + c[None, :], ok) * load_f32(w_ptr + c, c < K)[None, :]
-            acc += dxhat * xhat
-        mean = tl.div_rn(tl.sum(acc, axis=1), tl.full((), K, tl.float32))[:, None]
-        for k0 in range(0, K, BLOCK_K):
-            c = k0 + cols
-            ok = row_ok[:, None] & (c < K)[None, :]
-            xhat = load_f32(x_ptr + rows64 * stride_xm + c[None, :], ok) * rstd
-            dy = load_f32(dy_ptr + rows64 * stride_dym + c[None, :], ok)
-            dxhat = dy * load_f32(w_ptr + c, c < K)[None, :]
-            store_operand(dx_ptr + rows64 * K + c[None, :], rstd * (dxhat - xhat * mean), ok, HW_CAST)
-            tl.store(dw_part_ptr + pid.to(tl.int64) * K + c, tl.sum(dy * xhat, axis=0), mask=c < K)
-
-
 # ----------------------------------------------------------------------------- host side
 
 
@@ -1046,8 +770,8 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
     M, K = x.shape
     (block_m, block_k, num_warps, thread_rows, row_blocks_in_thread, programs_per_sm, max_registers, prefetch,
      tile_programs) = config
-    if tile_programs and (weight is not None or thread_rows == 0 or programs_per_sm):
-        raise ValueError("tile_programs needs weight=None, thread_rows > 0 and programs_per_sm=0, got weight "
+    if tile_programs and (weight is not None or programs_per_sm):
+        raise ValueError("tile_programs needs weight=None and programs_per_sm=0, got weight "
                          f"{'given' if weight is not None else 'None'} and config {config!r}")
     col_stride = colwise_row_stride(M) if col is None else _checked_colwise_stride(col[0], K, M)
     a_stride = 0 if act_input is None else act_input.stride(0)
@@ -1065,19 +789,15 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
                                     or (col is not None and ceil_div(M, BLOCK) % 4 != 0))
     kwargs.update(M_PADDING=m_padding)
     n_blocks = n_programs = ceil_div(M, block_m)  # (triton.cdiv costs microseconds on the host)
-    if thread_rows == 0:
-        kernel = _rms_norm_mx_kernel
-        kwargs.update(ONE_PASS=block_k >= K)
-    else:
-        kernel = _rms_norm_mx_strips_kernel
-        if programs_per_sm:
-            n_programs = min(n_blocks, programs_per_sm * sm_count(x.device, off_gpu=2))
-        elif tile_programs:
-            n_programs = n_blocks * ceil_div(K, block_k)
-        kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
-                      EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and thread_rows > 1,
-                      PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0,
-                      TILE_PROGRAMS=bool(tile_programs))
+    kernel = _rms_norm_mx_strips_kernel
+    if programs_per_sm:
+        n_programs = min(n_blocks, programs_per_sm * sm_count(x.device, off_gpu=2))
+    elif tile_programs:
+        n_programs = n_blocks * ceil_div(K, block_k)
+    kwargs.update(THREAD_ROWS=thread_rows, ROW_BLOCKS_IN_THREAD=bool(row_blocks_in_thread),
+                  EVEN_M=M % block_m == 0, PAIRED_COLWISE=col is not None and thread_rows > 1,
+                  PREFETCH=bool(prefetch) and block_k < K, PERSISTENT=programs_per_sm > 0,
+                  TILE_PROGRAMS=bool(tile_programs))
     return kernel, (n_programs + m_padding,), args, kwargs
 
 
@@ -1155,17 +875,12 @@ def _check_weight(weight: torch.Tensor, K: int, x: torch.Tensor, name: str = "we
 
 def _check_config(config: NormConfig) -> None:
     block_m, block_k, num_warps, thread_rows, _, programs_per_sm, max_registers, prefetch, tile_programs = config
-    if thread_rows < 0 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
-        raise ValueError(f"thread_rows must be 0 or a power of two in 1..{BLOCK}, got {thread_rows}")
-    if thread_rows == 0 and block_m not in (32, 64):
-        raise ValueError(f"block_m must be 32 or 64 with thread_rows=0, got {block_m}")
-    if programs_per_sm < 0 or (programs_per_sm and thread_rows == 0):
-        raise ValueError(f"programs_per_sm must be >= 0, and 0 with thread_rows=0, got {programs_per_sm}")
-    if prefetch and thread_rows == 0:
-        raise ValueError("prefetch must be False with thread_rows=0 (the 32x32-block tile kernel has no prefetch)")
-    if tile_programs and (thread_rows == 0 or programs_per_sm):
-        raise ValueError(f"tile_programs needs thread_rows > 0 and programs_per_sm=0, got thread_rows={thread_rows}, "
-                         f"programs_per_sm={programs_per_sm}")
+    if thread_rows < 1 or thread_rows > BLOCK or thread_rows & (thread_rows - 1):
+        raise ValueError(f"thread_rows must be a power of two in 1..{BLOCK}, got {thread_rows}")
+    if programs_per_sm < 0:
+        raise ValueError(f"programs_per_sm must be >= 0, got {programs_per_sm}")
+    if tile_programs and programs_per_sm:
+        raise ValueError(f"tile_programs needs programs_per_sm=0, got programs_per_sm={programs_per_sm}")
     for name, v in (("block_m", block_m), ("block_k", block_k)):
         if v < BLOCK or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {v}")
@@ -1477,74 +1192,3 @@ def _outputs(plan: _NormPlan, bufs: tuple) -> NormMXOutputs:
                                                   plan.layout),
         rstd=rstd, row_operand=row_op, col_operand=col_op, column_sums=sums,
     )
-
-
-def rms_norm_quantize_triton(x2: torch.Tensor, weight: torch.Tensor, eps: float, scaling: str = "rceil", *,
-                             blocked_scales: bool = False) -> RMSNormQuantized:
-    """`rms_norm_quantize_reference`'s result from the fused kernel: rowwise, colwise and rstd.
-
-    `x2 [M, K]` and `weight [K]` in any layout (copied to a contiguous last dim when needed). With
-    `blocked_scales=False` the scales are plain `[M, K/32]` / `[K, ceil(M/32)]` matrices, as the reference
-    returns them; with True they are in the 128x4 blocked layout (`scale_layout="blocked"`). Unlike the
-    reference's, the colwise payload is not contiguous unless M is a multiple of 16: a `[K, M]` view with rows
-    padded to a multiple of 16 bytes (the same values; `.contiguous()` gives the reference's layout).
-    """
-    if x2.dim() == 2 and x2.stride(1) != 1 and x2.shape[1] > 1:
-        x2 = x2.contiguous()
-    if weight.dim() == 1 and weight.stride(0) != 1:
-        weight = weight.contiguous()
-    out = rms_norm_mx(x2, weight, eps, scaling=scaling, blocked_scales=blocked_scales)
-    return RMSNormQuantized(out.rowwise, out.colwise, out.rstd)
-
-
-def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, *,
-                      block_m: int | None = None, block_k: int | None = None,
-                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of `y = x * rstd * weight` (rstd from x, as RMSNorm) with respect to x and weight.
-
-    Args:
-        x: `[M, K]` the forward input; weight: `[K]`; rstd: `[M]` float32 from the forward.
-        dy: `[M, K]` gradient of y (any float dtype, contiguous last dim; FP32 keeps the reference's math).
-
-    Returns:
-        `dx [M, K]` in x's dtype and `dweight [K]` float32 (FP32 math throughout).
-    """
-    _check_2d(x, "x")
-    _check_2d(dy, "dy")
-    M, K = x.shape
-    _check_weight(weight, K, x)
-    if dy.shape != x.shape or dy.device != x.device:
-        raise ValueError(f"dy must be [M={M}, K={K}] on {x.device}, got {tuple(dy.shape)} on {dy.device}")
-    if rstd.dtype != torch.float32 or rstd.shape != (M,) or rstd.device != x.device or not rstd.is_contiguous():
-        raise ValueError(f"rstd must be a contiguous float32 [M={M}] tensor on {x.device}, got "
-                         f"{rstd.dtype} {tuple(rstd.shape)} on {rstd.device}")
-    if interpreter_enabled():
-        bm, bk, nw = 16, min(_pow2_at_least(K, 16), 128), 1
-    else:
-        bm, nw = next(((b, w) for k_max, b, w in BWD_LAUNCHES if K <= k_max), (16, 8))
-        bk = _pow2_at_least(K, 16) if K <= 2048 else 1024
-    block_m = bm if block_m is None else block_m
-    block_k = bk if block_k is None else block_k
-    num_warps = nw if num_warps is None else num_warps
-    for name, v in (("block_m", block_m), ("block_k", block_k), ("num_warps", num_warps)):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two, got {v}")
-    dx = torch.empty(M, K, dtype=x.dtype, device=x.device)
-    n_prog = ceil_div(M, block_m)
-    if n_prog == 0:
-        return dx, torch.zeros(K, dtype=torch.float32, device=x.device)
-    dw_part = torch.empty(n_prog, K, dtype=torch.float32, device=x.device)
-    on_gpu = x.is_cuda and not interpreter_enabled()
-    x_stride, dy_stride = x.stride(0), dy.stride(0)
-    launch = _backward_launch(M, K, x_stride, dy_stride, block_m, block_k, num_warps, on_gpu)
-    launch((x.detach(), x_stride, dy.detach(), dy_stride, weight.detach(), rstd, dx, dw_part, M, K), on_gpu)
-    return dx, dw_part.sum(0)
-
-
-@functools.lru_cache(maxsize=256)
-def _backward_launch(M: int, K: int, x_stride: int, dy_stride: int, block_m: int, block_k: int, num_warps: int,
-                     on_gpu: bool) -> KernelLaunch:
-    """`_rms_norm_bwd_kernel`'s launch for these ints (relaunched directly after the first: `KernelLaunch`)."""
-    return KernelLaunch(_rms_norm_bwd_kernel, (ceil_div(M, block_m),), 10,
-                        dict(BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=block_k >= K, HW_CAST=on_gpu,
-                             num_warps=num_warps))
