@@ -1,6 +1,7 @@
 """The tuning space of the Triton MX cast kernel (`gem_lp.mx.kernels.triton_cast`): the launches
 `bench_norm_gemm` times beside the product's default (`strip_config`), each checked against the reference."""
 from gem_lp.mx.kernels.triton_cast import MEASURED_CONFIG, NormConfig
+from gem_lp.mx.kernels.triton_quantize import CastConfig
 
 # The tuning space `benchmarks/bench_norm_gemm.py` times (each checked against the reference) and the GPU tests
 # run, for the K of the benchmark shapes: thread strips (programs_per_sm > 0: a persistent walk that bounds the
@@ -58,4 +59,20 @@ OPERAND_CAST_CANDIDATE_CONFIGS = {
         NormConfig(32, 64, 2, 2, tile_programs=True),  # 48, 21/SM, 42 warps, 16 elements a thread
         NormConfig(32, 64, 1, 4),  # 104, 19/SM, 19 warps, the loop over K
     ),
+}
+
+
+# `mx_cast_2d`'s tuning space: configurations `benchmarks/bench_quantize.py` times (each checked byte for byte) and
+# the GPU tests run. All are spill-free on sm_90; a config keeps its strips in registers when
+# 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps (with row_blocks_in_thread:
+# (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps).
+QUANTIZE_CANDIDATE_CONFIGS = {
+    "rowwise": (CastConfig(64, 128, 4, 1, True), CastConfig(32, 256, 4, 1, True), CastConfig(32, 128, 2, 1, True),
+                CastConfig(128, 128, 4, 2, True), CastConfig(64, 128, 4, 8)),
+    "colwise": (CastConfig(128, 64, 2, 16), CastConfig(128, 128, 4, 16), CastConfig(256, 64, 4, 16),
+                CastConfig(64, 64, 2, 8), CastConfig(128, 64, 4, 8)),
+    "dual": (CastConfig(128, 64, 2, 16), CastConfig(128, 128, 4, 16), CastConfig(64, 64, 1, 16),
+             CastConfig(128, 64, 4, 8), CastConfig(64, 128, 4, 8), CastConfig(128, 128, 8, 8)),
+    "square": (CastConfig(64, 128, 4, 2, True), CastConfig(32, 256, 4, 1, True), CastConfig(128, 128, 4, 4, True),
+               CastConfig(64, 128, 4, 8)),
 }

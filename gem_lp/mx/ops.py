@@ -137,9 +137,9 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
         layout of its `[M, K/32]` scales; `colwise` has payload `[K, M]`, the payload of `x^T`
         quantized along its last dim (a last partial block of M takes its max over the real rows
         only), and the blocked layout of its `[K, ceil(M/32)]` scales. Both have
-        `scale_layout="blocked"` and `axis=1`. The colwise payload is contiguous from the reference
-        and Triton backends; from `cute` it is a view whose rows are 16-byte aligned (M rounded up to
-        16 bytes apart: contiguous when M is a multiple of 16), as a GEMM's TMA loads want it.
+        `scale_layout="blocked"` and `axis=1`. The colwise payload is contiguous from the reference; from
+        the kernels it is a view whose rows are 16-byte aligned (M rounded up to 16 bytes apart:
+        contiguous when M is a multiple of 16), as a GEMM's TMA loads want it.
     """
     check_input(x)
     check_scaling(scaling)
@@ -160,15 +160,14 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
             raise ValueError(f"backend='cute' cannot run quantize_dual: {why}")
         backend = "triton"
     if backend == "triton":
-        from gem_lp.mx.kernels.triton_quantize import mx_cast_2d
+        from gem_lp.mx.kernels.triton_cast import rms_norm_mx
 
-        row_data, row_scale, col_data, col_scale = mx_cast_2d(
-            x, rowwise=True, colwise=True, scaling=scaling, blocked_scales=True)
-    else:
-        row = quantize_reference(x, axis=1, scaling=scaling)
-        col = quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True)
-        row_data, row_scale = row.data, to_blocked(row.scale)
-        col_data, col_scale = col.data, to_blocked(col.scale)
+        out = rms_norm_mx(x if x.stride(-1) == 1 else x.contiguous(), None, scaling=scaling, blocked_scales=True)
+        return out.rowwise, out.colwise
+    row = quantize_reference(x, axis=1, scaling=scaling)
+    col = quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True)
+    row_data, row_scale = row.data, to_blocked(row.scale)
+    col_data, col_scale = col.data, to_blocked(col.scale)
     return (MXTensor(row_data, row_scale, "1d", 1, scaling, x.dtype, "blocked"),
             MXTensor(col_data, col_scale, "1d", 1, scaling, x.dtype, "blocked"))
 

@@ -61,10 +61,8 @@ class CastConfig(tuple):
         return f"{bm}x{bk} w{nw} r{tr}" + (" rowblk" if rb else "")
 
 
-# Per set of outputs: the fewest sm_90 instructions per element without register spills
-# (`python -m benchmarks.bench_quantize --compile-only` prints the builds; the GPU run times them).
-# Defaults: the fastest of CANDIDATE_CONFIGS on the H200 (docs/PERF.md, "Quantize"): rowwise 90-95% of the
-# copy bandwidth, colwise 91%, dual 89%, square 63-96%.
+# Per set of outputs: the fastest of the tuning space `benchmarks/cast_candidates.py` holds (all spill-free on sm_90;
+# `python -m benchmarks.bench_quantize` times them).
 DEFAULT_CONFIGS = {
     "rowwise": CastConfig(64, 128, 4, 8),
     "colwise": CastConfig(256, 64, 4, 16),
@@ -72,20 +70,6 @@ DEFAULT_CONFIGS = {
     "square": CastConfig(64, 128, 4, 8),
     # colwise with another cast, other than dual with the hardware cast: thread_rows 16 would spill
     "dual_heavy": CastConfig(128, 64, 4, 8),
-}
-# The tuning space: configurations `benchmarks/bench_quantize.py` times (each checked byte for byte) and
-# the GPU tests run. All are spill-free on sm_90; a config keeps its strips in registers when
-# 4 * (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps (with row_blocks_in_thread:
-# (32 / thread_rows) * (block_k / 32) * (block_m / 32) >= 32 * num_warps).
-CANDIDATE_CONFIGS = {
-    "rowwise": (CastConfig(64, 128, 4, 1, True), CastConfig(32, 256, 4, 1, True), CastConfig(32, 128, 2, 1, True),
-                CastConfig(128, 128, 4, 2, True), CastConfig(64, 128, 4, 8)),
-    "colwise": (CastConfig(128, 64, 2, 16), CastConfig(128, 128, 4, 16), CastConfig(256, 64, 4, 16),
-                CastConfig(64, 64, 2, 8), CastConfig(128, 64, 4, 8)),
-    "dual": (CastConfig(128, 64, 2, 16), CastConfig(128, 128, 4, 16), CastConfig(64, 64, 1, 16),
-             CastConfig(128, 64, 4, 8), CastConfig(64, 128, 4, 8), CastConfig(128, 128, 8, 8)),
-    "square": (CastConfig(64, 128, 4, 2, True), CastConfig(32, 256, 4, 1, True), CastConfig(128, 128, 4, 4, True),
-               CastConfig(64, 128, 4, 8)),
 }
 # Under the interpreter the cost is per program and per op, not per byte: larger tiles run faster.
 INTERPRETER_CONFIG = CastConfig(64, 64, 1, 4)
