@@ -1,13 +1,9 @@
 """`python -m gem_lp.compile_check`: MMA counting, and one kernel built for sm_90a on this CPU machine (the whole
-list runs in `make test`); backend resolution of the cute kernels."""
+list runs in `make test`)."""
 import os
 import subprocess
 import sys
 
-import pytest
-import torch
-
-from gem_lp.runtime.dispatch import resolve_backend
 from gem_lp.compile_check import _kernel_name, mma_counts
 
 PTX = """
@@ -41,14 +37,3 @@ def test_one_build_for_sm90a(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "MXAttentionForwardSm90: wgmma=" in done.stdout and "1 passed, 0 failed" in done.stdout
     assert any(f.endswith(".ptx") for f in os.listdir(tmp_path))
-
-
-def test_resolve_backend_cute():
-    x = torch.zeros(1)
-    assert resolve_backend("auto", x, kernels=("cute",)) == "reference"
-    with pytest.raises(ValueError, match="backend='cute' cannot run: the CuTe kernels need a CUDA device"):
-        resolve_backend("cute", x, kernels=("cute",))
-    with pytest.raises(ValueError, match="backend='triton' is not available for this op"):
-        resolve_backend("triton", x, kernels=("cute",))
-    with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("cuda", x)

@@ -172,6 +172,10 @@ class GemRanker(nn.Module):
             tokens = block(tokens, offsets)
         return (tokens, *self.readout.reads(tokens, offsets, q_query, q_target))
 
+    def kernel_ops(self) -> list[tuple[str, str]]:
+        """The (op, precision) pairs of the dispatch table this model's layers run (`gem_lp.runtime.dispatch`)."""
+        return kernel_ops(self.cfg.precision)
+
     def capture_sequence_graphs(self, max_buckets: int, max_rows: int) -> None:
         """Run the sequence part of training steps (encoder blocks, readout reads) from CUDA graphs, one captured
         per bucket of token counts when a batch of the bucket first comes, at most `max_buckets` of them and for
@@ -311,3 +315,14 @@ class _Tower(nn.Module):
 class _CapturedTowers(NamedTuple):
     towers: dict
     shapes: dict
+
+
+def kernel_ops(precision: str) -> list[tuple[str, str]]:
+    """The (op, precision) pairs of the dispatch table the ranker runs at `precision`; the first listed are those of
+    its sequence part (captured in CUDA graphs on a GPU), up to and including attention."""
+    if precision == "mxfp8":
+        return [("linear", "mxfp8"), ("rms_norm_quantize", "mxfp8"), ("rms_norm_backward", "fp32"),
+                ("attention", "mxfp8")]
+    if precision == "bf16":
+        return [("rms_norm", "bf16"), ("attention", "bf16")]
+    return [("attention", precision)]

@@ -40,6 +40,7 @@ class Impl:
     capture_safe: bool = True
     check: str | None = None
     fit_for_gpu: bool = False  # a reference that is torch's own GPU kernel: taking it on a GPU is no fallback
+    cpu_model: bool = False  # a CuTe implementation that runs a CPU model of its kernels in an emulated plan
 
 
 REFERENCE = "reference"
@@ -56,36 +57,36 @@ _REF_HOST_SYNC = Impl(REFERENCE, None, "plain PyTorch (the test oracle); copies 
 # (op, precision) -> its implementations and, per arch, the order in which the plan tries them (the reference is
 # always the last resort and is not listed).
 IMPLS: dict[tuple[str, str], dict[str, Impl]] = {
-    ("quantize", "mxfp8"): _impls(_REF, Impl("triton", "triton", "Triton MX cast", check="gem_lp.mx.checks:quantize")),
+    ("quantize", "mxfp8"): _impls(_REF, Impl("triton", "triton", "Triton MX cast", check="gem_lp.mx.selfchecks:quantize")),
     ("quantize_dual", "mxfp8"): _impls(
-        _REF, Impl("cute", "cute", "CuTe dual MX cast", check="gem_lp.mx.checks:quantize_dual_cute"),
-        Impl("triton", "triton", "Triton dual MX cast", check="gem_lp.mx.checks:quantize_dual_triton")),
+        _REF, Impl("cute", "cute", "CuTe dual MX cast", check="gem_lp.mx.selfchecks:quantize_dual_cute"),
+        Impl("triton", "triton", "Triton dual MX cast", check="gem_lp.mx.selfchecks:quantize_dual_triton")),
     ("quantize_jagged", "mxfp8"): _impls(
-        _REF, Impl("triton", "triton", "Triton zero-gather jagged cast", check="gem_lp.jagged.checks:quantize_jagged")),
+        _REF, Impl("triton", "triton", "Triton zero-gather jagged cast", check="gem_lp.jagged.selfchecks:quantize_jagged")),
     ("rms_norm", "bf16"): _impls(
         Impl(REFERENCE, None, "torch F.rms_norm", fit_for_gpu=True),
-        Impl("cute", "cute", "quack RMSNorm forward + backward", check="gem_lp.norm.checks:rms_norm_cute")),
+        Impl("cute", "cute", "quack RMSNorm forward + backward", check="gem_lp.norm.selfchecks:rms_norm_cute")),
     ("rms_norm_quantize", "mxfp8"): _impls(
-        _REF, Impl("cute", "cute", "CuTe RMSNorm + MX cast", check="gem_lp.mx.checks:norm_cast_cute"),
-        Impl("triton", "triton", "Triton RMSNorm + MX cast", check="gem_lp.mx.checks:norm_cast_triton")),
+        _REF, Impl("cute", "cute", "CuTe RMSNorm + MX cast", check="gem_lp.mx.selfchecks:norm_cast_cute"),
+        Impl("triton", "triton", "Triton RMSNorm + MX cast", check="gem_lp.mx.selfchecks:norm_cast_triton")),
     ("rms_norm_backward", "fp32"): _impls(
-        _REF, Impl("cute", "cute", "quack RMSNorm backward", check="gem_lp.norm.checks:backward_cute"),
-        Impl("triton", "triton", "Triton RMSNorm backward", check="gem_lp.norm.checks:backward_triton")),
+        _REF, Impl("cute", "cute", "quack RMSNorm backward", check="gem_lp.norm.selfchecks:backward_cute"),
+        Impl("triton", "triton", "Triton RMSNorm backward", check="gem_lp.norm.selfchecks:backward_triton")),
     ("linear", "mxfp8"): _impls(
         _REF,
         Impl("cublas", "triton", "MX-exact BF16 operands (Triton/CuTe casts) into cuBLAS BF16 GEMMs",
-             check="gem_lp.linear.checks:cublas"),
+             check="gem_lp.linear.selfchecks:cublas"),
         Impl("scaled_mm", "triton", "MX payloads + blocked scales into cuBLAS block-scaled GEMMs (torch._scaled_mm)",
-             check="gem_lp.linear.checks:scaled_mm")),
+             check="gem_lp.linear.selfchecks:scaled_mm")),
     ("attention", "fp32"): _impls(_REF_HOST_SYNC),
     ("attention", "bf16"): _impls(
-        _REF_HOST_SYNC, Impl("fa4", "cute", "FlashAttention-4 varlen kernels", check="gem_lp.attention.checks:fa4")),
+        _REF_HOST_SYNC, Impl("fa4", "cute", "FlashAttention-4 varlen kernels", check="gem_lp.attention.selfchecks:fa4")),
     ("attention", "mxfp8"): _impls(
         _REF_HOST_SYNC,
         Impl("cute_sm90", "cute", "producer pass + FA4 Hopper kernels with the MXFP8 recipe",
-             check="gem_lp.attention.checks:mxfp8_sm90"),
+             check="gem_lp.attention.selfchecks:mxfp8_sm90"),
         Impl("cute_sm100", "cute", "zero-gather MX producer + block-scaled Blackwell kernels",
-             check="gem_lp.attention.checks:mxfp8_sm100")),
+             check="gem_lp.attention.selfchecks:mxfp8_sm100", cpu_model=True)),
 }
 
 _TRITON_EVERYWHERE = {"sm_90": ("triton",), "sm_100": ("triton",), "cuda": ("triton",)}
@@ -149,16 +150,22 @@ def impl_key(op: str, precision: str, impl: str, arch: str) -> str:
 
 
 def plan_choice(op: str, precision: str, arch: str, *, hidden: frozenset[str] = frozenset(),
-                verify_device: torch.device | None = None) -> Choice:
+                verify_device: torch.device | None = None, emulated: bool = False) -> Choice:
     """The choice of `arch`'s plan for (op, precision): the first implementation of the table whose toolchain is
     installed (and not in `hidden`) and whose self-check did not fail; else the reference, saying why.
-    `verify_device`: a CUDA device on which implementations not yet verified are self-checked first."""
+    `verify_device`: a CUDA device on which implementations not yet verified are self-checked first. `emulated`:
+    the plan runs on CPU tensors (`emulate`): Triton kernels in its interpreter, CuTe ones as their CPU models."""
     reasons = []
     order = TABLE[(op, precision)].get(arch, ())
     for name in order:
         impl = IMPLS[(op, precision)][name]
         missing = (f"{impl.toolchain} not available" if impl.toolchain in hidden
                    else _toolchain_missing(impl.toolchain))
+        if emulated and missing is None:
+            if impl.toolchain == "cute" and not impl.cpu_model:
+                missing = "no CPU model of its kernels"
+            elif impl.toolchain == "triton" and not interpreter_enabled():
+                missing = "Triton's interpreter is off (TRITON_INTERPRET=1)"
         if missing:
             reasons.append(f"{name}: {missing}")
             continue
@@ -251,7 +258,8 @@ def _resolve(op: str, precision: str, device: torch.device, backend: str) -> Cho
         return Choice(op, precision, arch, REFERENCE, "backend='reference'")
     if backend == "auto":
         on_gpu = device.type == "cuda"
-        choice = plan_choice(op, precision, arch, verify_device=device if on_gpu else None)
+        choice = plan_choice(op, precision, arch, verify_device=device if on_gpu else None,
+                             emulated=not on_gpu and arch != "cpu")
         if on_gpu and choice.impl == REFERENCE and not IMPLS[(op, precision)][REFERENCE].fit_for_gpu \
                 and any(TABLE[(op, precision)].values()):
             _warn_reference(choice)
@@ -293,6 +301,26 @@ def warn_once(op: str, precision: str, device: torch.device | None, what: str, a
     msg = f"gem_lp: {op} ({precision}) on {arch} {what}"
     log.warning(msg)
     warnings.warn(msg, stacklevel=4)
+
+
+def choice(op: str, precision: str, device: torch.device, backend: str = "auto") -> Choice:
+    """The full `Choice` (implementation and why) `choose` made for these arguments."""
+    choose(op, precision, device, backend)
+    return _CHOSEN[(op, precision, device, backend)]
+
+
+def kernel_plan(ops, device: torch.device, backend: str = "auto") -> list[dict]:
+    """The choices of `ops` ((op, precision) pairs) on `device` as a caller records them: implementation, why, the
+    self-check verdict, whether a CUDA graph can capture it. Resolving them runs the self-checks not yet run."""
+    arch = _device_arch(device)
+    out = []
+    for op, precision in ops:
+        c = choice(op, precision, device, backend)
+        impl = IMPLS[(op, precision)][c.impl]
+        verdict = _VERDICTS.get(impl_key(op, precision, c.impl, arch))
+        out.append({**c.as_dict(), "summary": impl.summary, "capture_safe": impl.capture_safe,
+                    "self_check": None if verdict is None else verdict.summary})
+    return out
 
 
 def entry(spec: str):

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from gem_lp.data import DataError, DataSource, RankSlices, RecBatch, make_source, rank_bounds, rank_slice
 from gem_lp.models import GemRanker
+from gem_lp.runtime import dispatch
 
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, remove_stale_shards, remove_stale_temp_files,
                          restore_rng_states, rng_states, save_atomic, save_sharded, seed_everything, verify_shards,
@@ -146,6 +147,12 @@ class Trainer:
         self.source = source if source is not None else make_source(self.dcfg, self.seed)
         self.model = GemRanker(self.mcfg, self.source.features).to(self.device)
         self.network: torch.nn.Module = self.model  # what the forward pass calls
+        # what runs where (first use on a GPU self-checks the kernels not yet verified on it)
+        self.kernel_plan = dispatch.kernel_plan(self.model.kernel_ops(), self.device, self.mcfg.backend)
+        unsafe = [c for c in self.kernel_plan if not c["capture_safe"]]
+        # the sequence part (attention and the linears around it) runs from CUDA graphs only where all of it can
+        self.graphs_off_because = (f"{unsafe[0]['op']} ({unsafe[0]['precision']}) runs {unsafe[0]['impl']} on "
+                                   f"{unsafe[0]['arch']}, which a CUDA graph cannot capture") if unsafe else None
         self.sharding_plan: dict[str, dict[str, Any]] | None = None
         self.fused_tables = False  # the tables are sharded, updated inside the backward by TorchRec's optimizer
         if self.group is not None:
@@ -505,8 +512,8 @@ class Trainer:
         batch = batch.to(self.device, non_blocking=True)
         if self.cuda_graphs and step > 1 and self.model._graphs is None and \
                 batch.batch_size == getattr(self.dcfg, "batch_size", None):  # after a step has built every kernel
-            self.model.capture_cuda_graphs(batch.batch_size)
-            if self.tcfg.sequence_graph_buckets > 0:
+            self.model.capture_cuda_graphs(batch.batch_size)  # the towers: no attention, capture-safe on every plan
+            if self.tcfg.sequence_graph_buckets > 0 and self.graphs_off_because is None:
                 self.model.capture_sequence_graphs(self.tcfg.sequence_graph_buckets,
                                                    self.tcfg.sequence_graph_max_tokens)
         logits = self.network(batch)
@@ -604,6 +611,13 @@ class Trainer:
                      f"; teacher eval AUC {teacher:.4f}" if teacher is not None else "",
                      "" if self.group is None else f"; {self.world_size} processes, tables: " + ", ".join(
                          f"{table} {p['sharding_type']} on ranks {p['ranks']}" for table, p in self.sharding_plan.items()))
+        if self.is_main:
+            log.info("kernel plan (op, precision, arch, implementation):\n%s", "\n".join(
+                f"  {c['op']:17s} {c['precision']:5s} {c['arch']:6s} {c['impl']:10s} {c['summary']}"
+                + (f" [{c['why']}]" if c["why"] else "") + (f" (self-check: {c['self_check']})" if c["self_check"]
+                                                             else "") for c in self.kernel_plan))
+            if self.cuda_graphs and self.graphs_off_because:
+                log.info("sequence graphs off: %s; the sequence part runs eagerly", self.graphs_off_because)
         self.network.train()
         started = time.perf_counter()
         builds = KernelBuilds().start()
@@ -730,7 +744,9 @@ class Trainer:
             "samples_per_s": self.stopwatch.rate,
             "samples_per_s_median_step": self.stopwatch.median_rate,
             "kernel_builds_after_warmup": self.kernel_builds_after_warmup,
+            "kernel_plan": self.kernel_plan,
             "cuda_graphs": self.model._graphs is not None,
+            "sequence_graphs_off_because": self.graphs_off_because if self.cuda_graphs else None,
             **self._sequence_graph_metrics(),
             "peak_mem_bytes": peak_mem,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",

@@ -1,0 +1,92 @@
+"""Self-checks of the RMSNorm kernels (run by `gem_lp.runtime.selfcheck`) against the reference on odd token
+counts with large and tiny rows, twice; with `timed`, beside torch's kernels."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gem_lp.runtime.measure import bench_ms, speed_line, worst_sqnr
+
+ROWS = (1, 31, 33, 129, 300)
+COLS = (256, 1024)
+
+
+def _inputs(device, rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-8, 9, (rows, 1), generator=g).float())
+    w = torch.rand(cols, generator=g) + 0.5
+    dy = torch.randn(rows, cols, generator=g)
+    return x.to(device), w.to(device), dy.to(device)
+
+
+def _summary(floor: float, worst: float, what: str, cases: int, repeat_ok: bool) -> dict:
+    passed = worst >= floor and repeat_ok
+    tail = "repeatable" if repeat_ok else "NOT repeatable"
+    return {"passed": passed, "summary": f"{cases} cases, {worst:.1f} dB worst ({what}; floor {floor:.0f} dB), "
+                                         f"{tail}", "sqnr_db": worst}
+
+
+def rms_norm_cute(device: torch.device, timed: bool = False) -> dict:
+    """The BF16 recipe's norm (quack's forward and backward) against torch's `F.rms_norm` in FP32."""
+    from gem_lp.norm.kernels.cute_forward import RMSNormCute
+
+    worst, cases, repeat_ok = float("inf"), 0, True
+    for i, rows in enumerate(ROWS):
+        for cols in COLS:
+            cases += 1
+            x, w, dy = _inputs(device, rows, cols, 3 * i + cols)
+            xb, wb = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+            outs = []
+            for _ in range(2):
+                y = RMSNormCute.apply(xb, wb, 1e-6)
+                outs.append((y, *torch.autograd.grad(y, (xb, wb), dy.bfloat16())))
+            repeat_ok &= all(torch.equal(a, b) for a, b in zip(*outs))
+            x32, w32 = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y32 = F.rms_norm(x32, (cols,), w32, 1e-6)
+            ref = (y32, *torch.autograd.grad(y32, (x32, w32), dy))
+            s, _ = worst_sqnr(zip(("y", "dx", "dw"), outs[0], ref))
+            worst = min(worst, s)
+    out = _summary(40.0, worst, "BF16 y, dx, dw against FP32", cases, repeat_ok)
+    if timed:
+        x = torch.randn(32767, 1024, dtype=torch.bfloat16, device=device)
+        w = torch.ones(1024, dtype=torch.bfloat16, device=device)
+        ours = bench_ms(lambda: RMSNormCute.apply(x, w, 1e-6))
+        out["speed"] = speed_line(ours, bench_ms(lambda: F.rms_norm(x, (1024,), w, 1e-6)), "torch F.rms_norm",
+                                  "forward 32767x1024 bf16")
+    return out
+
+
+def _backward(device: torch.device, impl: str, timed: bool) -> dict:
+    from gem_lp.mx.reference import rms_norm_fp32
+    from gem_lp.norm.kernels import rms_norm_backward
+    from gem_lp.norm.reference import rms_norm_backward_reference
+
+    worst, cases, repeat_ok = float("inf"), 0, True
+    for i, rows in enumerate(ROWS):
+        for cols in COLS:
+            cases += 1
+            x, w, dy = _inputs(device, rows, cols, 5 * i + cols)
+            x = x.bfloat16()
+            _, rstd = rms_norm_fp32(x, w, 1e-6)
+            got = [rms_norm_backward(x, w, rstd, dy, impl) for _ in range(2)]
+            repeat_ok &= all(torch.equal(a, b) for a, b in zip(*got))
+            want = rms_norm_backward_reference(x, w, rstd, dy)
+            s, _ = worst_sqnr(zip(("dx", "dw"), got[0], want))
+            worst = min(worst, s)
+    out = _summary(40.0, worst, "dx in x's dtype, dw FP32, against the FP32 reference", cases, repeat_ok)
+    if timed:
+        x = torch.randn(32767, 1024, dtype=torch.bfloat16, device=device)
+        w, dy = torch.ones(1024, device=device), torch.randn(32767, 1024, dtype=torch.bfloat16, device=device)
+        rstd = torch.ones(32767, device=device)
+        ours = bench_ms(lambda: rms_norm_backward(x, w, rstd, dy, impl))
+        peer = bench_ms(lambda: rms_norm_backward_reference(x, w, rstd, dy))
+        out["speed"] = speed_line(ours, peer, "torch ops", "backward 32767x1024")
+    return out
+
+
+def backward_cute(device: torch.device, timed: bool = False) -> dict:
+    return _backward(device, "cute", timed)
+
+
+def backward_triton(device: torch.device, timed: bool = False) -> dict:
+    return _backward(device, "triton", timed)

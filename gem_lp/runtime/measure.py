@@ -1,0 +1,47 @@
+"""Helpers of the self-checks: kernel time beside a peer's, and agreement with the reference."""
+from __future__ import annotations
+
+import torch
+
+from gem_lp.accuracy import sqnr_db
+
+
+def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of `fn()` in ms (CUDA events, `triton.testing.do_bench`)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_ms(nbytes: int, device: torch.device) -> float:
+    """A device-to-device copy of `nbytes` read and `nbytes` written: the bandwidth a memory-bound pass compares to."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    return bench_ms(lambda: dst.copy_(src))
+
+
+def speed_line(ours_ms: float, peer_ms: float, peer: str, work: str) -> str:
+    return f"{work}: ours {ours_ms:.3f} ms, {peer} {peer_ms:.3f} ms, {peer_ms / ours_ms:.2f}x"
+
+
+def worst_sqnr(pairs) -> tuple[float, str]:
+    """The lowest SQNR (dB) over `(name, got, want)` and the name it belongs to."""
+    worst = (float("inf"), "")
+    for name, got, want in pairs:
+        s = sqnr_db(got.float(), want.float())
+        if s < worst[0]:
+            worst = (s, name)
+    return worst
+
+
+def max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    d = (got.float() - want.float()).abs()
+    d = d[torch.isfinite(d)]
+    return float(d.max()) if d.numel() else 0.0
+
+
+def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bytes (payloads, scales), NaN patterns included."""
+    g = got.contiguous().view(torch.uint8) if got.dtype.itemsize == 1 else got.contiguous()
+    w = want.contiguous().view(torch.uint8) if want.dtype.itemsize == 1 else want.contiguous()
+    return g.shape == w.shape and bool(torch.equal(g.cpu(), w.cpu()))
