@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# compile_check's PTX dumps, read by the tests (GEM_LP_COMPILE_DUMP) instead of building the kernels again
+DUMP   := .build/compile
 
-.PHONY: setup run test sweep clean
+.PHONY: setup run test test-all sweep clean
 
 setup: $(STAMP)
 
@@ -23,15 +25,20 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt requirements
 run: setup
 	$(BIN)/python train.py
 
-# Every CuTe kernel built for Hopper and Blackwell (no GPU needed), then the test suite (Triton kernels run under
-# TRITON_INTERPRET=1 on CPU machines).
+# Every CuTe kernel built for Hopper and Blackwell (no GPU needed; the two arches in parallel), then the test suite
+# (Triton kernels run under TRITON_INTERPRET=1 on CPU machines). Tests marked `slow` run in `make test-all`.
 test: setup
-	$(BIN)/python -m gem_lp.compile_check --arch sm_90a
-	$(BIN)/python -m gem_lp.compile_check --arch sm_100a
-	$(BIN)/python -m pytest -q -n 2
+	rm -rf $(DUMP)
+	$(BIN)/python -m gem_lp.compile_check --arch sm_90a --arch sm_100a --dump-dir $(DUMP)
+	GEM_LP_COMPILE_DUMP=$(DUMP) $(BIN)/python -m pytest -q -n 2
+
+test-all: setup
+	rm -rf $(DUMP)
+	$(BIN)/python -m gem_lp.compile_check --arch sm_90a --arch sm_100a --dump-dir $(DUMP)
+	GEM_LP_COMPILE_DUMP=$(DUMP) $(BIN)/python -m pytest -q -n 2 --slow
 
 sweep: setup
 	$(BIN)/python train.py -m model=gem_bf16,gem_mxfp8
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache .build

@@ -1,14 +1,19 @@
 """Build every CuTe kernel the public API can launch, for one GPU architecture, on a machine without a GPU.
 
-    python -m gem_lp.compile_check --arch sm_90a|sm_100a [--dump-dir DIR] [--op attention|norm|gemm ...]
+    python -m gem_lp.compile_check --arch sm_90a|sm_100a [--dump-dir DIR] [--op cast|norm|linear|attention ...]
 
 Kernels are built under `FakeTensorMode` (fake CUDA tensors; nothing is launched) with the architecture set
-through the CuTe DSL's and FlashAttention-4's environment. Each build keeps its PTX; one line per kernel gives the
+through the CuTe DSL's and FlashAttention-4's environment. Each build keeps its PTX in the dump dir (tests read it
+there when `GEM_LP_COMPILE_DUMP` names the parent of `sm_90a/` and `sm_100a/` dumps); one line per kernel gives the
 op and direction, the precision, the arch, the build's mode and the MMA instructions in the PTX: `wgmma` for
 sm_90a; `tcgen05.mma` and how many of them are block-scaled for sm_100a. Exit status 1 when a build fails or an
 mxfp8 GEMM or attention build for sm_100a has no block-scaled MMA, or a GEMM or attention build for sm_90a has no
-wgmma (casts and norms have no MMA). Kernel packages list their builds in a `compile_targets(arch)`
-function (see `TARGET_MODULES`).
+wgmma (casts and norms have no MMA). Kernel packages list their builds in a `compile_targets(arch)` function (see
+`TARGET_MODULES`).
+
+A build is not a run: the sm_100a kernels have never run on a Blackwell GPU (none is available to this project).
+What is verified of them without one: these builds and their PTX, the CPU models of the attention kernels
+(`gem_lp.attention.cute.sm100_model`), and the self-check a Blackwell GPU runs on first use (`gem_lp.selfcheck`).
 """
 from __future__ import annotations
 
@@ -132,17 +137,39 @@ def run(arch: str, dump_dir: str, out=sys.stdout, ops: tuple[str, ...] | None = 
     return 1 if failures else 0
 
 
+def _run_arches(arches: list[str], dump_dir: str, ops: tuple[str, ...] | None) -> int:
+    """Several arches at once, one child process each (the DSL reads its arch from the environment once per
+    process), each into `dump_dir/<arch>`; their reports printed in order."""
+    import subprocess
+
+    procs = []
+    for arch in arches:
+        cmd = [sys.executable, "-m", "gem_lp.compile_check", "--arch", arch, "--dump-dir", os.path.join(dump_dir, arch)]
+        for op in ops or ():
+            cmd += ["--op", op]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    status = 0
+    for proc in procs:
+        out, _ = proc.communicate()
+        print(out, end="", flush=True)
+        status |= proc.returncode
+    return 1 if status else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default="sm_90a", choices=ARCHES)
+    ap.add_argument("--arch", action="append", choices=ARCHES, default=None,
+                    help="the arch to build for (repeatable: several build in parallel, into DIR/<arch>)")
     ap.add_argument("--dump-dir", default=None, help="keep each kernel's PTX here (default: a temporary dir)")
     ap.add_argument("--op", action="append", default=None, help="build only this op's kernels (repeatable)")
     args = ap.parse_args(argv)
     ops = tuple(args.op) if args.op else None
-    if args.dump_dir is not None:
-        return run(args.arch, args.dump_dir, ops=ops)
-    with tempfile.TemporaryDirectory() as d:
-        return run(args.arch, d, ops=ops)
+    arches = args.arch or ["sm_90a"]
+    with tempfile.TemporaryDirectory() as tmp:
+        dump_dir = args.dump_dir if args.dump_dir is not None else tmp
+        if len(arches) > 1:
+            return _run_arches(arches, dump_dir, ops)
+        return run(arches[0], dump_dir, ops=ops)
 
 
 if __name__ == "__main__":

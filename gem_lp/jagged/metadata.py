@@ -29,7 +29,8 @@ class JaggedLayout:
         scale_offsets: `[B+1]` int64, first padded scale row of each sequence (see module docstring).
         max_len: longest sequence (0 for an empty batch).
         total: T, the number of packed tokens (`offsets[-1]`).
-        padded_total: Tp, the number of padded scale rows (`scale_offsets[-1]`, a multiple of 128).
+        padded_total: Tp, the number of padded scale rows (`scale_offsets[-1]`, a multiple of 128; a `bounded`
+            layout allocates more: its tiles past the last sequence hold only zero scale bytes).
         tile_seq: `[Tp/128]` int32, the sequence owning each 128-row tile (see `tile_sequences`).
         tile_tokens: `[Tp/128, 2]` int64, per tile: the packed token its first padded row stands for
             (`offsets[b] + 128 * tile - scale_offsets[b]` of its sequence b) and the end of that sequence
@@ -100,6 +101,25 @@ class JaggedLayout:
         else:
             _check_ints(total=total, max_len=max_len, padded_total=padded_total)
         tiles = tile_sequences(scale_offsets, int(padded_total) // SCALE_ROW_TILE)
+        return cls(offsets, lengths, scale_offsets, int(max_len), int(total), int(padded_total), tiles,
+                   tile_token_table(offsets, scale_offsets, tiles))
+
+
+    @classmethod
+    def bounded(cls, offsets: torch.Tensor, total: int, max_len: int) -> "JaggedLayout":
+        """The layout with no host sync, as a CUDA graph can capture it: scale rows for the worst case of B sequences
+        over `total` tokens, `(ceil(total / 128) + B) * 128` (a sequence's padding is less than one 128-row tile),
+        the tiles past the last sequence's padding holding zero scale bytes. Addressed by `scale_offsets`, the scales
+        of every sequence are where `from_offsets` puts them. The offsets are taken unchecked (the caller vouches
+        for them, and that no sequence is longer than `max_len`)."""
+        check_offsets_form(offsets)
+        _check_ints(total=total, max_len=max_len)
+        batch = offsets.numel() - 1
+        lengths = offsets[1:] - offsets[:-1]
+        padded = (lengths.to(torch.int64) + (SCALE_ROW_TILE - 1)) // SCALE_ROW_TILE * SCALE_ROW_TILE
+        scale_offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+        padded_total = ((total + SCALE_ROW_TILE - 1) // SCALE_ROW_TILE + batch) * SCALE_ROW_TILE if batch else 0
+        tiles = tile_sequences(scale_offsets, padded_total // SCALE_ROW_TILE).clamp_(max=max(batch - 1, 0))
         return cls(offsets, lengths, scale_offsets, int(max_len), int(total), int(padded_total), tiles,
                    tile_token_table(offsets, scale_offsets, tiles))
 

@@ -58,13 +58,9 @@ class Sm100BwdTiles:
 # dQ 256-383, dK 384-511 take all 512 columns; the scale tiles go to S^T columns 32-63 (past the E4M3 P) and dP^T
 # columns 288-295 (past the E4M3 dS) while those hold nothing live, with a serial MMA schedule (bwd_sm100).
 SM100_BWD = {64: Sm100BwdTiles(128, 128), 128: Sm100BwdTiles(128, 128)}
-# Compute-capability majors with MXFP8 attention kernels, per direction: sm_90a both; sm_100a both (compiled and
-# their PTX checked, never run: no Blackwell GPU here).
+# Compute-capability majors with MXFP8 attention kernels, per direction: sm_90a both; sm_100a both (compiled and their
+# PTX checked, never run: no Blackwell GPU here). Which of them an op runs is the dispatch table's choice.
 MX_FWD_ARCH_MAJORS = (9, 10)
 MX_BWD_ARCH_MAJORS = (9, 10)
-# Majors where the public API runs mxfp8 on these kernels. Not derived from the two above: the sm_100a kernels take
-# E4M3 payloads with their blocked scales (square Q / K / dO with both scale layouts for the backward), and the API
-# has no sm_100 producer of those yet, so sm_100 keeps the reference recipe for mxfp8.
-MX_ARCH_MAJORS = (9,)
 # p_quant modes per arch
 MX_P_QUANTS = {9: ("const_p", "dynamic"), 10: ("const_p", "dynamic")}

@@ -137,11 +137,7 @@ class CuteAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, c, vb: VarlenBatch, causal: bool, precision: str, scale: float, p_quant: str,
-                packing: str | None):
-        from flash_attn.cute import interface as fa4
-
-        from gem_lp.attention.cute.launch import mx_forward
-
+                packing: str | None, impl: str = "cute_sm90"):
         if packing == "qkv":
             q, k, v = a.unbind(1)
         elif packing == "kv":
@@ -150,7 +146,13 @@ class CuteAttention(torch.autograd.Function):
             q, k, v = a, b, c
         ctx.packing = None if packing is None else (packing, (a if packing == "qkv" else b).shape, q.dtype)
 
-        if precision == "bf16":
+        ctx.impl = impl
+        if impl == "cute_sm100":
+            out, lse, saved = _sm100_forward(q, k, v, vb, causal=causal, scale=scale, p_quant=p_quant)
+            ctx.save_for_backward(*saved, out, lse)
+        elif precision == "bf16":
+            from flash_attn.cute import interface as fa4
+
             dt = _kernel_dtype(q)
             # views into a fused projection go to FA4 as they are: it takes token rows at any 16-byte aligned
             # stride (its `maybe_contiguous` copies only what its kernels cannot read)
@@ -160,6 +162,8 @@ class CuteAttention(torch.autograd.Function):
                 max_seqlen_k=vb.max_k, softmax_scale=scale, causal=causal, return_lse=True)[:2]
             ctx.save_for_backward(q, k, v, out, lse)
         else:
+            from gem_lp.attention.cute.launch import mx_forward
+
             # the same pass packs what the backward quantizes (Q, K square, V hdim) as MX: kept instead of q, k, v
             (qd, kd, vd), packed = mx_operands(
                 [(_rows(q), vb.q_offsets, ORIENT_HDIM), (_rows(k), vb.kv_offsets, ORIENT_HDIM),
@@ -175,10 +179,6 @@ class CuteAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        from flash_attn.cute import interface as fa4
-
-        from gem_lp.attention.cute.launch import mx_backward
-
         *inputs, out, lse = ctx.saved_tensors
         vb = ctx.vb
         q_dtype, k_dtype, v_dtype = ctx.dtypes
@@ -189,7 +189,12 @@ class CuteAttention(torch.autograd.Function):
         grad, (dq_out, dk_out, dv_out) = _packed_grad(ctx, out.device)
         if vb.broadcast_q:
             dq_out = None
-        if ctx.precision == "bf16":
+        if ctx.impl == "cute_sm100":
+            dq, dk, dv = _sm100_backward(inputs, out, lse, d_out, dlse, vb, causal=ctx.causal, scale=ctx.scale,
+                                         p_quant=ctx.p_quant, dq=dq_out, dk=dk_out, dv=dv_out)
+        elif ctx.precision == "bf16":
+            from flash_attn.cute import interface as fa4
+
             q, k, v = inputs
             dt = _kernel_dtype(q)
             q_, k_, v_ = (t.to(dt) for t in (q, k, v))
@@ -198,6 +203,8 @@ class CuteAttention(torch.autograd.Function):
                 cu_seqlens_q=vb.cu_q, cu_seqlens_k=vb.cu_k, max_seqlen_q=max(vb.max_q, _BWD_MAX_SEQLEN_FLOOR),
                 max_seqlen_k=max(vb.max_k, _BWD_MAX_SEQLEN_FLOOR), dlse=dlse, dq=dq_out, dk=dk_out, dv=dv_out)
         else:
+            from gem_lp.attention.cute.launch import mx_backward
+
             qp, kp, vp = (PackedMX(inputs[2 * i], inputs[2 * i + 1], orient, ctx.chunk_rows)
                           for i, orient in enumerate((ORIENT_SQUARE, ORIENT_SQUARE, ORIENT_HDIM)))
             qs, ks, vh, dos = mx_operands([(qp, vb.q_offsets, ORIENT_SQUARE), (kp, vb.kv_offsets, ORIENT_SQUARE),
@@ -206,7 +213,7 @@ class CuteAttention(torch.autograd.Function):
                                      causal=ctx.causal, scale=ctx.scale, p_quant=ctx.p_quant,
                                      arch=build_arch(out.device), dq=dq_out, dk=dk_out, dv=dv_out)
         dq = _sum_q(dq, vb, ctx.q_rows).to(q_dtype)
-        rest = (None,) * 6
+        rest = (None,) * 7
         if ctx.packing is None:
             return (dq, dk.to(k_dtype), dv.to(v_dtype)) + rest
         kind = ctx.packing[0]
@@ -224,8 +231,87 @@ def jagged_attention_cute(q, k, v, vb: VarlenBatch, *, causal: bool, precision: 
     if math.prod(q.shape) and q.shape[2] % 8:
         raise ValueError(f"the cute backend needs a head dim that is a multiple of 8, got D={q.shape[2]}")
     if packed is None:
-        return CuteAttention.apply(q, k, v, vb, causal, precision, scale, p_quant, None)
+        return CuteAttention.apply(q, k, v, vb, causal, precision, scale, p_quant, None, impl)
     kind, tensor = packed
     if kind == "qkv":
-        return CuteAttention.apply(tensor, None, None, vb, causal, precision, scale, p_quant, kind)
-    return CuteAttention.apply(q, tensor, None, vb, causal, precision, scale, p_quant, kind)
+        return CuteAttention.apply(tensor, None, None, vb, causal, precision, scale, p_quant, kind, impl)
+    return CuteAttention.apply(q, tensor, None, vb, causal, precision, scale, p_quant, kind, impl)
+
+
+# ---------------------------------------------------------------------------------------------- sm_100 (Blackwell)
+#
+# The block-scaled kernels (`fwd_sm100`, `bwd_sm100`) read E4M3 payloads and blocked E8M0 scales in the zero-gather
+# layout of `gem_lp.jagged` (payloads at their packed positions, each sequence's scale rows padded to 128): the
+# producer is `quantize_jagged` on a `JaggedLayout.bounded` (no host sync: capture-safe). The forward quantizes Q, K
+# in `hdim` and V in `seq` for itself, and Q, K in `square` (one payload, both scale forms) and V in `hdim` for the
+# backward, from the same read of each; those MX tensors are what the op keeps (no 16-bit q, k, v). The backward
+# quantizes dO in `square`. On CPU tensors (the emulated Blackwell plan, `dispatch.emulate("sm_100")`) the kernels
+# are replaced by their CPU model (`sm100_model`), the producer runs as on the GPU.
+
+_SAVED_SM100 = ("payload_square", "scale_square_hdim", "scale_square_seq")
+
+
+def _layout(offsets: torch.Tensor, rows: int, max_len: int, tag: str):
+    from gem_lp.jagged.metadata import JaggedLayout
+
+    return cached_plan(offsets, ("jagged layout", tag, rows, max_len),
+                       lambda: JaggedLayout.bounded(offsets, rows, max_len))
+
+
+def _tiles(layout) -> torch.Tensor:
+    return cached_plan(layout.offsets, ("scale tiles", layout.padded_total),
+                       lambda: (layout.scale_offsets // 128).to(torch.int32))
+
+
+def _sm100_kernels(device: torch.device):
+    """(forward, backward): the block-scaled kernels' launches on a GPU, their CPU model on CPU tensors."""
+    if device.type == "cuda":
+        from gem_lp.attention.cute import launch
+
+        def forward(q, k, v, scales, cu_q, cu_k, **kw):
+            return launch.mx_forward(q, k, v, cu_q, cu_k, arch=build_arch(device), scales=scales, **kw)
+
+        def backward(q, k, v, do, do_values, out, lse, dlse, scales, cu_q, cu_k, **kw):
+            return launch.mx_backward(q, k, v, do, out, lse, dlse, cu_q, cu_k, arch=build_arch(device),
+                                      scales=scales, do_values=do_values, **kw)
+
+        return forward, backward
+    from gem_lp.attention.cute import sm100_model
+
+    return sm100_model.forward, sm100_model.backward
+
+
+def _sm100_forward(q, k, v, vb: VarlenBatch, *, causal: bool, scale: float, p_quant: str):
+    from gem_lp.attention.cute.sm100_operands import MXScales
+    from gem_lp.jagged.ops import quantize_jagged
+
+    q = _repeat_q(q, vb)
+    lq, lk = _layout(vb.out_offsets, q.shape[0], vb.max_q, "q"), _layout(vb.kv_offsets, k.shape[0], vb.max_k, "kv")
+    qj = quantize_jagged(q, lq, ("hdim", "square"))
+    kj = quantize_jagged(k, lk, ("hdim", "square"))
+    vj = quantize_jagged(v, lk, ("seq", "hdim"))
+    scales = MXScales(qj.scale_hdim, kj.scale_hdim, vj.scale_seq, _tiles(lq), _tiles(lk))
+    forward, _ = _sm100_kernels(q.device)
+    out, lse = forward(qj.payload_hdim, kj.payload_hdim, vj.payload_seq, scales, vb.cu_q, vb.cu_k, causal=causal,
+                       scale=scale, p_quant=p_quant)
+    saved = [getattr(j, n) for j in (qj, kj) for n in _SAVED_SM100] + [vj.payload_hdim, vj.scale_hdim]
+    return out, lse, saved
+
+
+def _sm100_backward(saved, out, lse, d_out, dlse, vb: VarlenBatch, *, causal: bool, scale: float, p_quant: str,
+                    dq=None, dk=None, dv=None):
+    from gem_lp.attention.cute.sm100_operands import MXBwdScales
+    from gem_lp.jagged.ops import quantize_jagged
+    from gem_lp.jagged.tensor import dequantize_jagged
+
+    q_sq, q_sq_h, q_sq_s, k_sq, k_sq_h, k_sq_s, v_h, v_h_s = saved
+    lq = _layout(vb.out_offsets, out.shape[0], vb.max_q, "q")
+    lk = _layout(vb.kv_offsets, k_sq.shape[0], vb.max_k, "kv")
+    doj = quantize_jagged(d_out, lq, ("square",))
+    # Δ = rowsum(dO ⊙ O) from the dO the gradient GEMMs use: its MX values (exact in BF16)
+    do_values = dequantize_jagged(doj, "square").to(torch.bfloat16)
+    scales = MXBwdScales(q_sq_h, q_sq_s, k_sq_h, k_sq_s, v_h_s, doj.scale_square_hdim, doj.scale_square_seq,
+                         _tiles(lq), _tiles(lk))
+    _, backward = _sm100_kernels(out.device)
+    return backward(q_sq, k_sq, v_h, doj.payload_square, do_values, out, lse, dlse, scales, vb.cu_q, vb.cu_k,
+                    causal=causal, scale=scale, p_quant=p_quant, dq=dq, dk=dk, dv=dv)

@@ -7,7 +7,6 @@ not launched, which is how `gem_lp.compile_check` builds them on a machine witho
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +22,8 @@ from gem_lp.attention.cute.bwd_sm90 import MXAttentionBackwardSm90
 from gem_lp.attention.cute.config import (MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_BWD, SM100_FWD,
                      FwdTiles)
 from gem_lp.attention.cute.fwd_sm90 import MXAttentionForwardSm90
+from gem_lp.attention.cute.sm100_operands import (MXBwdScales, MXScales, check_sm100_bwd_operands,  # noqa: F401
+                                                  check_sm100_operands)
 
 _COMPILED: dict[tuple, object] = register_cache("attention", {})
 # FA4 gives its varlen schedulers a cumulative tile count above this many sequences (a binary search below).
@@ -46,7 +47,8 @@ def _seq_tensor(t: torch.Tensor | None):
     return None if t is None else to_cute_tensor(t, assumed_align=4, leading_dim=0)
 
 
-_ARCHES = {"sm_90a": 9, "sm_100a": 10}
+# sm_103a builds the sm_100a kernels for its own arch (never run: no Blackwell GPU here; self-checked on first use)
+_ARCHES = {"sm_90a": 9, "sm_100a": 10, "sm_103a": 10}
 
 
 def _check_arch(arch: str, direction: str = "fwd", p_quant: str | None = None) -> int:
@@ -60,103 +62,6 @@ def _check_arch(arch: str, direction: str = "fwd", p_quant: str | None = None) -
         raise NotImplementedError(f"the {arch} MXFP8 attention {direction} kernel has p_quant in "
                                   f"{MX_P_QUANTS[major]}, got {p_quant!r}")
     return major
-
-
-@dataclass(frozen=True)
-class MXScales:
-    """The block scales of the sm_100a forward's operands, in the per-sequence 128-padded blocked layout of
-    `gem_lp.jagged.quantize_jagged` (docs/jagged.md): `q`, `k` the `hdim` scales `[H, blocked bytes]` uint8 of Q
-    and K, `v` V's `seq` scales; `q_tiles`, `k_tiles` int32 `[B+1]` on the device: each sequence's first 128-row
-    scale tile (the layout's `scale_offsets // 128`) for the query and the key sequences."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    q_tiles: torch.Tensor
-    k_tiles: torch.Tensor
-
-
-def check_sm100_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: MXScales | None,
-                         cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
-    """Shapes and dtypes of the sm_100a forward's operands (raises ValueError)."""
-    if scales is None:
-        raise ValueError("the sm_100a MXFP8 forward takes E4M3 payloads and their block scales: pass scales=MXScales")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
-            raise ValueError(f"{name} must be a [T, H, D] float8_e4m3fn payload, got {t.dtype} {tuple(t.shape)}")
-    heads, dim = q.shape[1], q.shape[2]
-    if dim not in SM100_FWD:
-        raise ValueError(f"the sm_100a MXFP8 forward takes head dims {tuple(SM100_FWD)}, got {dim}")
-    if k.shape[1:] != q.shape[1:] or v.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: heads and head dims differ")
-    for name, sf, tokens in (("q", scales.q, q.shape[0]), ("k", scales.k, k.shape[0]), ("v", scales.v, k.shape[0])):
-        if sf.dtype != torch.uint8 or sf.dim() != 2 or sf.shape[0] != heads or sf.shape[1] % 512:
-            raise ValueError(f"scales.{name} must be [H={heads}, n * 512] uint8 (blocked), got {sf.dtype} "
-                             f"{tuple(sf.shape)}")
-        if sf.shape[1] < (tokens + 127) // 128 * 512:
-            raise ValueError(f"scales.{name} has {sf.shape[1]} bytes per head, fewer than {tokens} tokens need")
-        if not sf.is_contiguous():
-            raise ValueError(f"scales.{name} must be contiguous")
-    for name, tiles, cu in (("q_tiles", scales.q_tiles, cu_q), ("k_tiles", scales.k_tiles, cu_k)):
-        if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
-            raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
-                             f"{tuple(tiles.shape)}")
-
-
-@dataclass(frozen=True)
-class MXBwdScales:
-    """The block scales of the sm_100a backward's operands, blocked and per-sequence 128-padded as `MXScales`, each
-    `[H, blocked bytes]` uint8. Q, K, dO are `square`-quantized, and each comes with both layouts of its scales (the
-    same values): `q`, `k`, `do` the `hdim`-shaped ones (row = token, column = 32-feature block; for S = Q K^T and
-    dP = dO V^T) and `q_seq`, `k_seq`, `do_seq` the `seq`-shaped ones (row = feature, column = 32-token block; for
-    dK = dS^T Q, dQ = dS K, dV = P^T dO); `v` V's `hdim` scales. `q_tiles`, `k_tiles` as in `MXScales`."""
-
-    q: torch.Tensor
-    q_seq: torch.Tensor
-    k: torch.Tensor
-    k_seq: torch.Tensor
-    v: torch.Tensor
-    do: torch.Tensor
-    do_seq: torch.Tensor
-    q_tiles: torch.Tensor
-    k_tiles: torch.Tensor
-
-
-def check_sm100_bwd_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                             do_values: torch.Tensor | None, scales: MXBwdScales | None, cu_q: torch.Tensor,
-                             cu_k: torch.Tensor) -> None:
-    """Shapes and dtypes of the sm_100a backward's operands (raises ValueError)."""
-    if scales is None:
-        raise ValueError("the sm_100a MXFP8 backward takes E4M3 payloads and their block scales: pass "
-                         "scales=MXBwdScales")
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
-        if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
-            raise ValueError(f"{name} must be a [T, H, D] float8_e4m3fn payload, got {t.dtype} {tuple(t.shape)}")
-    heads, dim = q.shape[1], q.shape[2]
-    if dim not in SM100_BWD:
-        raise ValueError(f"the sm_100a MXFP8 backward takes head dims {tuple(SM100_BWD)}, got {dim}")
-    if k.shape[1:] != q.shape[1:] or v.shape != k.shape or do.shape != q.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, do {tuple(do.shape)}: "
-                         "shapes differ")
-    if do_values is None or do_values.dtype != torch.bfloat16 or do_values.shape != do.shape:
-        got = None if do_values is None else f"{do_values.dtype} {tuple(do_values.shape)}"
-        raise ValueError(f"do_values must be the BF16 values of do's payload and scales, {tuple(do.shape)} (for "
-                         f"Δ = rowsum(dO O)), got {got}")
-    tq, tk = q.shape[0], k.shape[0]
-    for name, tokens in (("q", tq), ("q_seq", tq), ("k", tk), ("k_seq", tk), ("v", tk), ("do", tq),
-                         ("do_seq", tq)):
-        sf = getattr(scales, name)
-        if sf.dtype != torch.uint8 or sf.dim() != 2 or sf.shape[0] != heads or sf.shape[1] % 512:
-            raise ValueError(f"scales.{name} must be [H={heads}, n * 512] uint8 (blocked), got {sf.dtype} "
-                             f"{tuple(sf.shape)}")
-        if sf.shape[1] < (tokens + 127) // 128 * 512:
-            raise ValueError(f"scales.{name} has {sf.shape[1]} bytes per head, fewer than {tokens} tokens need")
-        if not sf.is_contiguous():
-            raise ValueError(f"scales.{name} must be contiguous")
-    for name, tiles, cu in (("q_tiles", scales.q_tiles, cu_q), ("k_tiles", scales.k_tiles, cu_k)):
-        if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
-            raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
-                             f"{tuple(tiles.shape)}")
 
 
 def mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
