@@ -188,10 +188,16 @@ def _schedule_events(ledger: TmemLedger, cols: dict, steps: int, serial: bool) -
         w("sfdOh")
         mma("dP", "sfVh", "sfdOh")
 
+    accumulating = set()  # dV and dK read their D from their second MMA on
+
+    def mma_acc(d, *reads):
+        mma(d, *reads, *([d] if d in accumulating else []))
+        accumulating.add(d)
+
     def dv_mma():
         w("sfdOs")
         w("sfP")
-        mma("dV", "P", "sfP", "sfdOs")
+        mma_acc("dV", "P", "sfP", "sfdOs")
 
     def ds_store():  # compute warps: dP^T into registers, dS over its first columns
         r("dP")
@@ -201,7 +207,7 @@ def _schedule_events(ledger: TmemLedger, cols: dict, steps: int, serial: bool) -
         w("sfQs")
         w("sfdSt")
         w("sfdS")
-        mma("dK", "dS", "sfdSt", "sfQs")
+        mma_acc("dK", "dS", "sfdSt", "sfQs")
         w("sfKs") if serial else None
         mma("dQ", "sfdS", "sfKs")  # A = dS from shared memory
         r("dQ")  # the dQ reduce warps

@@ -199,7 +199,7 @@ def forward_trace(q, k, v, scales, cu_q, cu_k, *, causal: bool, scale: float, p_
             sfv = scale_tile(scales.v, head, k_tiles[b] + n_v, reads, "v")[:dim]  # rows: V's features
             ledger.write("sfV", *cols["sfV"])
             ledger.write("sfP", *cols["sfP"])
-            for name in ("P", "sfP", "sfV"):
+            for name in ("P", "sfP", "sfV") + (("O",) if not is_first else ()):
                 ledger.read(name, *cols[name])
             # O += P V: A = P [rows, keys], B = V^T [features, keys] (MN-major V), SFB = V's `seq` tile
             o_acc = block_scaled_mma(p_payload, p_bytes, tma_rows(v, head, ck[b] + n_v * TILE).T, sfv, o_acc)
