@@ -75,6 +75,62 @@ def quantize_p_backward(p: torch.Tensor, p_quant: str) -> torch.Tensor:
     return const_p(p) if p_quant == "const_p" else mx_square(p)
 
 
+# ----------------------------------------------------------------------------- the dQ accumulator
+
+DQ_ACCUMS = ("fp32", "fp16")
+# LP-FA4's static scale of its FP16 dQ accumulator
+DQ_FP16_SCALE_LOG2 = 12
+# dQ's accumulator sums key tiles of this many keys, from each sequence's first key (the kernels' tile_n)
+DQ_KEY_TILE = 128
+FP16_MAX = 65504.0
+
+
+class DQAccumulatorOverflow(ValueError):
+    """A dQ key tile or running sum times 2^dq_scale_log2 is beyond FP16's range."""
+
+
+def accumulate_dq(acc: torch.Tensor, partial: torch.Tensor, softmax_scale: float, dq_accum: str,
+                  scale_log2: int) -> torch.Tensor:
+    """One key tile's dQ contribution `partial` (the FP32 product dS_n K_n) added into the accumulator `acc`
+    (`MXRecipe.dq_accum`). `fp32`: acc + partial (FP32; the softmax scale comes at the end, `finish_dq`). `fp16`:
+    FP16(acc + FP16(partial * fp32(softmax_scale * 2^scale_log2))): the tile times one FP32 constant, rounded to FP16,
+    and the sum of two FP16 values (exact in FP64) rounded once to FP16; raises `DQAccumulatorOverflow` where a
+    finite value would round to FP16's infinity."""
+    if dq_accum == "fp32":
+        return acc + partial
+    factor = torch.tensor(softmax_scale * 2.0**scale_log2, dtype=torch.float32)
+    scaled = (partial.to(torch.float32) * factor).to(torch.float64)
+    total = acc.to(torch.float64) + scaled.to(torch.float16).to(torch.float64)
+    for name, x in (("a key tile's dQ", scaled), ("the dQ sum", total)):
+        finite = torch.isfinite(x)
+        # what rounds to FP16's infinity: half an ulp (2^4) or more beyond its largest value
+        if bool((finite & (x.abs() >= FP16_MAX + 16.0)).any()):
+            worst = float(x[finite].abs().max()) * 2.0**-scale_log2
+            raise DQAccumulatorOverflow(
+                f"{name} reaches {worst:.4g}, beyond the FP16 dQ accumulator's range at the static scale 2^{scale_log2} "
+                f"(|dQ| < {FP16_MAX * 2.0**-scale_log2:.4g}); use dq_accum='fp32' or a smaller dq_scale_log2")
+    return total.to(torch.float16)
+
+
+def finish_dq(acc: torch.Tensor, softmax_scale: float, dq_accum: str, scale_log2: int) -> torch.Tensor:
+    """dQ in FP32 from its accumulator: `fp32` acc times the softmax scale, `fp16` acc times 2^-scale_log2 (exact)."""
+    if dq_accum == "fp32":
+        return acc * softmax_scale
+    return acc.to(torch.float32) * 2.0**-scale_log2
+
+
+def dq_from_tiles(ds: torch.Tensor, k: torch.Tensor, softmax_scale: float, recipe: "MXRecipe") -> torch.Tensor:
+    """dQ = dS K * softmax_scale through the recipe's accumulator: ds `[..., Pq, Pk]`, k `[..., Pk, D]`, keys padded
+    per sequence from its first key, so key tile n is keys 128 n .. 128 n + 127 of every sequence."""
+    if recipe.dq_accum == "fp32":
+        return ds @ k * softmax_scale
+    acc = torch.zeros(*ds.shape[:-1], k.shape[-1], dtype=torch.float16, device=ds.device)
+    for start in range(0, ds.shape[-1], DQ_KEY_TILE):
+        tile = slice(start, start + DQ_KEY_TILE)
+        acc = accumulate_dq(acc, ds[..., tile] @ k[..., tile, :], softmax_scale, "fp16", recipe.dq_scale_log2)
+    return finish_dq(acc, softmax_scale, "fp16", recipe.dq_scale_log2).to(ds.dtype)
+
+
 # ----------------------------------------------------------------------------- the mxfp8 recipe's options
 
 
@@ -102,6 +158,12 @@ class MXRecipe:
       needs a second pass over the keys in a kernel).
     * `k_smoothing`: subtract each sequence's mean key (per head and channel) before quantizing. Softmax is
       invariant to a per-query constant, so O is unchanged in exact arithmetic; LSE gets q.mean added back.
+    * `dq_accum`: the accumulator of dQ = dS K * softmax scale over the key tiles. `fp32` (FA4's, the kernels'):
+      an FP32 sum of the tiles' dS_n K_n, times the softmax scale at the end. `fp16` (LP-FA4's throughput option):
+      per 128-key tile from each sequence's start, in key order, the tile's FP32 product dS_n K_n times the FP32
+      constant softmax scale * 2^`dq_scale_log2` is rounded to FP16 and added into an FP16 accumulator (the sum
+      rounded once to FP16), which is multiplied by 2^-`dq_scale_log2` at the end (`accumulate_dq`, `finish_dq`).
+      A scaled tile or running sum beyond FP16's range raises `DQAccumulatorOverflow`.
     """
 
     p_quant: str = "const_p"
@@ -116,13 +178,17 @@ class MXRecipe:
     ds_blocks: str = "square"
     delta: str = "o_do_q"
     k_smoothing: bool = False
+    dq_accum: str = "fp32"
+    dq_scale_log2: int = DQ_FP16_SCALE_LOG2
 
     def __post_init__(self):
         choices = {"p_quant": P_QUANTS, "qk_recompute": ("square", "forward"), "qk_grad_blocks": ("square", "seq"),
-                   "ds_blocks": ("square", "rowcol"), "delta": ("o_do_q", "o_do", "p_dp")}
+                   "ds_blocks": ("square", "rowcol"), "delta": ("o_do_q", "o_do", "p_dp"), "dq_accum": DQ_ACCUMS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MXRecipe.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if isinstance(self.dq_scale_log2, bool) or not isinstance(self.dq_scale_log2, int):
+            raise ValueError(f"MXRecipe.dq_scale_log2 must be an int, got {self.dq_scale_log2!r}")
 
     @staticmethod
     def point(enabled: bool, quantize, x: torch.Tensor, *args) -> torch.Tensor:
@@ -280,7 +346,7 @@ def mx_backward_chunk(q, k, v, o, do, lse, dlse, mask, scale: float, recipe: MXR
     else:  # 32 tokens x 1 feature: an outlier channel keeps its scale to itself
         k_for_dq, q_for_dk = (r.point(r.qk_backward, mx_seq, t) for t in (k, q))
     dv = r.point(r.p, quantize_p_backward, p, r.p_quant).transpose(-1, -2) @ dos
-    dq = ds_for_dq @ k_for_dq * scale
+    dq = dq_from_tiles(ds_for_dq, k_for_dq, scale, r)
     dk = ds_for_dk.transpose(-1, -2) @ q_for_dk * scale
     if k_mean is not None:  # chain rule through K - mean(K) and through LSE's added q.mean
         count = kv_valid.sum(-1).clamp(min=1).to(dk.dtype)[:, None, None, None]
