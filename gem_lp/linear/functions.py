@@ -48,7 +48,7 @@ def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, 
     dy_row, dy_col_t, dy_sums = dy_operands(dy, scaling, route, need_b, rows, row=need_in and not separate,
                                             col=need_w or not need_in, dy_activation=dy_activation,
                                             row_out=None if separate else dy_row_out)
-    d_in = d_w = d_b = None
+    d_in = d_w = None
     if need_w:
         d_w = gemm_nt(dy_col_t, make_x_col(), route, dw_dtype)
     del dy_col_t

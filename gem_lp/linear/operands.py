@@ -18,7 +18,9 @@ import torch
 from gem_lp.linear.cache import PerTensorCache
 from gem_lp.linear.gemm import MX_ROUTES
 from gem_lp.mx.formats import MXTensor
-from gem_lp.mx.kernels.triton_cast import NormMXOutputs, rms_norm_mx
+from gem_lp.mx.reference import dequantize
+from gem_lp.mx.casts import NormMXOutputs, casts_reference
+from gem_lp.mx.kernels.triton_cast import rms_norm_mx
 from gem_lp.mx.kernels.triton_dequantize import dequantize_operand
 from gem_lp.runtime import dispatch
 from gem_lp.runtime.device import build_arch, capturing, interpreter_enabled
@@ -61,9 +63,12 @@ def casts(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, *, sca
     kernel's only)."""
     kw = dict(scaling=scaling, rowwise=rowwise, colwise=colwise, row_operand=row_operand, col_operand=col_operand,
               operand_dtype=operand_dtype, operand_rows=operand_rows, column_sums=column_sums, activation=activation)
-    if not x.is_cuda and not interpreter_enabled():
-        raise ValueError("the MX linears' casts on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
-                         "importing gem_lp (or use backend='reference')")
+    if not x.is_cuda:
+        if dispatch.emulated_arch():  # an emulated plan: the kernels' CPU model
+            return casts_reference(x, weight, eps, activation_input=activation_input, **kw)
+        if not interpreter_enabled():
+            raise ValueError("the MX linears' casts on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
+                             "before importing gem_lp (or use backend='reference')")
     if activation_input is not None or row_operand_out is not None or \
             not (operand_dtype == torch.bfloat16 and _cute_cast(x, weight)):
         return rms_norm_mx(x, weight, eps, activation_input=activation_input, row_operand_out=row_operand_out, **kw)
@@ -175,6 +180,11 @@ def saved_col_operand(data: torch.Tensor, scale: torch.Tensor, scaling: str, rou
     """
     if route in MX_ROUTES:
         return MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked")
+    if not data.is_cuda and dispatch.emulated_arch():  # the dequantize pass's CPU model
+        values = dequantize(MXTensor(data, scale, "1d", 1, scaling, dtype, "blocked"))
+        out = torch.zeros(data.shape[1] if rows is None else rows, data.shape[0], dtype=operand_dtype_for(dtype))
+        out[: data.shape[1]] = values.t()
+        return out.t()
     return dequantize_operand(data, scale, True, operand_dtype_for(dtype), transposed=True, padded_cols=rows)
 
 

@@ -67,8 +67,8 @@ IMPLS: dict[tuple[str, str], dict[str, Impl]] = {
         Impl(REFERENCE, None, "torch F.rms_norm", fit_for_gpu=True),
         Impl("cute", "cute", "quack RMSNorm forward + backward", check="gem_lp.norm.selfchecks:rms_norm_cute")),
     ("rms_norm_quantize", "mxfp8"): _impls(
-        _REF, Impl("cute", "cute", "CuTe RMSNorm + MX cast", check="gem_lp.mx.selfchecks:norm_cast_cute"),
-        Impl("triton", "triton", "Triton RMSNorm + MX cast", check="gem_lp.mx.selfchecks:norm_cast_triton")),
+        _REF, Impl("cute", "cute", "CuTe RMSNorm + MX cast", check="gem_lp.norm.selfchecks:norm_cast_cute"),
+        Impl("triton", "triton", "Triton RMSNorm + MX cast", check="gem_lp.norm.selfchecks:norm_cast_triton")),
     ("rms_norm_backward", "fp32"): _impls(
         _REF, Impl("cute", "cute", "quack RMSNorm backward", check="gem_lp.norm.selfchecks:backward_cute"),
         Impl("triton", "triton", "Triton RMSNorm backward", check="gem_lp.norm.selfchecks:backward_triton")),
@@ -154,18 +154,16 @@ def plan_choice(op: str, precision: str, arch: str, *, hidden: frozenset[str] = 
     """The choice of `arch`'s plan for (op, precision): the first implementation of the table whose toolchain is
     installed (and not in `hidden`) and whose self-check did not fail; else the reference, saying why.
     `verify_device`: a CUDA device on which implementations not yet verified are self-checked first. `emulated`:
-    the plan runs on CPU tensors (`emulate`): Triton kernels in its interpreter, CuTe ones as their CPU models."""
+    the plan runs on CPU tensors (`emulate`), each kernel as its CPU model: the Triton kernels' (casts, producers,
+    the norm backward) are the references they equal byte for byte; CuTe implementations need one of their own."""
     reasons = []
     order = TABLE[(op, precision)].get(arch, ())
     for name in order:
         impl = IMPLS[(op, precision)][name]
         missing = (f"{impl.toolchain} not available" if impl.toolchain in hidden
                    else _toolchain_missing(impl.toolchain))
-        if emulated and missing is None:
-            if impl.toolchain == "cute" and not impl.cpu_model:
-                missing = "no CPU model of its kernels"
-            elif impl.toolchain == "triton" and not interpreter_enabled():
-                missing = "Triton's interpreter is off (TRITON_INTERPRET=1)"
+        if emulated and missing is None and impl.toolchain == "cute" and not impl.cpu_model:
+            missing = "no CPU model of its kernels"
         if missing:
             reasons.append(f"{name}: {missing}")
             continue

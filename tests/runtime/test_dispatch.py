@@ -98,19 +98,15 @@ def test_one_warning_per_reference_fallback_on_a_gpu(monkeypatch):
     assert msgs == ["gem_lp: attention (mxfp8) on cuda runs the plain-PyTorch reference on cuda: no kernel for cuda"]
 
 
-def test_emulated_plans_on_cpu_tensors(monkeypatch):
-    """CPU tensors under `emulate(arch)` take that arch's plan: Triton kernels in the interpreter, CuTe kernels as
-    their CPU models where they have one, the next implementation where not."""
-    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: True)
+def test_emulated_plans_on_cpu_tensors():
+    """CPU tensors under `emulate(arch)` take that arch's plan, each kernel as its CPU model (the CuTe ones where
+    they have one, the next implementation where not)."""
     with dispatch.emulate("sm_100"):
         assert dispatch.emulated_arch() == "sm_100"
         assert dispatch.choose("linear", "mxfp8", CPU) == "scaled_mm"
         assert dispatch.choose("attention", "mxfp8", CPU) == "cute_sm100"
         assert dispatch.choose("quantize_dual", "mxfp8", CPU) == "triton"  # the CuTe cast has no CPU model
         assert dispatch.choose("attention", "bf16", CPU) == "reference"
-    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: False)
-    with dispatch.emulate("sm_100"):
-        assert dispatch.choose("linear", "mxfp8", CPU) == "reference"
     assert dispatch.emulated_arch() is None
     assert dispatch.choose("linear", "mxfp8", CPU) == "reference"
     with pytest.raises(ValueError, match="arch must be"):

@@ -17,7 +17,7 @@ from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from flash_attn.cute.utils import AuxData
 
 from gem_lp.runtime.builds import register_cache
-from gem_lp.runtime.device import build_arch, fake_mode
+from gem_lp.runtime.device import fake_mode
 from gem_lp.attention.cute.bwd_sm90 import MXAttentionBackwardSm90
 from gem_lp.attention.cute.config import (MX_BWD_ARCH_MAJORS, MX_FWD_ARCH_MAJORS, MX_P_QUANTS, SM90_BWD, SM90_FWD, SM100_BWD, SM100_FWD,
                      FwdTiles)

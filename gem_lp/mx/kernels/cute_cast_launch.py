@@ -3,7 +3,6 @@ tensors through TVM FFI. Under `FakeTensorMode` the kernel is built and not laun
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 

@@ -29,8 +29,6 @@ equal the reference.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import NamedTuple
 
 import torch
@@ -42,10 +40,11 @@ from gem_lp.runtime.device import interpreter_enabled, sm_count
 from gem_lp.runtime.triton_launch import KernelLaunch
 from gem_lp.mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
 from gem_lp.mx.layout import blocked_size
-from gem_lp.mx.kernels.triton_numerics import abs_bits, encode, exact_f32, scale_byte
+from gem_lp.mx.kernels.triton_numerics import abs_bits, exact_f32
 from gem_lp.mx.kernels.triton_quantize import (block_payload, block_scale, float_max_cols_of_blocks, float_max_rows_of_blocks,
                                   max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
                                   strip_coordinates)
+from gem_lp.mx.casts import NormMXOutputs  # noqa: F401  (the kernel's outputs)
 from gem_lp.mx.reference import check_input_activation
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
@@ -670,32 +669,6 @@ def _rms_norm_mx_strips_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-@dataclasses.dataclass
-class NormMXOutputs:
-    """Outputs of `rms_norm_mx` (each None unless requested).
-
-    Attributes:
-        rowwise: `y [M, K]` in MXFP8, 1x32 blocks along K (scales `[M, K/32]`, plain or blocked).
-        colwise: `y^T [K, M]` in MXFP8, 1x32 blocks along M (scales `[K, ceil(M/32)]`, plain or blocked). The
-            payload is a view with a contiguous last dim and rows `colwise_row_stride(M)` bytes apart (M rounded
-            up to 16): not contiguous unless M is a multiple of 16; the padding columns hold no data.
-        rstd: `[M]` float32 (None without the norm).
-        row_operand: `deq(rowwise)`, `[M, K]` in `operand_dtype`: the forward GEMM operand (`[operand_rows, K]`
-            with zero rows past M when `operand_rows` is given; so is `col_operand`).
-        col_operand: `deq(colwise)` laid out as `y`, `[M, K]` in `operand_dtype`: the operand of a GEMM
-            contracting over M (read transposed).
-        column_sums: `x.float().sum(0)`, `[K]` float32 (weight None only), summed in another order than
-            torch's: equal within FP32 rounding, not bit for bit.
-    """
-
-    rowwise: MXTensor | None
-    colwise: MXTensor | None
-    rstd: torch.Tensor | None
-    row_operand: torch.Tensor | None
-    col_operand: torch.Tensor | None
-    column_sums: torch.Tensor | None = None
-
-
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
@@ -833,7 +806,7 @@ def _compile_token_count_variants(kernel, args, kwargs, config: NormConfig) -> b
     if key in _VARIANTS_COMPILED:
         return False
     _VARIANTS_COMPILED.add(key)
-    block_m, thread_rows = config[0], config[3]
+    block_m = config[0]
     blocked, row_mx, col_mx = kwargs["BLOCKED_SCALES"], kwargs["ROW_MX"], kwargs["COL_MX"]
     seen = set()
     for m in _VARIANT_TOKEN_COUNTS[aligned]:

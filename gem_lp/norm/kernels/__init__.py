@@ -9,14 +9,16 @@ import torch
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
                       impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm's dx (x's dtype) and dweight (FP32) on implementation `impl` of the dispatch table (`cute`, `triton`,
-    `reference`); CPU tensors (an emulated plan) run the Triton kernel in its interpreter, else the reference."""
+    `reference`); on CPU tensors the Triton kernel runs in its interpreter when that is on, except in an emulated plan
+    (`dispatch.emulate`), which runs the reference as the kernels' CPU model."""
     if impl == "cute" and x.is_cuda:
         from gem_lp.norm.kernels.cute_backward import rms_norm_backward_cute
 
         return rms_norm_backward_cute(x, weight, rstd, dy)
     from gem_lp.runtime.device import interpreter_enabled
+    from gem_lp.runtime.dispatch import emulated_arch
 
-    if impl != "reference" and (x.is_cuda or interpreter_enabled()):
+    if impl != "reference" and (x.is_cuda or (interpreter_enabled() and not emulated_arch())):
         from gem_lp.norm.kernels.triton_backward import rms_norm_backward as triton_backward
 
         return triton_backward(x, weight, rstd, dy)
