@@ -5,8 +5,8 @@ channel of Q or K is spread evenly over all D channels: no 32-element MX block t
 above its neighbours (docs/numerics.md, "Outlier channels"). The rotation is plain differentiable torch,
 applied by `jagged_attention` before any backend runs; autograd rotates dQ and dK back (H is symmetric).
 
-The transform is a matmul with a cached D x D matrix: on the CPU it measured 2-7x faster than a
-log2(D)-stage butterfly of adds (forward and backward, D = 32..128, 1k-16k tokens x 2 heads).
+The transform is a matmul with a cached D x D matrix, faster than a log2(D)-stage butterfly of adds at these
+head dims.
 """
 from __future__ import annotations
 

@@ -141,8 +141,8 @@ def run_budget(*, dim: int = 128, seed: int = 0, kinds=INPUT_KINDS, variants=VAR
                causals=(False, True)) -> list[dict]:
     """One row per (input kind, causal, variant): `{"input", "causal", "variant", "O", "dQ", "dK", "dV"}` in dB.
 
-    Runs on one CPU thread (restored after): its ops are small, and two threads measured 7x slower on a busy
-    2-core machine; it also fixes the FP32 summation order the pinned figures come from.
+    Runs on one CPU thread (restored after): its ops are small, threads only contend on a busy machine; it also
+    fixes the FP32 summation order the pinned figures come from.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ Hopper has no block-scaled MMA, but every MX value (E4M3 x 2^k) is exact in BF16
 their operands as BF16 tensors holding the dequantized MX values. This Triton kernel reads each tensor once and
 writes that operand, quantizing each MX block of the recipe (docs/numerics.md): `hdim` (1x32 along D), `seq`
 (32 tokens x 1 feature) and `square` (32 tokens x 32 features), token blocks aligned to each sequence's first
-token. Memory-bound: it ran at 92-94% of copy bandwidth on the H200 (docs/PERF.md).
+token. Memory-bound (its share of copy bandwidth: docs/PERF.md).
 
 Inputs may be views with a token stride larger than H x D (q, k, v of a fused projection's output).
 A program takes a ROWS-token chunk of one sequence and one head; each thread a strip of THREAD_ROWS tokens x 8
@@ -33,8 +33,8 @@ MX_BLOCK = 32
 # orientation codes of the producer (`mx_operands`' specs)
 ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE = 1, 2, 3
 ORIENTS = (ORIENT_HDIM, ORIENT_SEQ, ORIENT_SQUARE)
-# (rows, thread_rows, row_blocks_in_thread, num_warps): the fastest on the H200 among the candidates measured
-# (docs/PERF.md); under the interpreter, few large programs.
+# (rows, thread_rows, row_blocks_in_thread, num_warps): the fastest of the candidates `benchmarks/tune_attention.py`
+# times; under the interpreter, few large programs.
 STRIPS_LAUNCH = (32, 8, False, 2)
 INTERPRETER_STRIPS_LAUNCH = (128, 4, False, 1)
 

@@ -10,16 +10,17 @@ outputs are dropped. The offsets reach the graph as a device tensor that the att
 (`jagged_attention`'s `max_seqlen_*`), validated here on the host from the batch's host lengths instead.
 
 Known limit: with the `bf16` recipe at 64 samples a batch (66 sequences), the capture of FlashAttention-4's varlen
-backward fails on the H200 ("operation would make the legacy stream depend on a capturing blocking stream"); at 300
+backward fails on Hopper ("operation would make the legacy stream depend on a capturing blocking stream"); at 300
 and 1024 samples it captures and replays exactly. A failed capture raises, naming the setting that turns the graphs
-off.
+off. The trainer captures the sequence part only where every op of its plan can be captured (a plan that takes the
+reference attention, which copies the offsets to the host, runs it eagerly).
 
 The graphs of all buckets share one memory pool: a step replays one bucket's forward and then its backward, never
 another bucket's in between, so what one bucket keeps from its forward for its backward can take the memory that
 another's kept; only each graph's outputs and gradients are its own. At most `max_buckets` are captured, only for
 buckets of at most `max_rows` rows, and any other batch runs eagerly. The row bound keeps long histories eager:
-there the GPU's work per step dwarfs the host's (4x the GPU config's history, about 900k rows: GPU-bound, and
-graphs measured no faster) and a capture costs as much memory again as an eager step.
+there the GPU's work per step dwarfs the host's (4x the GPU config's history, about 900k rows: GPU-bound, graphs
+no faster) and a capture costs as much memory again as an eager step.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ class Sm100FwdTiles:
 
 # sm_100a, mxfp8 forward (`fwd_sm100`), by head dim: 128 x 128 tiles, one scale tile per Q and K/V tile. One Q
 # stage: at D = 128 two would fill the 512 tensor-memory columns and leave none for the scale factors; D = 64 has
-# room for two but is built with one until that is measured (there is no sm_100 GPU here).
+# room for two but is built with one until hardware can judge it (there is no sm_100 GPU here).
 SM100_FWD = {64: Sm100FwdTiles(128, 128, 1), 128: Sm100FwdTiles(128, 128, 1)}
 HEAD_DIMS = (64, 128)
 

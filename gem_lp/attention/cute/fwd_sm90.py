@@ -135,8 +135,8 @@ class MXAttentionForwardSm90(FlashAttentionForwardSm90):
         """P (FP32 accumulator fragment after the online softmax; 256 p for const_p) -> the BF16 A fragment of the
         P.V wgmma, on the E4M3 grid; returns this thread's partial row sums of the rounded P (two rows).
 
-        The rounding goes through the hardware E4M3 conversion (`mx_device.e4m3_bf16x2`, `mx_bf16x2`); rounding
-        with FP32 adds on the E4M3 grid before FA4's BF16 conversion measured 4-6% slower on the H200.
+        The rounding goes through the hardware E4M3 conversion (`mx_device.e4m3_bf16x2`, `mx_bf16x2`), cheaper than
+        rounding with FP32 adds on the E4M3 grid before FA4's BF16 conversion.
         Accumulator register 2i + e (e = 0, 1: two adjacent columns) is row i % 2 of the thread, column group
         i // 2 (8 columns wide, 4 lanes across); a 1x32 block is 4 column groups of one row, spread over the 4
         lanes of a quad.

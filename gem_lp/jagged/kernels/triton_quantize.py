@@ -75,7 +75,7 @@ class LaunchOptions(NamedTuple):
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
 # (instructions per element, registers without spills); `benchmarks/bench_jagged.py` times them against
 # alternatives on the GPU.
-# Defaults: the fastest of CANDIDATE_LAUNCHES on the H200 for both workloads of docs/PERF.md ("Jagged").
+# Defaults: the fastest of the candidates for both workloads of `benchmarks/bench_jagged.py`.
 DEFAULT_LAUNCH = {
     "hdim": LaunchOptions(32, 8, False, 2),  # A 84% / B 90% of copy (row blocks per thread: 46% / 54%)
     # square: 8-token strips with direct_inverse, tile_table, const_strides, shift_offsets and float_max at 96
@@ -683,9 +683,8 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
 _N_TENSOR_ARGS = 12
 
 
-# Direct relaunch of the compiled kernel (`gem_lp.runtime.triton_launch`): on the H200 it cut the public call's host time
-# from 61 to 40 us (workload A; B: 94 to 61), which the GPU no longer waits for (A: 0.083 to 0.0757 ms per call).
-# `triton_launch.DIRECT_RELAUNCH = False` sends every launch through the JIT.
+# Direct relaunch of the compiled kernel (`gem_lp.runtime.triton_launch`): a third of the public call's host time, which
+# the GPU would otherwise wait for.
 
 
 def _run(args: tuple, plan: _LaunchPlan) -> None:

@@ -33,9 +33,8 @@ class GemmLaunch:
     cluster_n: int = 1
 
 
-# Per-arch launch tables: (N, K) -> launch; shapes not listed take the arch's default. The fastest candidate of
-# `benchmarks.bench_mx_gemm` on the H200 at M = 32767 and 32768 (docs/PERF.md, MX GEMM on the CuTe DSL); 128x128 was
-# the fastest at K = 4096 -> N = 1024.
+# Per-arch launch tables: (N, K) -> launch; shapes not listed take the arch's default: the fastest candidate of
+# `benchmarks.bench_mx_gemm` per shape.
 SM90_DEFAULT = GemmLaunch(128, 128, 1)
 SM90: dict[tuple[int, int], GemmLaunch] = {
     (3072, 1024): GemmLaunch(128, 192, 1),

@@ -4,10 +4,8 @@
 quack's own entry point (`quack.rmsnorm.rmsnorm_bwd`) also keys its builds by the power of two above the token count;
 a jagged batch's token count changes every step, so a batch that crossed a power of two would build mid-run. The
 launch here is quack's analytical choice for the arch given no token count (on Hopper it never reads one).
-This build measured on the H200 (docs/PERF.md, `bench_norm --only backward`): 0.145 against 0.178 ms for our Triton
-kernel at its best launch at 262143 x 256 with FP32 dY (the MX linears' case), 0.081 against 0.097 ms at 32767 x 1024;
-the MX linears take it on sm_90a (`triton_gemm.CUTE_NORM_BACKWARD_ARCHES`). No Blackwell GPU here: sm_100a is
-compile-checked only.
+Faster than the Triton backward at the MX linears' shapes (docs/PERF.md): the dispatch table gives it the RMSNorm
+backward on sm_90 and sm_100 (sm_100a: compile-checked, self-checked on first use; no Blackwell GPU here).
 """
 from __future__ import annotations
 
