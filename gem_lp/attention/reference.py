@@ -86,7 +86,12 @@ FP16_MAX = 65504.0
 
 
 class DQAccumulatorOverflow(ValueError):
-    """A dQ key tile or running sum times 2^dq_scale_log2 is beyond FP16's range."""
+    """A dQ key tile or running sum times 2^dq_scale_log2 is beyond FP16's range: `worst` the |dQ| reached, `limit`
+    the largest |dQ| the accumulator holds at that scale."""
+
+    def __init__(self, message: str, worst: float, limit: float):
+        super().__init__(message)
+        self.worst, self.limit = worst, limit
 
 
 def accumulate_dq(acc: torch.Tensor, partial: torch.Tensor, softmax_scale: float, dq_accum: str,
@@ -105,10 +110,10 @@ def accumulate_dq(acc: torch.Tensor, partial: torch.Tensor, softmax_scale: float
         finite = torch.isfinite(x)
         # what rounds to FP16's infinity: half an ulp (2^4) or more beyond its largest value
         if bool((finite & (x.abs() >= FP16_MAX + 16.0)).any()):
-            worst = float(x[finite].abs().max()) * 2.0**-scale_log2
+            worst, limit = float(x[finite].abs().max()) * 2.0**-scale_log2, FP16_MAX * 2.0**-scale_log2
             raise DQAccumulatorOverflow(
                 f"{name} reaches {worst:.4g}, beyond the FP16 dQ accumulator's range at the static scale 2^{scale_log2} "
-                f"(|dQ| < {FP16_MAX * 2.0**-scale_log2:.4g}); use dq_accum='fp32' or a smaller dq_scale_log2")
+                f"(|dQ| < {limit:.4g}); use dq_accum='fp32' or a smaller dq_scale_log2", worst, limit)
     return total.to(torch.float16)
 
 

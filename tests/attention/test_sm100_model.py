@@ -194,6 +194,25 @@ def test_empty_batch():
     assert all(g.shape == (0, HEADS, 64) for g in grads)
 
 
+def test_const_p_exp2_is_fa4s_emulation_on_some_keys():
+    """const_p's P comes from FA4's exp2, a degree-3 polynomial on 16 (32 for causal D = 128) of each row's 128 keys:
+    within 1e-4 of 2^t there, so a few P values round to another E4M3 value than the reference's; dynamic P
+    uses the MUFU ex2 throughout."""
+    t = torch.linspace(-30.0, 8.0, 100_001)
+    rel = (fwd_model.ex2_emulation(t).double() / torch.exp2(t.double()) - 1).abs()
+    assert 1e-6 < float(rel.max()) < 1e-4
+    for (dim, causal), keys in {(64, False): 16, (64, True): 16, (128, False): 16, (128, True): 32}.items():
+        emulated = fwd_model.ex2_emulated_keys(*fwd_model.ex2_emu_config(dim, causal))
+        assert int(emulated.sum()) == keys and not emulated[:32].any() and not emulated[96:].any()
+    q, k, v, _, _, offs, _ = _batch((300,), dim=128, seed=9)
+    exact = torch.zeros(128, dtype=torch.bool)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fwd_model, "ex2_emulated_keys", lambda *a: exact)
+        mufu = _model_forward(q, k, v, offs, offs, causal=True, p_quant="const_p")
+    fa4 = _model_forward(q, k, v, offs, offs, causal=True, p_quant="const_p")
+    assert not torch.equal(mufu.out, fa4.out) and sqnr_db(fa4.out.float(), mufu.out.float()) > O_DB
+
+
 # ----------------------------------------------------------------------------- the dQ accumulator
 
 
