@@ -181,6 +181,23 @@ def test_keys_of_the_first_sequence_missing():
     assert torch.all(trace.out[:40] == 0) and torch.all(trace.lse[:, :40] == -math.inf)
 
 
+def test_scale_buffers_of_ceil_t_over_128_tiles_are_too_short():
+    """The per-sequence padding needs sum ceil(L_b / 128) scale tiles, up to (T + 127 B) / 128, while the launchers'
+    operand checks ask for ceil(T / 128): 40 sequences of 3 tokens need 40 tiles, a buffer of 1 passes those
+    checks, and the kernel then reads tiles 1-39 past its end."""
+    q, k, v, _, _, offs, _ = _batch((3,) * 40, dim=64, seed=11)
+    jq, jk, jv = quantize_jagged(q, offs, ("hdim",)), quantize_jagged(k, offs, ("hdim",)), \
+        quantize_jagged(v, offs, ("seq",))
+    tiles = math.ceil(q.shape[0] / 128)
+    short = dict(q=jq.scale_hdim[:, :512 * tiles].contiguous(), k=jk.scale_hdim[:, :512 * tiles].contiguous(),
+                 v=jv.scale_seq[:, :512 * tiles].contiguous())
+    scales = _scales(**short, q_tiles=_tiles(jq), k_tiles=_tiles(jk))
+    cu = offs.to(torch.int32)
+    with pytest.warns(sm100_model.ScaleTileOutOfBounds, match=r"scale tiles \[1, 2, 3"):
+        sm100_model.forward(jq.payload_hdim, jk.payload_hdim, jv.payload_seq, scales, cu, cu, causal=False,
+                            scale=0.125, p_quant="const_p")
+
+
 def test_empty_batch():
     q, k, v, do, dlse, offs, _ = _batch((), dim=64)
     out, lse = sm100_model.forward(*(quantize_jagged(t, offs, (o,)).payload(o) for t, o in
