@@ -4,8 +4,9 @@
 Q and K with shared outlier channels 10x, 20x, 50x; disjoint ones; token outliers; a K channel offset; each
 causal and not), the SQNR of O, dQ, dK and dV against the `fp32` recipe (computed in FP64) for BF16, for the
 mxfp8 recipe, for the recipe with each quantization point switched off in turn, and for its variants
-(`MXRecipe`) with and without `qk_rotation="hadamard"`. docs/numerics.md holds the table and what it
-decided; a test pins the figures (`tests/attention/test_error_budget.py`). Small shapes on one thread: the
+(`MXRecipe`) with and without `qk_rotation="hadamard"`, then where dQ overflows an FP16 accumulator at LP-FA4's
+static scale 2^12 (`dq_fp16_range`). docs/numerics.md holds the table and what it decided; a test pins the figures
+(`tests/attention/test_error_budget.py`). Small shapes on one thread: the
 whole suite takes about 20 s of CPU.
 """
 from __future__ import annotations

@@ -16,7 +16,8 @@ backward (so memory stays that of a flash kernel's inputs and outputs plus one c
   LSE = m' ln 2 + ln(sum p) by the unrounded one.
   Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
   and LSE, Δ = rowsum(dO * O) from the quantized dO that dP uses, dS (and P for dV when `dynamic`)
-  quantized in 32x32 blocks. `MXRecipe` names these points; the error budget moves them.
+  quantized in 32x32 blocks, dQ summed over 128-key tiles in FP32 (or, as an option, in FP16 under a static
+  power-of-two scale). `MXRecipe` names these points; the error budget moves them.
 
 Every GEMM takes exactly dequantized (or 16-bit) operands and accumulates in FP32 (autocast is switched
 off inside; on CUDA keep `torch.backends.cuda.matmul.allow_tf32` off for the `fp32` oracle, the other two

@@ -258,6 +258,15 @@ def test_fp16_dq_accumulator():
         MXRecipe(dq_accum="bf16")
 
 
+def test_fp16_dq_range_at_2_pow_12():
+    """The error budget's check of LP-FA4's static 2^12 (|dQ| < 16): randn fits, shared outlier channels x20 do not."""
+    from gem_lp.attention.error_budget import INPUT_KINDS, dq_fp16_range
+
+    rows = dq_fp16_range(kinds=(INPUT_KINDS[0], INPUT_KINDS[2]), causals=(False,))
+    assert [(r["input"], r["fits"]) for r in rows] == [("randn", True), ("channels x20", False)]
+    assert rows[1]["dq_max"] > rows[1]["limit"] == 65504.0 / 4096
+
+
 # ----------------------------------------------------------------------------- schedule pieces
 
 
