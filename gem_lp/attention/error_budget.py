@@ -4,8 +4,9 @@
 Q and K with shared outlier channels 10x, 20x, 50x; disjoint ones; token outliers; a K channel offset; each
 causal and not), the SQNR of O, dQ, dK and dV against the `fp32` recipe (computed in FP64) for BF16, for the
 mxfp8 recipe, for the recipe with each quantization point switched off in turn, and for its variants
-(`MXRecipe`) with and without `qk_rotation="hadamard"`. docs/numerics.md holds the table and what it
-decided; a test pins the figures (`tests/attention/test_error_budget.py`). Small shapes on one thread: the
+(`MXRecipe`) with and without `qk_rotation="hadamard"`, then where dQ overflows an FP16 accumulator at LP-FA4's
+static scale 2^12 (`dq_fp16_range`). docs/numerics.md holds the table and what it decided; a test pins the figures
+(`tests/attention/test_error_budget.py`). Small shapes on one thread: the
 whole suite takes about 20 s of CPU.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from gem_lp.accuracy import sqnr_db
 from gem_lp.attention.layout import make_plan
-from gem_lp.attention.reference import MXRecipe, attention_reference
+from gem_lp.attention.reference import DQ_FP16_SCALE_LOG2, DQAccumulatorOverflow, MXRecipe, attention_reference
 from gem_lp.rotation import rotate_qk
 
 TENSORS = ("O", "dQ", "dK", "dV")
@@ -71,6 +72,10 @@ class Variant:
     qk_rotation: str | None = None
 
 
+# the FP16 dQ accumulator's static scale in the table: 2^12 (LP-FA4's) overflows on the outlier inputs
+DQ_FP16_BUDGET_SCALE_LOG2 = 8
+
+
 # The switch-offs start from the recipe with P recomputed from the forward's operands ("consistent Q/K", which
 # measures the same as the recipe): switching Q/K off on one side of the LSE only would measure the mismatch
 # of an FP32 LSE against quantized scores, not what quantizing Q/K costs.
@@ -93,6 +98,8 @@ VARIANTS = (
     Variant("seq Q/K + rowcol dS", recipe=MXRecipe(qk_grad_blocks="seq", ds_blocks="rowcol")),
     Variant("dynamic P", recipe=MXRecipe(p_quant="dynamic")),
     Variant("K smoothing", recipe=MXRecipe(k_smoothing=True)),
+    # dQ in an FP16 accumulator; at LP-FA4's static 2^12 the suite's outlier inputs overflow it (`dq_fp16_range`)
+    Variant("dQ FP16 accumulator, 2^8", recipe=MXRecipe(dq_accum="fp16", dq_scale_log2=DQ_FP16_BUDGET_SCALE_LOG2)),
     # with the Hadamard rotation of Q and K
     Variant("hadamard", qk_rotation="hadamard"),
     Variant("hadamard, Δ from dO as given", recipe=MXRecipe(delta="o_do"), qk_rotation="hadamard"),
@@ -168,6 +175,30 @@ def _run_budget(dim, seed, kinds, variants, causals) -> list[dict]:
     return rows
 
 
+def dq_fp16_range(*, dim: int = 128, seed: int = 0, kinds=INPUT_KINDS, causals=(False, True),
+                   scale_log2: int = DQ_FP16_SCALE_LOG2) -> list[dict]:
+    """Whether dQ fits the FP16 accumulator at the static scale 2^scale_log2, per input and causality: rows
+    `{"input", "causal", "fits", "dq_max", "limit"}` (`dq_max` the |dQ| that overflowed it, None when it fits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for kind in kinds:
+            q, k, v, d_out, offsets = make_inputs(kind, dim=dim, seed=seed)
+            for causal in causals:
+                row = {"input": kind.name, "causal": causal, "fits": True, "dq_max": None,
+                       "limit": 65504.0 * 2.0**-scale_log2}
+                try:
+                    attention_with_grads(q, k, v, d_out, offsets, causal=causal, precision="mxfp8",
+                                         recipe=MXRecipe(dq_accum="fp16", dq_scale_log2=scale_log2))
+                except DQAccumulatorOverflow as err:
+                    row.update(fits=False, dq_max=round(err.worst, 2))
+                rows.append(row)
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
 def format_table(rows: list[dict], *, causal: bool) -> str:
     """Markdown: one row per variant, one column per input kind, cells `O / dQ / dK / dV` in dB."""
     rows = [r for r in rows if r["causal"] == causal]
@@ -194,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"D={args.dim}, {HEADS} heads, lengths {list(LENGTHS)}, seed {args.seed}; SQNR against FP64\n")
     for causal in (False, True):
         print(format_table(rows, causal=causal) + "\n")
+    print(f"FP16 dQ accumulator at 2^{DQ_FP16_SCALE_LOG2} (|dQ| < {65504.0 * 2.0**-DQ_FP16_SCALE_LOG2:.4g}):")
+    for r in dq_fp16_range(dim=args.dim, seed=args.seed):
+        fit = "fits" if r["fits"] else f"overflows (|dQ| reaches {r['dq_max']})"
+        print(f"  {r['input']}, {'causal' if r['causal'] else 'non-causal'}: {fit}")
     if args.json:
         with open(args.json, "x") as f:
             json.dump(rows, f, indent=1)

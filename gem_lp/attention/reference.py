@@ -16,7 +16,8 @@ backward (so memory stays that of a flash kernel's inputs and outputs plus one c
   LSE = m' ln 2 + ln(sum p) by the unrounded one.
   Backward: Q, K, dO in `square` 32x32 blocks, V `hdim` for dP, P recomputed from the square operands
   and LSE, Δ = rowsum(dO * O) from the quantized dO that dP uses, dS (and P for dV when `dynamic`)
-  quantized in 32x32 blocks. `MXRecipe` names these points; the error budget moves them.
+  quantized in 32x32 blocks, dQ summed over 128-key tiles in FP32 (or, as an option, in FP16 under a static
+  power-of-two scale). `MXRecipe` names these points; the error budget moves them.
 
 Every GEMM takes exactly dequantized (or 16-bit) operands and accumulates in FP32 (autocast is switched
 off inside; on CUDA keep `torch.backends.cuda.matmul.allow_tf32` off for the `fp32` oracle, the other two
@@ -86,7 +87,12 @@ FP16_MAX = 65504.0
 
 
 class DQAccumulatorOverflow(ValueError):
-    """A dQ key tile or running sum times 2^dq_scale_log2 is beyond FP16's range."""
+    """A dQ key tile or running sum times 2^dq_scale_log2 is beyond FP16's range: `worst` the |dQ| reached, `limit`
+    the largest |dQ| the accumulator holds at that scale."""
+
+    def __init__(self, message: str, worst: float, limit: float):
+        super().__init__(message)
+        self.worst, self.limit = worst, limit
 
 
 def accumulate_dq(acc: torch.Tensor, partial: torch.Tensor, softmax_scale: float, dq_accum: str,
@@ -105,10 +111,10 @@ def accumulate_dq(acc: torch.Tensor, partial: torch.Tensor, softmax_scale: float
         finite = torch.isfinite(x)
         # what rounds to FP16's infinity: half an ulp (2^4) or more beyond its largest value
         if bool((finite & (x.abs() >= FP16_MAX + 16.0)).any()):
-            worst = float(x[finite].abs().max()) * 2.0**-scale_log2
+            worst, limit = float(x[finite].abs().max()) * 2.0**-scale_log2, FP16_MAX * 2.0**-scale_log2
             raise DQAccumulatorOverflow(
                 f"{name} reaches {worst:.4g}, beyond the FP16 dQ accumulator's range at the static scale 2^{scale_log2} "
-                f"(|dQ| < {FP16_MAX * 2.0**-scale_log2:.4g}); use dq_accum='fp32' or a smaller dq_scale_log2")
+                f"(|dQ| < {limit:.4g}); use dq_accum='fp32' or a smaller dq_scale_log2", worst, limit)
     return total.to(torch.float16)
 
 

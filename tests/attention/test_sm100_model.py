@@ -181,6 +181,23 @@ def test_keys_of_the_first_sequence_missing():
     assert torch.all(trace.out[:40] == 0) and torch.all(trace.lse[:, :40] == -math.inf)
 
 
+def test_scale_buffers_of_ceil_t_over_128_tiles_are_too_short():
+    """The per-sequence padding needs sum ceil(L_b / 128) scale tiles, up to (T + 127 B) / 128, while the launchers'
+    operand checks ask for ceil(T / 128): 40 sequences of 3 tokens need 40 tiles, a buffer of 1 passes those
+    checks, and the kernel then reads tiles 1-39 past its end."""
+    q, k, v, _, _, offs, _ = _batch((3,) * 40, dim=64, seed=11)
+    jq, jk, jv = quantize_jagged(q, offs, ("hdim",)), quantize_jagged(k, offs, ("hdim",)), \
+        quantize_jagged(v, offs, ("seq",))
+    tiles = math.ceil(q.shape[0] / 128)
+    short = dict(q=jq.scale_hdim[:, :512 * tiles].contiguous(), k=jk.scale_hdim[:, :512 * tiles].contiguous(),
+                 v=jv.scale_seq[:, :512 * tiles].contiguous())
+    scales = _scales(**short, q_tiles=_tiles(jq), k_tiles=_tiles(jk))
+    cu = offs.to(torch.int32)
+    with pytest.warns(sm100_model.ScaleTileOutOfBounds, match=r"scale tiles \[1, 2, 3"):
+        sm100_model.forward(jq.payload_hdim, jk.payload_hdim, jv.payload_seq, scales, cu, cu, causal=False,
+                            scale=0.125, p_quant="const_p")
+
+
 def test_empty_batch():
     q, k, v, do, dlse, offs, _ = _batch((), dim=64)
     out, lse = sm100_model.forward(*(quantize_jagged(t, offs, (o,)).payload(o) for t, o in
@@ -192,6 +209,25 @@ def test_empty_batch():
     grads = sm100_model.backward(*pay, do, out, lse, None, None, offs.to(torch.int32), offs.to(torch.int32),
                                  causal=False, scale=0.125, p_quant="dynamic")
     assert all(g.shape == (0, HEADS, 64) for g in grads)
+
+
+def test_const_p_exp2_is_fa4s_emulation_on_some_keys():
+    """const_p's P comes from FA4's exp2, a degree-3 polynomial on 16 (32 for causal D = 128) of each row's 128 keys:
+    within 1e-4 of 2^t there, so a few P values round to another E4M3 value than the reference's; dynamic P
+    uses the MUFU ex2 throughout."""
+    t = torch.linspace(-30.0, 8.0, 100_001)
+    rel = (fwd_model.ex2_emulation(t).double() / torch.exp2(t.double()) - 1).abs()
+    assert 1e-6 < float(rel.max()) < 1e-4
+    for (dim, causal), keys in {(64, False): 16, (64, True): 16, (128, False): 16, (128, True): 32}.items():
+        emulated = fwd_model.ex2_emulated_keys(*fwd_model.ex2_emu_config(dim, causal))
+        assert int(emulated.sum()) == keys and not emulated[:32].any() and not emulated[96:].any()
+    q, k, v, _, _, offs, _ = _batch((300,), dim=128, seed=9)
+    exact = torch.zeros(128, dtype=torch.bool)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fwd_model, "ex2_emulated_keys", lambda *a: exact)
+        mufu = _model_forward(q, k, v, offs, offs, causal=True, p_quant="const_p")
+    fa4 = _model_forward(q, k, v, offs, offs, causal=True, p_quant="const_p")
+    assert not torch.equal(mufu.out, fa4.out) and sqnr_db(fa4.out.float(), mufu.out.float()) > O_DB
 
 
 # ----------------------------------------------------------------------------- the dQ accumulator
@@ -220,6 +256,15 @@ def test_fp16_dq_accumulator():
                recipe=MXRecipe(dq_accum="fp16", dq_scale_log2=4))
     with pytest.raises(ValueError, match="dq_accum must be one of"):
         MXRecipe(dq_accum="bf16")
+
+
+def test_fp16_dq_range_at_2_pow_12():
+    """The error budget's check of LP-FA4's static 2^12 (|dQ| < 16): randn fits, shared outlier channels x20 do not."""
+    from gem_lp.attention.error_budget import INPUT_KINDS, dq_fp16_range
+
+    rows = dq_fp16_range(kinds=(INPUT_KINDS[0], INPUT_KINDS[2]), causals=(False,))
+    assert [(r["input"], r["fits"]) for r in rows] == [("randn", True), ("channels x20", False)]
+    assert rows[1]["dq_max"] > rows[1]["limit"] == 65504.0 / 4096
 
 
 # ----------------------------------------------------------------------------- schedule pieces

@@ -18,6 +18,9 @@ Where the model follows a formula of the kernel or of FA4 (file: function):
   keys 32 j .. 32 j + 31 of one row (MXSoftmaxSm100.apply_exp2_convert)
 * softmax state: fwd_sm100.py: MXSoftmaxSm100 (_update_snapped_max, scale_subtract_rowmax, apply_exp2_convert,
   update_row_sum); correction: flash_fwd_sm100.py: correction_loop (rescale, rcp of row_sum, LSE)
+* const_p's exp2: FA4's SoftmaxSm100.apply_exp2_convert with the build's ex2_emu_freq / ex2_emu_start_frg
+  (flash_fwd_sm100.py: __call__): a polynomial (utils.ex2_emulation_2) on some keys of key blocks 1 and 2, so P
+  there is FA4's polynomial 2^t, not 2^t, before its E4M3 rounding
 * scale addresses: sm100_mma.py: load_scale_tile; fwd_sm100.py: mma (tile_q0 = q_tiles[b] + m_block * q_stage,
   tile_k0 = k_tiles[b]); scale-factor atom: blockscaled_utils.make_smem_layout_sfa/sfb (mma.py here)
 * tensor memory: flash_fwd_sm100.py __init__ (S at 0, P at S + 64, O at 256) and fwd_sm100.py mma (the four scale
@@ -125,11 +128,46 @@ def _mask(s: torch.Tensor, *, m_block: int, n_block: int, seqlen_q: int, seqlen_
     return s.masked_fill(col >= limit, -math.inf)
 
 
-def _softmax_p(t: torch.Tensor, dynamic_p: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+# FA4's degree-3 polynomial for 2^f on [0, 1) (utils.POLY_EX2[3]), in FP32
+EX2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
+EMU_RES = 4  # SoftmaxSm100.apply_exp2_convert's ex2_emu_res
+
+
+def ex2_emu_config(dim: int, causal: bool) -> tuple[int, int]:
+    """(ex2_emu_freq, ex2_emu_start_frg) FA4's forward builds with E4M3 operands and one CTA on sm_100
+    (flash_fwd_sm100.py: __call__ with _TUNING_CONFIG / _FP8_TUNING_CONFIG): 8 and 1 for causal D = 128 (its FP8
+    entry), else the defaults 16 and 1 (emulation is on for head dims up to 128)."""
+    return (8, 1) if (causal and dim == 128) else (16, 1)
+
+
+def ex2_emulated_keys(freq: int, start_frg: int) -> torch.Tensor:
+    """`[128]` bool: the registers (keys) whose exp2 FA4's apply_exp2_convert takes from `utils.ex2_emulation_2`
+    (pairs k, k + 1 with k % freq >= freq - 4, in 32-key fragments start_frg .. 2), the rest from MUFU ex2."""
+    k = torch.arange(TILE) % MX_BLOCK
+    frg = torch.arange(TILE) // MX_BLOCK
+    return ((k - k % 2) % freq >= freq - EMU_RES) & (frg >= start_frg) & (frg < TILE // MX_BLOCK - 1)
+
+
+def ex2_emulation(x: torch.Tensor) -> torch.Tensor:
+    """`utils.ex2_emulation_2`: 2^floor(x) times the polynomial at x - floor(x) (x clamped at -127), FP32 FMAs."""
+    x = torch.clamp(x, min=-127.0)
+    whole = torch.floor(x)  # add.rm of 1.5 * 2^23, then the subtraction back: exact
+    frac = (x - whole).to(torch.float64)
+    out = torch.full_like(frac, EX2_POLY[3])
+    for c in EX2_POLY[2::-1]:
+        out = (out * frac + c).to(torch.float32).to(torch.float64)  # fma.rn.f32 (the product is exact in FP64)
+    return (out * torch.exp2(whole.to(torch.float64))).to(torch.float32)  # the exponent added as an integer
+
+
+def _softmax_p(t: torch.Tensor, dynamic_p: bool, emulated: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """apply_exp2_convert on t = s * scale_log2 - m' (+8): (p, the P.V MMA's A payload values, its scale bytes
-    `[128, 4]` by key block, the row's sum of the rounded P)."""
+    `[128, 4]` by key block, the row's sum of the rounded P). const_p keeps FA4's exp2, polynomial on the keys of
+    `emulated`; dynamic takes MUFU ex2 everywhere."""
     p = torch.exp2(t)
     if not dynamic_p:
+        if emulated is not None:
+            p = torch.where(emulated[None, :], ex2_emulation(t), p)
         payload = e4m3(p)
         return p, payload, torch.full((TILE, 4), P_SF_BYTE, dtype=torch.uint8), payload.sum(dim=1)
     blocks = p.reshape(TILE, TILE // MX_BLOCK, MX_BLOCK)
@@ -156,6 +194,7 @@ def forward_trace(q, k, v, scales, cu_q, cu_k, *, causal: bool, scale: float, p_
     sched = make_scheduler(cq, num_head=heads, tile_m=TILE, tile_n=TILE, head_dim=dim, lpt=causal)
     trace = ForwardTrace(out, lse, tiles=sched.tiles())
     cols = tmem_columns(dim, dynamic_p)
+    emulated = ex2_emulated_keys(*ex2_emu_config(dim, causal))
     reads = trace.scale_reads
     for tile in trace.tiles:
         m_block, head, b = tile.block, tile.head, tile.batch
@@ -189,7 +228,7 @@ def forward_trace(q, k, v, scales, cu_q, cu_k, *, causal: bool, scale: float, p_
                           seqlen=is_first)
             m_safe, acc_scale = state.update_max(s, is_first)
             t = fp32_fma(s, scale_log2, float(state.p_log2_offset) - m_safe[:, None])
-            p, p_payload, p_bytes, rounded = _softmax_p(t, dynamic_p)
+            p, p_payload, p_bytes, rounded = _softmax_p(t, dynamic_p, emulated)
             ledger.write("P", *cols["P"])
             state.update_sum(p, rounded, acc_scale, is_first)
             if not is_first:  # correction warps: O *= 2^(m'_old - m') before this P.V accumulates
