@@ -4,7 +4,8 @@
 
 Kernels are built under `FakeTensorMode` (fake CUDA tensors; nothing is launched) with the architecture set
 through the CuTe DSL's and FlashAttention-4's environment. Each build keeps its PTX in the dump dir (tests read it
-there when `GEM_LP_COMPILE_DUMP` names the parent of `sm_90a/` and `sm_100a/` dumps); one line per kernel gives the
+there, one directory per build, when `GEM_LP_COMPILE_DUMP` names the parent of `sm_90a/` and `sm_100a/` dumps); one
+line per kernel gives the
 op and direction, the precision, the arch, the build's mode and the MMA instructions in the PTX: `wgmma` for
 sm_90a; `tcgen05.mma` and how many of them are block-scaled for sm_100a. Exit status 1 when a build fails or an
 mxfp8 GEMM or attention build for sm_100a has no block-scaled MMA, or a GEMM or attention build for sm_90a has no
@@ -66,6 +67,15 @@ def mma_counts(ptx: str) -> tuple[int, int, int]:
     return wgmma, len(tc), sum(1 for s in tc if "block_scale" in s)
 
 
+# Under the dump dir: the DSL's own dump (whose file names can collide between builds) ...
+RAW_DIR = "_raw"
+
+
+def build_label(target: CompileTarget) -> str:
+    """... and one directory per build, named by its op, direction, precision and mode, holding its PTX files."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{target.op}-{target.direction}-{target.precision}-{target.mode}")
+
+
 def _kernel_name(path: str) -> str:
     """The kernel class of a dumped PTX file (`cutlass___call___<module path><Class>_object_at...`)."""
     base = os.path.basename(path)
@@ -91,9 +101,11 @@ def run(arch: str, dump_dir: str, out=sys.stdout, ops: tuple[str, ...] | None = 
     status."""
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
-    os.makedirs(dump_dir, exist_ok=True)
-    _configure(arch, dump_dir)
+    raw = os.path.join(dump_dir, RAW_DIR)  # where the DSL dumps; each build's files are then copied to their own dir
+    os.makedirs(raw, exist_ok=True)
+    _configure(arch, raw)
     import importlib
+    import shutil
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -103,7 +115,7 @@ def run(arch: str, dump_dir: str, out=sys.stdout, ops: tuple[str, ...] | None = 
         targets = [t for t in targets if t.op in ops]
     for target in targets:
         label = f"{target.op} {target.direction:3s} {target.precision:5s} {arch:7s} {target.mode}"
-        before = _dumped(dump_dir)
+        before = _dumped(raw)
         t0 = time.time()
         try:
             with FakeTensorMode():
@@ -114,10 +126,13 @@ def run(arch: str, dump_dir: str, out=sys.stdout, ops: tuple[str, ...] | None = 
             traceback.print_exc(limit=3, file=sys.stderr)
             continue
         # new files, and files rewritten by a build whose dump name equals an earlier build's
-        new = sorted(f for f, stamp in _dumped(dump_dir).items() if f.endswith(".ptx") and before.get(f) != stamp)
+        new = sorted(f for f, stamp in _dumped(raw).items() if f.endswith(".ptx") and before.get(f) != stamp)
+        build_dir = os.path.join(dump_dir, build_label(target))
+        os.makedirs(build_dir, exist_ok=True)
         reports = []
         for f in new:
-            with open(os.path.join(dump_dir, f)) as fh:
+            shutil.copy(os.path.join(raw, f), os.path.join(build_dir, f))
+            with open(os.path.join(raw, f)) as fh:
                 reports.append(KernelReport(target, _kernel_name(f), *mma_counts(fh.read())))
         for r in reports:
             counts = (f"wgmma={r.wgmma}" if arch == "sm_90a"

@@ -209,9 +209,9 @@ def test_one_mx_backward_build_for_sm100a(tmp_path, dim):
     mmas, sf_columns = _BWD_BUILDS[dim]
     assert f"MXAttentionBackwardSm100: tcgen05.mma={mmas} block_scaled={mmas}" in done.stdout
     assert "1 passed, 0 failed" in done.stdout
-    ptx = [f for f in os.listdir(tmp_path) if "MXAttentionBackwardSm100" in f and f.endswith(".ptx")]
+    ptx = [p for p in tmp_path.rglob("*.ptx") if "MXAttentionBackwardSm100" in p.name and "_raw" not in p.parts]
     assert len(ptx) == 1
-    text = open(os.path.join(tmp_path, ptx[0])).read()
+    text = ptx[0].read_text()
     # P and dS go to tensor memory as E4M3, 8 columns (32 values) per thread and stage
     assert "tcgen05.st.sync.aligned.32x32b.x8.b32" in text and "tcgen05.st.sync.aligned.32x32b.x16" not in text
     # the scale tiles reach tensor memory through tcgen05.cp, at the columns of the design

@@ -14,6 +14,7 @@ from gem_lp.attention.cute import sm100_model
 from gem_lp.attention.cute.model import backward as bwd_model
 from gem_lp.attention.cute.model import forward as fwd_model
 from gem_lp.attention.cute.model.mma import TmemLedger, block_scaled_mma, scale_tile
+from gem_lp.attention.cute.sm100_operands import check_sm100_operands
 from gem_lp.attention.cute.model.scheduler import CU_TILES_ABOVE, make_scheduler, tile_cumsum
 from gem_lp.attention.layout import make_plan
 from gem_lp.attention.reference import DQAccumulatorOverflow, MXRecipe, attention_reference
@@ -171,20 +172,21 @@ def test_same_query_length_for_every_sequence():
 
 def test_keys_of_the_first_sequence_missing():
     """Cross-attention where the first sequence has queries and no keys: the kernels still run one all-masked key
-    tile for it, reading K's scale tile k_tiles[0] - 1 = -1, before the scale buffer (an out-of-bounds load the
-    model reports); O is 0 and the LSE -inf there, as in the reference."""
+    tile for it, with K's scale tile index k_tiles[0] - 1 = -1, which the forward clamps into the buffer (no
+    out-of-bounds load); O is 0 and the LSE -inf there, as in the reference."""
     q, k, v, do, dlse, q_offs, kv_offs = _batch((40, 70), (0, 90), dim=64, seed=6)
     out, lse, _ = _reference(q, k, v, do, dlse, q_offs, kv_offs, causal=False, p_quant="const_p", grads=False)
-    with pytest.warns(sm100_model.ScaleTileOutOfBounds, match=r"scale tiles \[-1\] of \['k'\]"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sm100_model.ScaleTileOutOfBounds)
         trace = _model_forward(q, k, v, q_offs, kv_offs, causal=False, p_quant="const_p")
     _check_forward(trace, out, lse)
     assert torch.all(trace.out[:40] == 0) and torch.all(trace.lse[:, :40] == -math.inf)
 
 
 def test_scale_buffers_of_ceil_t_over_128_tiles_are_too_short():
-    """The per-sequence padding needs sum ceil(L_b / 128) scale tiles, up to (T + 127 B) / 128, while the launchers'
-    operand checks ask for ceil(T / 128): 40 sequences of 3 tokens need 40 tiles, a buffer of 1 passes those
-    checks, and the kernel then reads tiles 1-39 past its end."""
+    """The per-sequence padding needs sum ceil(L_b / 128) scale tiles, up to (T + 127 B) / 128: 40 sequences of 3
+    tokens need 40 tiles, and the backward reads tiles 1-39 past the end of a buffer of ceil(T / 128) = 1 (the
+    launchers check the buffers against the tiles the offsets need, `sm100_operands`)."""
     q, k, v, _, _, offs, _ = _batch((3,) * 40, dim=64, seed=11)
     jq, jk, jv = quantize_jagged(q, offs, ("hdim",)), quantize_jagged(k, offs, ("hdim",)), \
         quantize_jagged(v, offs, ("seq",))
@@ -193,9 +195,8 @@ def test_scale_buffers_of_ceil_t_over_128_tiles_are_too_short():
                  v=jv.scale_seq[:, :512 * tiles].contiguous())
     scales = _scales(**short, q_tiles=_tiles(jq), k_tiles=_tiles(jk))
     cu = offs.to(torch.int32)
-    with pytest.warns(sm100_model.ScaleTileOutOfBounds, match=r"scale tiles \[1, 2, 3"):
-        sm100_model.forward(jq.payload_hdim, jk.payload_hdim, jv.payload_seq, scales, cu, cu, causal=False,
-                            scale=0.125, p_quant="const_p")
+    with pytest.raises(ValueError, match="scales.q holds 1 scale tiles per head, fewer than the 40 its offsets need"):
+        check_sm100_operands(jq.payload_hdim, jk.payload_hdim, jv.payload_seq, scales, cu, cu)
 
 
 def test_empty_batch():

@@ -3,10 +3,9 @@ MXFP8 kernels block-scaled with the shape, operand majorness, tensor-memory colu
 GEMM, each TMA stage's expect_tx byte count equal to the bytes its loads carry, the tensor-memory allocation, and
 ptxas's registers and spills.
 
-The PTX comes from `$GEM_LP_COMPILE_DUMP` when it is set (a `compile_check --dump-dir` or `ptx_checks` dump made
-before the tests), else from building the targets once in a child process (minutes: the tests are then `slow`).
-A flat `compile_check` dump keeps one PTX file per kernel name (later builds of a kernel class overwrite earlier
-ones); `python -m gem_lp.attention.cute.ptx_checks --dump-dir D` keeps every build's."""
+The PTX comes from `$GEM_LP_COMPILE_DUMP/sm_100a` when the variable is set (`make test` runs compile_check first;
+one directory per build), else from building the targets once in a child process (minutes: the tests are then
+`slow`)."""
 import os
 import re
 import shutil
@@ -29,7 +28,7 @@ def ptx_by_build(tmp_path_factory):
     """label -> PTX paths of the sm_100a attention builds."""
     given = os.environ.get(DUMP_ENV)
     if given:
-        files = pc.ptx_files(given)
+        files = pc.ptx_files(os.path.join(given, "sm_100a"))
     else:
         pytest.importorskip("flash_attn.cute")
         dump = str(tmp_path_factory.mktemp("sm100_attention_ptx"))
@@ -38,9 +37,7 @@ def ptx_by_build(tmp_path_factory):
                               env={**os.environ, "PYTHONPATH": ROOT, "TRITON_INTERPRET": "0"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         files = pc.ptx_files(dump)
-    # a dump shared with other arches: this arch's files (the DSL names them `<kernel>.<arch>.ptx`)
-    files = {label: [f for f in paths if ".sm_100a." in os.path.basename(f)
-                     or not re.search(r"\.sm_\d+a?\.", os.path.basename(f))] for label, paths in files.items()}
+    files = {label: paths for label, paths in files.items() if label.startswith("attention-")}
     if not any(files.values()):
         pytest.skip(f"no PTX in {given}")
     return files

@@ -399,7 +399,7 @@ class MXAttentionForwardSm100(FlashAttentionForwardSm100):
         then shared -> tensor memory (tcgen05.cp, ordered before the MMAs issued after it)."""
         words = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32) + stage * stage_words,
                                  cute.make_layout(SF_TILE_BYTES // 4))
-        load_scale_tile(mSF, head_idx, tile, words)
+        load_scale_tile(mSF, head_idx, tile, words, clamp=True)
         cp(stage)
 
     def _p_split_k(self) -> int:

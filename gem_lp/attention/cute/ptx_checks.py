@@ -198,51 +198,32 @@ def kernel_name(path: str) -> str:
     return m.group(1) if m else os.path.basename(path)[:60]
 
 
-def _label(target) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{target.op}-{target.direction}-{target.precision}-{target.mode}")
-
-
 def build_ptx(arch: str, dump_dir: str, ops: tuple[str, ...] = ("attention",)) -> dict[str, list[str]]:
-    """Build every target of `ops` for `arch` under FakeTensorMode (compile_check's builds), each build's PTX files
-    moved to `dump_dir/<label>/`. Returns label -> PTX paths. Needs a fresh process (see module docstring)."""
-    import importlib
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """Build every target of `ops` for `arch` as compile_check does (one directory of PTX per build under
+    `dump_dir`). Returns label -> PTX paths. Needs a fresh process (see module docstring)."""
+    import io
 
     from gem_lp import compile_check
 
-    raw = os.path.join(dump_dir, "_raw")
-    os.makedirs(raw, exist_ok=True)
-    compile_check._configure(arch, raw)
-    targets = [t for name in compile_check.TARGET_MODULES
-               for t in importlib.import_module(name).compile_targets(arch) if t.op in ops]
-    built = {}
-    for target in targets:
-        before = compile_check._dumped(raw)
-        with FakeTensorMode():
-            target.build()
-        new = [f for f, stamp in compile_check._dumped(raw).items() if f.endswith(".ptx") and before.get(f) != stamp]
-        dest = os.path.join(dump_dir, _label(target))
-        os.makedirs(dest, exist_ok=True)
-        built[_label(target)] = [shutil.copy(os.path.join(raw, f), os.path.join(dest, f)) for f in sorted(new)]
-    return built
+    if compile_check.run(arch, dump_dir, out=io.StringIO(), ops=ops):
+        raise RuntimeError(f"compile_check failed for {arch} {ops}")
+    return ptx_files(dump_dir)
 
 
 def ptx_files(dump_dir: str) -> dict[str, list[str]]:
-    """label -> PTX paths of a dump dir: the per-build directories of `build_ptx`, or (a flat compile_check dump)
-    one entry per file, labelled by its file name."""
+    """label -> PTX paths of a compile_check dump dir (one directory per build)."""
+    from gem_lp import compile_check
+
     out = {}
     for entry in sorted(os.listdir(dump_dir)):
         path = os.path.join(dump_dir, entry)
-        if os.path.isdir(path) and entry != "_raw":
+        if os.path.isdir(path) and entry != compile_check.RAW_DIR:
             out[entry] = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".ptx"))
-        elif entry.endswith(".ptx"):
-            out[entry] = [path]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="build the attention kernels' PTX, one directory per build")
+    ap = argparse.ArgumentParser(description="build the attention kernels' PTX (one directory per build) and list it")
     ap.add_argument("--arch", default="sm_100a")
     ap.add_argument("--dump-dir", required=True)
     args = ap.parse_args(argv)

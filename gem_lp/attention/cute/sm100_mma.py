@@ -12,11 +12,15 @@ SF_TILE_BYTES = 512
 
 
 @cute.jit
-def load_scale_tile(mSF: cute.Tensor, head_idx: Int32, tile: Int32, words: cute.Tensor):
+def load_scale_tile(mSF: cute.Tensor, head_idx: Int32, tile: Int32, words: cute.Tensor,
+                    clamp: cutlass.Constexpr[bool] = False):
     """Scale tile `tile` of head `head_idx` (`mSF`: `[H, bytes / 4]` Int32) into the shared-memory words `words`
     by the 32 lanes of the calling warp (16 bytes each), made visible to the async proxy (tcgen05.cp and the MMA
-    read it there)."""
+    read it there). `clamp`: keep the tile index inside the buffer (the forward: a Q tile whose sequence has no key
+    tile still issues its MMAs, their results all masked, with a key tile index one below or past its sequence's)."""
     lane = cute.arch.lane_idx()
+    if const_expr(clamp):
+        tile = cutlass.min(cutlass.max(tile, 0), mSF.shape[1] // (SF_TILE_BYTES // 4) - 1)
     base = tile * (SF_TILE_BYTES // 4) + lane * 4
     for j in cutlass.range_constexpr(4):
         words[lane * 4 + j] = mSF[head_idx, base + j]

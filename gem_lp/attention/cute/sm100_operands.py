@@ -8,6 +8,30 @@ from dataclasses import dataclass
 import torch
 
 from gem_lp.attention.cute.config import SM100_BWD, SM100_FWD
+from gem_lp.attention.plan import cached_plan
+from gem_lp.runtime.device import fake_mode
+
+SF_TILE_BYTES = 512
+
+
+def _needed_tiles(tiles: torch.Tensor) -> int | None:
+    """The scale tiles per head the offsets need (`tiles[-1]`: the per-sequence 128-padded rows over 128), read once
+    per tiles tensor (one host sync); None while a CUDA graph is captured (the producer's bounded layout always
+    holds them) and for builds under fake tensors."""
+    if tiles.numel() == 0 or fake_mode() or (tiles.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    return cached_plan(tiles, ("needed scale tiles",), lambda: int(tiles[-1]))
+
+
+def _check_tiles(names, scales, tiles: torch.Tensor) -> None:
+    need = _needed_tiles(tiles)
+    if need is None:
+        return
+    for name in names:
+        have = getattr(scales, name).shape[1] // SF_TILE_BYTES
+        if have < need:
+            raise ValueError(f"scales.{name} holds {have} scale tiles per head, fewer than the {need} its offsets "
+                             "need (each sequence's scale rows padded to 128: gem_lp.jagged.JaggedLayout)")
 
 
 @dataclass(frozen=True)
@@ -49,6 +73,8 @@ def check_sm100_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
             raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
                              f"{tuple(tiles.shape)}")
+    _check_tiles(("q",), scales, scales.q_tiles)
+    _check_tiles(("k", "v"), scales, scales.k_tiles)
 
 
 @dataclass(frozen=True)
@@ -105,3 +131,5 @@ def check_sm100_bwd_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
             raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
                              f"{tuple(tiles.shape)}")
+    _check_tiles(("q", "q_seq", "do", "do_seq"), scales, scales.q_tiles)
+    _check_tiles(("k", "k_seq", "v"), scales, scales.k_tiles)

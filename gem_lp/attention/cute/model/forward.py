@@ -204,7 +204,7 @@ def forward_trace(q, k, v, scales, cu_q, cu_k, *, causal: bool, scale: float, p_
             n_block_max = min(n_block_max, ceil_div((m_block + 1) * TILE + seqlen_k - seqlen_q, TILE))
         ledger = TmemLedger(TMEM_ALLOC)
         qv = tma_rows(q, head, cq[b] + m_block * TILE)
-        sfq = scale_tile(scales.q, head, q_tiles[b] + m_block, reads, "q")
+        sfq = scale_tile(scales.q, head, q_tiles[b] + m_block, reads, "q", clamp=True)
         ledger.write("sfQ", *cols["sfQ"])
         state = _RowState(scale_log2, dynamic_p)
         o_acc = None
@@ -216,7 +216,7 @@ def forward_trace(q, k, v, scales, cu_q, cu_k, *, causal: bool, scale: float, p_
         steps = [(n, n) for n in range(n_block_max - 1, n_block_min - 1, -1)] or [(n_block_max - 1, n_block_min)]
         for i, (n, n_v) in enumerate(steps):
             is_first = i == 0
-            sfk = scale_tile(scales.k, head, k_tiles[b] + n, reads, "k")
+            sfk = scale_tile(scales.k, head, k_tiles[b] + n, reads, "k", clamp=True)
             ledger.write("sfK", *cols["sfK"])
             ledger.read("sfQ", *cols["sfQ"])
             ledger.read("sfK", *cols["sfK"])
@@ -235,7 +235,7 @@ def forward_trace(q, k, v, scales, cu_q, cu_k, *, causal: bool, scale: float, p_
                 ledger.read("O", *cols["O"])
                 o_acc = o_acc * acc_scale[:, None]
                 ledger.write("O", *cols["O"])
-            sfv = scale_tile(scales.v, head, k_tiles[b] + n_v, reads, "v")[:dim]  # rows: V's features
+            sfv = scale_tile(scales.v, head, k_tiles[b] + n_v, reads, "v", clamp=True)[:dim]  # rows: V's features
             ledger.write("sfV", *cols["sfV"])
             ledger.write("sfP", *cols["sfP"])
             for name in ("P", "sfP", "sfV") + (("O",) if not is_first else ()):

@@ -26,11 +26,15 @@ def sf_atom_offset(row: torch.Tensor, kblock: torch.Tensor) -> torch.Tensor:
     return (row % 32) * 16 + (row // 32) * 4 + kblock
 
 
-def scale_tile(sf: torch.Tensor, head: int, tile: int, reads: list | None = None, name: str = "") -> torch.Tensor:
+def scale_tile(sf: torch.Tensor, head: int, tile: int, reads: list | None = None, name: str = "",
+               clamp: bool = False) -> torch.Tensor:
     """`[128, 4]` uint8: the scale bytes by (row, K block) of tile `tile` of head `head` of `sf` `[H, bytes]`, read
-    as the kernel reads them (words `tile * 128 + lane * 4 + j`). `reads` collects (name, tile, in bounds) for the
+    as the kernel reads them (words `tile * 128 + lane * 4 + j`). `clamp`: the tile index is kept inside the buffer
+    (`sm100_mma.load_scale_tile(clamp=True)`, the forward's). `reads` collects (name, tile, in bounds) for the
     out-of-bounds checks; a tile outside the buffer reads as NaN scales (byte 255), its bytes being undefined."""
     nbytes = sf.shape[1]
+    if clamp:
+        tile = min(max(tile, 0), nbytes // SF_TILE_BYTES - 1)
     inside = 0 <= tile and (tile + 1) * SF_TILE_BYTES <= nbytes
     if reads is not None:
         reads.append((name, tile, inside))
