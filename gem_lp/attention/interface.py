@@ -9,7 +9,7 @@ from gem_lp.runtime import dispatch
 from gem_lp.mx.formats import BLOCK
 from gem_lp.attention.layout import check_offsets, check_offsets_form, check_qkv, make_plan
 from gem_lp.attention.plan import cached_plan
-from gem_lp.attention.reference import P_QUANTS, PRECISIONS, attention_reference
+from gem_lp.attention.reference import DQ_ACCUMS, P_QUANTS, PRECISIONS, MXRecipe, attention_reference
 from gem_lp.rotation import check_qk_rotation, rotate_qk
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> None:
@@ -73,7 +73,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
                      kv_offsets: torch.Tensor | None = None, *, causal: bool = False, broadcast_q: bool = False,
                      precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
                      p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None,
-                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, dq_accum: str = "fp32"
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over jagged (variable-length) sequences, differentiable.
 
@@ -104,6 +104,10 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
             to the host nor checked there, so the call makes no host sync and can be captured in a CUDA graph.
             The caller then guarantees what the check would: offsets start at 0, do not decrease, end at the row
             count, and no sequence is longer than its bound. The reference backend checks them anyway.
+        dq_accum: `"fp32"` (the default: FA4's FP32 dQ accumulator), or `"fp16"` (`mxfp8` only): dQ summed over
+            the key tiles in FP16 with a static power-of-two scale, the LP-FA4 throughput option
+            (docs/numerics.md); an overflow of that scale raises `DQAccumulatorOverflow`. No GPU kernel accumulates
+            in FP16 yet: it runs the reference recipe (a warning says so once; `backend="cute"` is an error).
 
     Returns:
         O `[T_out, H, D]` in q's dtype (`T_out` = Tq, or B * Lq with broadcast_q); a query with no
@@ -113,7 +117,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     return _attention(q, k, v, q_offsets, kv_offsets, None, causal=causal, broadcast_q=broadcast_q,
                       precision=precision, backend=backend, softmax_scale=softmax_scale, p_quant=p_quant,
                       return_lse=return_lse, qk_rotation=qk_rotation, max_seqlen_q=max_seqlen_q,
-                      max_seqlen_k=max_seqlen_k)
+                      max_seqlen_k=max_seqlen_k, dq_accum=dq_accum)
 
 
 def _unpacked(packed: torch.Tensor, name: str, parts: int) -> tuple[torch.Tensor, ...]:
@@ -127,7 +131,8 @@ def _unpacked(packed: torch.Tensor, name: str, parts: int) -> tuple[torch.Tensor
 def jagged_attention_qkvpacked(qkv: torch.Tensor, offsets: torch.Tensor, *, causal: bool = False,
                                precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
                                p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None,
-                               max_seqlen: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                               max_seqlen: int | None = None, dq_accum: str = "fp32"
+                               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Jagged self-attention on q, k, v packed in one tensor `qkv [T, 3, H, D]` (a fused projection's output):
     `jagged_attention(*qkv.unbind(1), offsets, ...)`, whose gradient is one `[T, 3, H, D]` tensor. The kernel
     backends write dQ, dK and dV into it in place; through `unbind` they would be three tensors that autograd then
@@ -135,15 +140,15 @@ def jagged_attention_qkvpacked(qkv: torch.Tensor, offsets: torch.Tensor, *, caus
     q, k, v = _unpacked(qkv, "qkv", 3)
     return _attention(q, k, v, offsets, None, ("qkv", qkv), causal=causal, broadcast_q=False, precision=precision,
                       backend=backend, softmax_scale=softmax_scale, p_quant=p_quant, return_lse=return_lse,
-                      qk_rotation=qk_rotation, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+                      qk_rotation=qk_rotation, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dq_accum=dq_accum)
 
 
 def jagged_attention_kvpacked(q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor | None,
                               kv_offsets: torch.Tensor, *, causal: bool = False, broadcast_q: bool = False,
                               precision: str = "bf16", backend: str = "auto", softmax_scale: float | None = None,
                               p_quant: str = "const_p", return_lse: bool = False, qk_rotation: str | None = None,
-                              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None
-                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                              dq_accum: str = "fp32") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`jagged_attention(q, *kv.unbind(1), q_offsets, kv_offsets, ...)` on keys and values packed in one tensor
     `kv [Tk, 2, H, D]`, whose gradient is one `[Tk, 2, H, D]` tensor written in place by the kernel backends (see
     `jagged_attention_qkvpacked`). kv_offsets is required."""
@@ -153,16 +158,20 @@ def jagged_attention_kvpacked(q: torch.Tensor, kv: torch.Tensor, q_offsets: torc
     return _attention(q, k, v, q_offsets, kv_offsets, ("kv", kv), causal=causal, broadcast_q=broadcast_q,
                       precision=precision, backend=backend, softmax_scale=softmax_scale, p_quant=p_quant,
                       return_lse=return_lse, qk_rotation=qk_rotation, max_seqlen_q=max_seqlen_q,
-                      max_seqlen_k=max_seqlen_k)
+                      max_seqlen_k=max_seqlen_k, dq_accum=dq_accum)
 
 
 def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, precision, backend, softmax_scale,
-               p_quant, return_lse, qk_rotation, max_seqlen_q, max_seqlen_k):
+               p_quant, return_lse, qk_rotation, max_seqlen_q, max_seqlen_k, dq_accum="fp32"):
     """`jagged_attention`; `packed`: None, or ("qkv" | "kv", the tensor q, k, v (or k, v) are `unbind` views of)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if p_quant not in P_QUANTS:
         raise ValueError(f"p_quant must be one of {P_QUANTS}, got {p_quant!r}")
+    if dq_accum not in DQ_ACCUMS:
+        raise ValueError(f"dq_accum must be one of {DQ_ACCUMS}, got {dq_accum!r}")
+    if dq_accum != "fp32" and precision != "mxfp8":
+        raise ValueError(f"dq_accum={dq_accum!r} is an option of precision='mxfp8', got precision={precision!r}")
     _check_qkv(q, k, v, precision)
     heads, dim = q.shape[1], q.shape[2]
     check_qk_rotation(qk_rotation, dim)
@@ -203,6 +212,12 @@ def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, p
         packed = None  # rotated q and k are new tensors, no longer views of the packed one
     q, k = rotate_qk(q, k, qk_rotation)  # before dispatch, so that every backend gets it
     impl = dispatch.choose("attention", precision, q.device, backend)
+    if impl != dispatch.REFERENCE and dq_accum == "fp16":
+        why = "no kernel accumulates dQ in FP16 (their backward keeps FA4's FP32 dQ accumulator)"
+        if backend == "cute":
+            raise ValueError(f"backend='cute' cannot run dq_accum='fp16': {why}")
+        dispatch.warn_once("attention", precision, q.device, f"with dq_accum='fp16' runs the reference: {why}")
+        impl = dispatch.REFERENCE
     if impl != dispatch.REFERENCE and precision == "mxfp8":
         from gem_lp.attention.cute.config import HEAD_DIMS
 
@@ -224,5 +239,7 @@ def _attention(q, k, v, q_offsets, kv_offsets, packed, *, causal, broadcast_q, p
         q_offs = None if broadcast_q else _checked(q_offsets, "q_offsets", q.shape[0])
         kv_offs = _checked(kv_offsets if kv_offsets is not None else q_offsets, "kv_offsets", k.shape[0])
     plan = make_plan(q_offs, kv_offs, broadcast_q=broadcast_q, q_len=q.shape[0], heads=heads)
-    out, lse = attention_reference(q, k, v, plan, causal=causal, precision=precision, scale=scale, p_quant=p_quant)
+    recipe = MXRecipe(p_quant=p_quant, dq_accum=dq_accum) if precision == "mxfp8" else None
+    out, lse = attention_reference(q, k, v, plan, causal=causal, precision=precision, scale=scale, p_quant=p_quant,
+                                   recipe=recipe)
     return (out, lse) if return_lse else out

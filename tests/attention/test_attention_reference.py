@@ -466,3 +466,22 @@ def test_packed_forms_errors():
         jagged_attention_kvpacked(torch.randn(10, 2, 32), torch.randn(10, 2, 32), offs, offs)
     with pytest.raises(ValueError, match="kv_offsets is required"):
         jagged_attention_kvpacked(torch.randn(10, 2, 32), torch.randn(10, 2, 2, 32), offs, None)
+
+
+def test_dq_accum_option():
+    """`dq_accum="fp16"` (FP16 dQ accumulator with a static power-of-two scale) changes dQ alone, by FP16 rounding;
+    it is an mxfp8 option, and no kernel runs it."""
+    offs = torch.tensor([0, 3, 43, 120])
+    q, k, v = (torch.randn(120, 2, 64, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
+    grads = {}
+    for acc in ("fp32", "fp16"):
+        o = jagged_attention(q, k, v, offs, precision="mxfp8", dq_accum=acc)
+        grads[acc] = (o, *torch.autograd.grad(o.square().sum(), (q, k, v)))
+    assert torch.equal(grads["fp32"][0], grads["fp16"][0])  # O
+    assert torch.equal(grads["fp32"][2], grads["fp16"][2]) and torch.equal(grads["fp32"][3], grads["fp16"][3])
+    assert not torch.equal(grads["fp32"][1], grads["fp16"][1])
+    assert sqnr_db(grads["fp16"][1], grads["fp32"][1]) > 45
+    with pytest.raises(ValueError, match="dq_accum must be one of"):
+        jagged_attention(q, k, v, offs, precision="mxfp8", dq_accum="bf16")
+    with pytest.raises(ValueError, match="is an option of precision='mxfp8'"):
+        jagged_attention(q, k, v, offs, precision="bf16", dq_accum="fp16")
