@@ -127,8 +127,8 @@ def test_a_data_source_of_ones_own(tmp_path):
         def train_dataset(self, start):
             return Stream(start)
 
-        def eval_batches(self, limit):
-            return [batch(i, "eval") for i in range(min(limit, 2))]
+        def eval_batches(self, limit=None):
+            return [batch(i, "eval") for i in range(2 if limit is None else min(limit, 2))]
 
     run = RunConfig(model=GemModelConfig(embedding_dim=32, d_model=32, head_dim=32, num_blocks=1, mlp_hidden=32,
                                          dense_hidden=32, head_hidden=32),
@@ -137,6 +137,8 @@ def test_a_data_source_of_ones_own(tmp_path):
                                           progress=False, tensorboard=False, num_threads=1))
     metrics = Trainer(run, tmp_path, source=ClickLogs()).fit()
     assert metrics["steps"] == 6 and metrics["batch_size"] == 16 and metrics["teacher_auc"] is None
+    assert metrics["eval_rows"] == metrics["eval_rows_total"] == 32  # counted: the source does not say
+    assert metrics["data"] == {"source": "ClickLogs", "config": {"batch_size": 16}}
     with pytest.raises(TypeError, match="expected a SyntheticDataConfig or ParquetDataConfig"):
         Trainer(run, tmp_path / "no_source")
 
