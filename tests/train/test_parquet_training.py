@@ -1,5 +1,6 @@
 """Training on Parquet logs through the shipped config (`data=parquet data.path=...`), with exact resume."""
 import json
+import math
 
 import pytest
 import torch
@@ -153,3 +154,48 @@ def test_a_config_of_ones_own_extends_the_shipped_parquet_config(logs, tmp_path)
         "pooled_features:\n  - {column: country, num_embeddings: 20}\ndense_features: [d0, d1, d2]\n")
     out = run_cli(TRAIN_PY, "--config-dir", tmp_path / "my_configs", "data=clicks", "--cfg", "job", cwd=tmp_path)
     assert f"path: {logs}" in out.stdout and "eval_fraction: 0.1" in out.stdout
+
+
+SHORT = ["trainer.max_steps=2", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.warmup_steps=1"]
+
+
+def test_eval_covers_every_eval_row_unless_capped(composed, logs, tmp_path, caplog):
+    full = Trainer(composed(*overrides(logs), *SHORT, "trainer.eval_batches=null"), tmp_path / "full").fit()
+    assert full["eval_rows"] == full["eval_rows_total"] == 60  # the last 10% of 600 rows, in batches of 32
+    data = full["data"]
+    assert data["source"] == "parquet" and data["paths"] == {"train": str(logs), "eval": None}
+    assert data["rows"] == {"train": 540, "eval": 60} and len(data["schema_hash"]) == 16
+    assert data["schema"]["history"] == "list<element: int64>"
+    with caplog.at_level("INFO", logger="gem_lp"):
+        capped = Trainer(composed(*overrides(logs), *SHORT, "trainer.eval_batches=1"), tmp_path / "capped").fit()
+    assert capped["eval_rows"] == 32 and capped["eval_rows_total"] == 60
+    assert "eval: 32 of 60 eval rows (trainer.eval_batches=1 caps it" in caplog.text
+
+
+def test_no_dense_features_and_the_candidate_as_a_pooled_feature(composed, logs, tmp_path):
+    metrics = Trainer(composed(*overrides(logs), *SHORT, "data.dense_features=[]",
+                               "data.pooled_features=[{column: country, num_embeddings: 20}, "
+                               "{column: item, num_embeddings: 100}]"), tmp_path).fit()
+    assert metrics["steps"] == 2 and all(math.isfinite(x) for x in metrics["train_loss_history"])
+    assert math.isfinite(metrics["eval_ne"])
+
+
+def test_eval_logits_of_several_ranks_come_back_in_the_order_of_one_process():
+    """Uneven eval batches (the last one short) cut over 2 ranks: the gathered logits are one process's."""
+    from gem_lp.data import rank_bounds
+
+    sizes, world = [5, 5, 3], 2
+    whole = torch.arange(13, dtype=torch.float32)
+    starts = [0, 5, 10]
+    per_rank = [torch.cat([whole[s + a:s + b] for s, n in zip(starts, sizes)
+                           for a, b in [rank_bounds(n, r, world)]]) for r in range(world)]
+    longest = max(p.numel() for p in per_rank)
+
+    class Group:
+        def gather(self, mine):
+            return torch.stack([torch.cat([p, p.new_zeros(longest - p.numel())]) for p in per_rank])
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.world_size, trainer.group = world, Group()
+    mine = [whole[s + a:s + b] for s, n in zip(starts, sizes) for a, b in [rank_bounds(n, 0, world)]]
+    assert torch.equal(trainer._gathered_eval_logits(mine, sizes), whole)
