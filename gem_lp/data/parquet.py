@@ -145,8 +145,9 @@ class ParquetDataConfig:
         if self.eval_path is not None:
             train, evals = Path(self.path).resolve(), Path(self.eval_path).resolve()
             if train == evals or train in evals.parents:
-                raise DataError(f"data.eval_path {self.eval_path} is {'data.path' if train == evals else 'inside data.path'} "
-                                f"{self.path}: the eval rows would be trained on; keep them apart")
+                where = "data.path" if train == evals else "inside data.path"
+                raise DataError(f"data.eval_path {self.eval_path} is {where} {self.path}: the eval rows would be "
+                                f"trained on; keep them apart")
 
     def feature_spec(self) -> FeatureSpec:
         """The batches' keys are the column names."""
