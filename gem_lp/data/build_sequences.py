@@ -714,8 +714,10 @@ def build_sequences(opts: BuildOptions, log=print) -> dict[str, Any]:
     summary = _summary(opts, builder, side, counts, cut)
     (out / "dataset.json").write_text(json.dumps(summary, indent=2) + "\n")
     _write_config(out, summary)
+    cap_note = ("histories uncapped" if opts.max_history is None else
+                f"{counts['capped']:,} histories capped at their {opts.max_history} most recent events")
     log(f"wrote {counts['train']:,} training and {counts['eval']:,} eval samples to {out} "
-        f"({counts['capped']:,} histories capped at {opts.max_history}; {time.perf_counter() - started:.1f} s)")
+        f"({cap_note}; {time.perf_counter() - started:.1f} s)")
     return summary
 
 
@@ -770,21 +772,27 @@ def _write_config(out: Path, summary: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def train_command(summary: dict) -> str:
-    """The `python train.py data=parquet ...` line that trains on a build's output."""
+def train_overrides(summary: dict) -> list[str]:
+    """The `train.py` overrides that train on a build's output (`data=parquet data.path=... ...`)."""
     d = summary["data"]
 
     def features(items):
         return "[" + ", ".join(f"{{column: {f['column']}, num_embeddings: {f['num_embeddings']}}}" for f in items) + "]"
 
-    parts = ["python train.py data=parquet", f"data.path={d['path']}", f"data.eval_path={d['eval_path']}",
-             f"data.timestamp={d['timestamp']}", f"data.num_items={d['num_items']}",
-             f"'data.pooled_features={features(d['pooled_features'])}'"]
+    out = ["data=parquet", f"data.path={d['path']}", f"data.eval_path={d['eval_path']}",
+           f"data.timestamp={d['timestamp']}", f"data.num_items={d['num_items']}",
+           f"data.pooled_features={features(d['pooled_features'])}"]
     if d["event_features"]:
-        parts.append(f"'data.event_features={features(d['event_features'])}'")
+        out.append(f"data.event_features={features(d['event_features'])}")
     if d["dense_features"]:
-        parts.append(f"'data.dense_features=[{','.join(d['dense_features'])}]'")
-    return " \\\n    ".join(parts)
+        out.append(f"data.dense_features=[{','.join(d['dense_features'])}]")
+    return out
+
+
+def train_command(summary: dict) -> str:
+    """The `python train.py data=parquet ...` line that trains on a build's output."""
+    quoted = [f"'{o}'" if "[" in o else o for o in train_overrides(summary)]
+    return " \\\n    ".join(["python train.py " + quoted[0], *quoted[1:]])
 
 
 def parse_args(argv: list[str] | None = None) -> BuildOptions:

@@ -83,6 +83,7 @@ def test_gpu_sizes_follow_the_tensor_core_tiles(composed):
     parquet = load_run_config(composed("trainer=gpu", "data=parquet", "data.path=x", "data.num_items=5",
                                        "data.dense_features=[a]", "data.pooled_features=[{column:u,num_embeddings:3}]"))
     assert parquet.data.batch_size == 1024  # trainer=gpu composes with the Parquet source too
+    assert parquet.trainer.num_workers == 8 and parquet.trainer.eval_batches is None  # loader workers, whole eval
 
 
 @pytest.mark.parametrize("override", ["trainer.lr=abc", "seed=abc", "trainer.max_steps=1.5", "model.causal=maybe",

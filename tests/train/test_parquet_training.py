@@ -199,3 +199,31 @@ def test_eval_logits_of_several_ranks_come_back_in_the_order_of_one_process():
     trainer.world_size, trainer.group = world, Group()
     mine = [whole[s + a:s + b] for s, n in zip(starts, sizes) for a, b in [rank_bounds(n, 0, world)]]
     assert torch.equal(trainer._gathered_eval_logits(mine, sizes), whole)
+
+
+def test_a_raw_log_built_into_samples_trains(composed, tmp_path):
+    """The docs' walk-through at test size: a generated ratings log with side tables, build_sequences, train.py's
+    config written beside the samples."""
+    from gem_lp.data.build_sequences import BuildOptions, build_sequences, train_overrides
+    from gem_lp.data.example_log import generate_log
+
+    log = generate_log(tmp_path / "ratings.parquet", events=3000, users=60, items=200, side_tables=True)
+    summary = build_sequences(BuildOptions(
+        log=str(log), out=str(tmp_path / "built"), rating="rating", threshold=4, event_columns=("rating",),
+        user_table=str(tmp_path / "ratings_users.parquet"), item_table=str(tmp_path / "ratings_items.parquet"),
+        dense=("age",), max_history=20), log=lambda _: None)
+    data = summary["data"]
+    assert [f["column"] for f in data["pooled_features"]] == ["user", "occupation", "genre"]
+    assert data["dense_features"] == ["age"] and summary["rows"]["events"] == 3000
+    times = pq.read_table(log).column("timestamp").to_pylist()
+    assert times == sorted(times)  # the generated log is in time order
+    from hydra import compose, initialize_config_dir
+
+    from train_helpers import CONFIG_DIR
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            *train_overrides(summary), "data.batch_size=64", *SHORT, "trainer.progress=false",
+            "trainer.tensorboard=false", "model.mlp_hidden=64", "model.head_hidden=64"])
+    metrics = Trainer(cfg, tmp_path / "run").fit()
+    assert metrics["eval_rows"] == metrics["eval_rows_total"] == summary["rows"]["eval"]
+    assert metrics["data"]["paths"] == {"train": data["path"], "eval": data["eval_path"]}
