@@ -111,6 +111,7 @@ class SyntheticSource:
         self.seed = seed
         self.features = cfg.feature_spec()
         self.teacher = PlantedTeacher(cfg)
+        self._eval_cache: list[RecBatch] = []
 
     @property
     def num_eval_rows(self) -> int:
@@ -121,12 +122,15 @@ class SyntheticSource:
 
     def eval_batches(self, limit: int | None = None) -> Iterator[RecBatch]:
         """The eval set in batches of `batch_size` (the last one cut to the remainder of `eval_samples`): all of
-        them, or the first `limit`. Each batch is generated as it is asked for."""
+        them, or the first `limit`. Each batch is generated when first asked for and kept (`eval_samples` bounds
+        them, and generating a batch of GPU size is costly)."""
         b, n = self.cfg.batch_size, self.cfg.eval_samples
         count = math.ceil(n / b) if limit is None else min(limit, math.ceil(n / b))
         for k in range(count):
-            batch = make_batch(self.cfg, self.teacher, self.seed, "eval", k)
-            yield batch if (k + 1) * b <= n else batch.samples(0, n - k * b)
+            if k == len(self._eval_cache):
+                batch = make_batch(self.cfg, self.teacher, self.seed, "eval", k)
+                self._eval_cache.append(batch if (k + 1) * b <= n else batch.samples(0, n - k * b))
+            yield self._eval_cache[k]
 
     def fingerprint(self) -> dict[str, Any]:
         """The task: its seed and config, the eval set's size, the batches' keys and tables (and their hash)."""

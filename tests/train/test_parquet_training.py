@@ -81,6 +81,11 @@ def test_a_missing_file_is_refused_before_the_run_directory(composed, tmp_path):
     with pytest.raises(RunRefused, match=f"data.path: no Parquet file or directory at {tmp_path / 'nothing.parquet'}"):
         check_config(composed(*overrides(tmp_path / "nothing.parquet")), str(tmp_path / "run"))
     assert list(tmp_path.iterdir()) == []
+    logs = tmp_path / "logs.parquet"
+    logs.touch()
+    with pytest.raises(RunRefused, match=f"data.eval_path {logs} is data.path {logs}: the eval rows would be trained"):
+        check_config(composed(*overrides(logs), f"data.eval_path={logs}"), str(tmp_path / "run"))
+    assert list(tmp_path.iterdir()) == [logs]
 
 
 def test_a_data_source_of_ones_own(tmp_path):
