@@ -104,10 +104,10 @@ class BuildOptions:
         keys = [self.user, self.item, self.time, self.label or self.rating]
         if len(set(keys)) != len(keys):
             problems.append(f"the user, item, time and label/rating columns must be four columns, got {keys}")
-        clash = sorted(set(self.event_columns) & {self.user, self.item, self.time})
+        clash = sorted(set(self.event_columns) & {self.user, self.item, self.time, "item"})
         if clash or len(set(self.event_columns)) != len(self.event_columns):
-            problems.append(f"--event-columns must be distinct columns other than the user, item and time, got "
-                            f"{list(self.event_columns)}")
+            problems.append(f"--event-columns must be distinct columns other than the user, item and time (and not "
+                            f"'item': its history list would be hist_item), got {list(self.event_columns)}")
         if problems:
             raise ValueError("; ".join(problems))
 

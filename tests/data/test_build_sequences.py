@@ -205,6 +205,8 @@ def test_labels_and_options_are_checked(tmp_path):
         options(log, tmp_path / "c", label="rating")
     with pytest.raises(ValueError, match="--eval-from is a global time cut"):
         options(log, tmp_path / "c", split="user")
+    with pytest.raises(ValueError, match="its history list would be hist_item"):
+        options(log, tmp_path / "c", item="movie", event_columns=("item",))
     build_sequences(options(log, tmp_path / "d"), log=lambda _: None)
     with pytest.raises(FileExistsError, match="is not empty"):
         build_sequences(options(log, tmp_path / "d"), log=lambda _: None)
