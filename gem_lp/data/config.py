@@ -56,6 +56,8 @@ class SyntheticDataConfig:
     """
 
     batch_size: int = 128
+    # The eval set: the first eval_samples samples of the eval stream (an endless stream has no natural whole)
+    eval_samples: int = 4096
     num_items: int = 2000
     num_actions: int = 4
     num_time_buckets: int = 8
@@ -78,7 +80,7 @@ class SyntheticDataConfig:
 
     def __post_init__(self):
         self.sparse_features = tuple(self.sparse_features)
-        positive = ("batch_size", "num_actions", "num_time_buckets", "num_dense", "teacher_dim")
+        positive = ("batch_size", "eval_samples", "num_actions", "num_time_buckets", "num_dense", "teacher_dim")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")

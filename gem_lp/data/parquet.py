@@ -2,17 +2,21 @@
 
 Columns (names set in the config, `gem_lp/configs/data/parquet.yaml`):
 
-* `label`: 0 or 1 (any numeric type);
+* `label`: 0 or 1 (any numeric or boolean type);
 * `history_item`: list of int item ids, the user's history, oldest first (may be empty);
 * each of `event_features`: list of int ids of the same length as `history_item` in every row;
 * `candidate_item`: int, the item to score;
 * each of `pooled_features`: int, or list of int (any number of ids);
-* each of `dense_features`: a numeric column, one float feature.
+* each of `dense_features` (may be none): a numeric column, one float feature;
+* `timestamp` (optional): the sample's time (integer, floating point, timestamp or date), to check or sort the
+  rows' time order.
 
-Nothing is dropped, clipped or cast silently: nulls, ids outside `[0, num_embeddings)`, non-finite dense
-values, labels other than 0/1 and event lists whose length differs from the history's are errors naming
-the column and the row. The file is read once into memory (pyarrow); batch `i` of the training stream is a
-pure function of `(seed, i)`, so a run resumes exactly.
+A column may serve several roles (the candidate item also as a pooled feature, a numeric id also as a dense
+feature), except the label, which serves as nothing else. Nothing is dropped, clipped or cast silently: nulls, ids
+outside `[0, num_embeddings)`, non-finite dense values, labels other than 0/1, event lists whose length differs
+from the history's, and rows out of time order where the order decides the eval split are errors naming the file,
+the column and the row. The files are read once into memory (pyarrow); batch `i` of the training stream is a pure
+function of `(seed, i)`, so a run resumes exactly.
 """
 from __future__ import annotations
 
@@ -21,16 +25,20 @@ import hashlib
 import logging
 import math
 from pathlib import Path
+from typing import Any, Iterator
 
+import numpy as np
 import torch
 from omegaconf import MISSING
 from torch.utils.data import IterableDataset, get_worker_info
 from torchrec import KeyedJaggedTensor
 
 from .batch import RecBatch
-from .spec import DataError, EmbeddingFeature, FeatureSpec
+from .spec import DataError, EmbeddingFeature, FeatureSpec, schema_hash
 
 log = logging.getLogger(__name__)
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclasses.dataclass
@@ -45,8 +53,10 @@ class ColumnFeature:
 class ParquetDataConfig:
     """Where the logs are and which column is what (see the module docstring for the column types).
 
-    `eval_path` holds the eval rows; without it, the last `eval_fraction` of `path`'s rows (the most recent,
-    for logs written in time order) are held out for eval and never trained on.
+    `eval_path` holds the eval rows; without it, the last `eval_fraction` of `path`'s rows are held out for eval and
+    never trained on. Those must be the most recent rows: name the `timestamp` column and the rows' time order is
+    checked (or, with `sort_by_time`, made: a stable sort of every file read by time). `max_history` keeps the most
+    recent `max_history` events of each history (null: all of them).
     """
 
     path: str = MISSING  # a .parquet file, or a directory of them
@@ -60,12 +70,17 @@ class ParquetDataConfig:
     num_items: int = MISSING  # rows of the item table, shared by history_item and candidate_item
     event_features: list[ColumnFeature] = dataclasses.field(default_factory=list)
     pooled_features: list[ColumnFeature] = MISSING
-    dense_features: list[str] = MISSING
+    dense_features: list[str] = dataclasses.field(default_factory=list)
+    timestamp: str | None = None
+    sort_by_time: bool = False
+    max_history: int | None = None
 
     def __post_init__(self):
-        for name in ("path", "num_items", "pooled_features", "dense_features"):
-            if getattr(self, name) == MISSING:
-                raise ValueError(f"data.{name} is required for data=parquet (see gem_lp/configs/data/parquet.yaml)")
+        missing = [f"data.{name}" for name in ("path", "num_items", "pooled_features")
+                   if getattr(self, name) == MISSING]
+        if missing:
+            raise ValueError(f"data=parquet needs {', '.join(missing)} (not set; see gem_lp/configs/data/parquet.yaml "
+                             f"and docs/data.md)")
         self.event_features = [_column_feature(f, "event_features") for f in self.event_features]
         self.pooled_features = [_column_feature(f, "pooled_features") for f in self.pooled_features]
         self.dense_features = list(self.dense_features)
@@ -76,27 +91,63 @@ class ParquetDataConfig:
         if self.eval_path is None and not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in (0, 1) when data.eval_path is null, "
                              f"got {self.eval_fraction}")
+        if self.max_history is not None and self.max_history < 1:
+            raise ValueError(f"data.max_history must be null (every event) or >= 1, got {self.max_history}")
+        if self.sort_by_time and not self.timestamp:
+            raise ValueError("data.sort_by_time=true needs data.timestamp, the column to sort by")
         if not self.pooled_features:
             raise ValueError("data.pooled_features must list at least one {column, num_embeddings}")
-        if not self.dense_features:
-            raise ValueError("data.dense_features must list at least one numeric column")
-        columns = self.columns
-        repeated = sorted({c for c in columns if columns.count(c) > 1})
-        if repeated:
-            raise ValueError(f"data: each column may have one role only; used twice: {repeated}")
+        self._check_roles()
+
+    def _check_roles(self) -> None:
+        """One column may serve several roles, but not twice in one role, and the label serves as nothing else."""
+        if self.history_item == self.candidate_item:
+            raise ValueError(f"data.history_item and data.candidate_item must be two columns (a list of ids and one "
+                             f"id), both are {self.history_item!r}")
+        for role, names in (("event_features", [f.column for f in self.event_features]),
+                            ("pooled_features", [f.column for f in self.pooled_features]),
+                            ("dense_features", self.dense_features)):
+            repeated = sorted({c for c in names if names.count(c) > 1})
+            if repeated:
+                raise ValueError(f"data.{role} lists {repeated} more than once")
+        roles = self.roles
+        if len(roles[self.label]) > 1:
+            raise ValueError(f"data.label: column {self.label!r} is also {sorted(roles[self.label] - {'label'})}: the "
+                             f"label cannot be a feature")
+        if self.history_item in {f.column for f in self.event_features}:
+            raise ValueError(f"data.event_features: {self.history_item!r} is the history itself (data.history_item)")
+
+    @property
+    def roles(self) -> dict[str, set[str]]:
+        """Every column read, with the roles it serves."""
+        out: dict[str, set[str]] = {}
+        for role, column in (("label", self.label), ("history_item", self.history_item),
+                             ("candidate_item", self.candidate_item), ("timestamp", self.timestamp),
+                             *(("event_features", f.column) for f in self.event_features),
+                             *(("pooled_features", f.column) for f in self.pooled_features),
+                             *(("dense_features", c) for c in self.dense_features)):
+            if column:
+                out.setdefault(column, set()).add(role)
+        return out
+
+    @property
+    def columns(self) -> list[str]:
+        """Every column read, once each, in the order of the module docstring."""
+        return list(self.roles)
 
     def check_paths(self) -> None:
-        """Raise FileNotFoundError naming the key when `path` or `eval_path` does not exist."""
+        """Raise FileNotFoundError naming the key when `path` or `eval_path` does not exist, and `DataError` when
+        the eval rows would be among the training rows."""
         for key in ("path", "eval_path"):
             value = getattr(self, key)
             if value is not None and not Path(value).exists():
                 raise FileNotFoundError(f"data.{key}: no Parquet file or directory at {value}")
-
-    @property
-    def columns(self) -> list[str]:
-        """Every column read, in the order of the module docstring."""
-        return [self.label, self.history_item, *(f.column for f in self.event_features), self.candidate_item,
-                *(f.column for f in self.pooled_features), *self.dense_features]
+        if self.eval_path is not None:
+            train, evals = Path(self.path).resolve(), Path(self.eval_path).resolve()
+            if train == evals or train in evals.parents:
+                where = "data.path" if train == evals else "inside data.path"
+                raise DataError(f"data.eval_path {self.eval_path} is {where} {self.path}: the eval rows would be "
+                                f"trained on; keep them apart")
 
     def feature_spec(self) -> FeatureSpec:
         """The batches' keys are the column names."""
@@ -126,27 +177,46 @@ class Jagged:
     values: torch.Tensor
     offsets: torch.Tensor
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
     def rows(self, lo: int, hi: int) -> "Jagged":
         start, stop = int(self.offsets[lo]), int(self.offsets[hi])
         return Jagged(self.values[start:stop], self.offsets[lo:hi + 1] - start)
 
     def index(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions in `values`, lengths) of `rows`, concatenated in the order given."""
-        starts = self.offsets[rows]
-        lengths = self.offsets[rows + 1] - starts
-        total = int(lengths.sum())
-        out_starts = torch.cumsum(lengths, 0) - lengths
-        return torch.repeat_interleave(starts - out_starts, lengths, output_size=total) + torch.arange(total), lengths
+        return _ranges(self.offsets[rows], self.offsets[rows + 1])
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, lengths) of `rows`, concatenated in the order given."""
         index, lengths = self.index(rows)
         return self.values[index], lengths
 
+    def take(self, rows: torch.Tensor) -> "Jagged":
+        """The lists of `rows`, in that order."""
+        values, lengths = self.gather(rows)
+        return Jagged(values, _offsets(lengths))
+
+
+def _ranges(starts: torch.Tensor, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the positions `starts[r]..stops[r]-1` of every r, concatenated; the lengths)."""
+    lengths = stops - starts
+    total = int(lengths.sum())
+    out_starts = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - out_starts, lengths, output_size=total) + torch.arange(total), lengths
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
 
 @dataclasses.dataclass
 class ParquetRows:
-    """Every column of some Parquet rows in memory, as torch tensors, in file order."""
+    """Every column of some Parquet rows in memory, as torch tensors, in file order (or time order, sorted)."""
 
     spec: FeatureSpec
     labels: torch.Tensor  # float32 [N]
@@ -155,6 +225,7 @@ class ParquetRows:
     candidates: torch.Tensor  # int64 [N]
     pooled: list[Jagged]
     dense: torch.Tensor  # float32 [N, F]
+    times: torch.Tensor | None = None  # int64 or float64 [N]: the timestamp column's values, when configured
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -163,7 +234,15 @@ class ParquetRows:
         history = self.history.rows(lo, hi)
         start, stop = int(self.history.offsets[lo]), int(self.history.offsets[hi])
         return ParquetRows(self.spec, self.labels[lo:hi], history, [e[start:stop] for e in self.events],
-                           self.candidates[lo:hi], [p.rows(lo, hi) for p in self.pooled], self.dense[lo:hi])
+                           self.candidates[lo:hi], [p.rows(lo, hi) for p in self.pooled], self.dense[lo:hi],
+                           None if self.times is None else self.times[lo:hi])
+
+    def take(self, rows: torch.Tensor) -> "ParquetRows":
+        """The rows `rows` (int64 indices), in that order."""
+        index, lengths = self.history.index(rows)
+        return ParquetRows(self.spec, self.labels[rows], Jagged(self.history.values[index], _offsets(lengths)),
+                           [e[index] for e in self.events], self.candidates[rows], [p.take(rows) for p in self.pooled],
+                           self.dense[rows], None if self.times is None else self.times[rows])
 
     def batch(self, rows: torch.Tensor) -> RecBatch:
         """The `RecBatch` of `rows` (int64 row indices), in that order."""
@@ -186,8 +265,40 @@ class ParquetRows:
         return RecBatch(sparse, sequence, self.dense[rows], self.labels[rows])
 
 
+@dataclasses.dataclass
+class ParquetFiles:
+    """What a path read holds: its files (in read order) with their row counts, and the read columns' types."""
+
+    path: str
+    files: list[tuple[str, int]]
+    schema: dict[str, str]  # column -> Arrow type, of the columns read
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, n in self.files)
+
+    def row(self, i: int) -> str:
+        """`row i`, and for a directory the file and the row within it."""
+        if len(self.files) == 1:
+            return f"row {i}"
+        local = i
+        for name, n in self.files:
+            if local < n:
+                return f"row {i} ({Path(name).name}: row {local})"
+            local -= n
+        return f"row {i}"
+
+    def schema_hash(self) -> str:
+        return schema_hash(self.schema)
+
+
 def read_parquet(cfg: ParquetDataConfig, path: str | Path) -> ParquetRows:
     """Read and check the configured columns of `path` (a file or a directory of files)."""
+    return read_parquet_files(cfg, path)[0]
+
+
+def read_parquet_files(cfg: ParquetDataConfig, path: str | Path) -> tuple[ParquetRows, ParquetFiles]:
+    """`read_parquet`, with what was read (files, row counts, column types)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
@@ -199,96 +310,151 @@ def read_parquet(cfg: ParquetDataConfig, path: str | Path) -> ParquetRows:
     missing = [c for c in cfg.columns if c not in dataset.schema.names]
     if missing:
         raise DataError(f"data: {path} lacks the columns {missing}; it has {dataset.schema.names}")
+    files = ParquetFiles(str(path), [(f.path, f.metadata.num_rows) for f in dataset.fragments],
+                         {c: str(dataset.schema.field(c).type) for c in cfg.columns})
     table = dataset.read(columns=cfg.columns)
     if table.num_rows == 0:
         raise DataError(f"data: {path} holds no rows")
+    if table.num_rows != files.num_rows:  # the row locations in messages rely on it
+        files.files = [(str(path), table.num_rows)]
     spec = cfg.feature_spec()
     column = {name: table.column(name).combine_chunks() for name in cfg.columns}
-    where = f"{path}: column"
 
-    labels = _numbers(column[cfg.label], f"{where} {cfg.label!r}")
+    def where(name: str) -> str:
+        return f"{path}: column {name!r}"
+
+    labels = _numbers(column[cfg.label], where(cfg.label), files)
     bad = (labels != 0) & (labels != 1)
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
-        raise DataError(f"{where} {cfg.label!r}: labels must be 0 or 1, row {row} holds {float(labels[row])}")
-    history = _id_lists(column[cfg.history_item], f"{where} {cfg.history_item!r}", spec.num_items)
+        raise DataError(f"{where(cfg.label)}: labels must be 0 or 1, {files.row(row)} holds {float(labels[row])}")
+    history = _id_lists(column[cfg.history_item], where(cfg.history_item), spec.num_items, files)
     events = []
     for f in spec.event_features:
-        event = _id_lists(column[f.key], f"{where} {f.key!r}", f.num_embeddings)
+        event = _id_lists(column[f.key], where(f.key), f.num_embeddings, files)
         differs = event.offsets != history.offsets
         if bool(differs.any()):
             row = int(differs.nonzero()[0]) - 1
             held, expected = (int(o[row + 1] - o[row]) for o in (event.offsets, history.offsets))
-            raise DataError(f"{where} {f.key!r}: row {row} holds {held} ids, its {cfg.history_item!r} list {expected}; "
-                            f"an event feature needs one id per history event")
+            raise DataError(f"{where(f.key)}: {files.row(row)} holds {held} ids, its {cfg.history_item!r} list "
+                            f"{expected}; an event feature needs one id per history event")
         events.append(event.values)
-    candidates = _ids(column[cfg.candidate_item], f"{where} {cfg.candidate_item!r}", spec.num_items)
-    pooled = [_id_lists(column[f.key], f"{where} {f.key!r}", f.num_embeddings) for f in spec.pooled_features]
-    dense = torch.stack([_numbers(column[c], f"{where} {c!r}").float() for c in cfg.dense_features], dim=1)
-    if not bool(torch.isfinite(dense).all()):
-        row, col = (int(i) for i in (~torch.isfinite(dense)).nonzero()[0])
-        raise DataError(f"{where} {cfg.dense_features[col]!r}: row {row} holds {float(dense[row, col])}; "
-                         f"dense features must be finite")
-    return ParquetRows(spec, labels.float(), history, events, candidates, pooled, dense.contiguous())
+    if cfg.max_history is not None:
+        history, events = _most_recent(history, events, cfg.max_history, path)
+    candidates = _ids(column[cfg.candidate_item], where(cfg.candidate_item), spec.num_items, files)
+    pooled = [_id_lists(column[f.key], where(f.key), f.num_embeddings, files) for f in spec.pooled_features]
+    dense = torch.zeros(table.num_rows, len(cfg.dense_features), dtype=torch.float32)
+    for j, name in enumerate(cfg.dense_features):
+        dense[:, j] = _dense(column[name], where(name), files)
+    times = _times(column[cfg.timestamp], where(cfg.timestamp), files) if cfg.timestamp else None
+    return ParquetRows(spec, labels.float(), history, events, candidates, pooled, dense, times), files
 
 
-def _numbers(array, what: str) -> torch.Tensor:
+def _most_recent(history: Jagged, events: list[torch.Tensor], max_history: int, path: Path):
+    """Each history (and its event features) cut to its last `max_history` events: the most recent, oldest first."""
+    lengths = history.lengths
+    capped = int((lengths > max_history).sum())
+    if capped == 0:
+        return history, events
+    stops = history.offsets[1:]
+    index, kept = _ranges(torch.maximum(history.offsets[:-1], stops - max_history), stops)
+    log.info("data: %s: %d of %d histories hold more than data.max_history=%d events; each keeps its %d most recent",
+             path, capped, lengths.shape[0], max_history, max_history)
+    return Jagged(history.values[index], _offsets(kept)), [e[index] for e in events]
+
+
+def _numbers(array, what: str, files: ParquetFiles) -> torch.Tensor:
     import pyarrow as pa
 
     if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or pa.types.is_boolean(array.type)):
         raise DataError(f"{what} must be numeric, got type {array.type}")
-    _no_nulls(array, what)
+    _no_nulls(array, what, files)
     return torch.from_numpy(array.to_numpy(zero_copy_only=False).astype("float64"))
 
 
-def _no_nulls(array, what: str) -> None:
-    if array.null_count:
-        row = array.is_null().to_numpy(zero_copy_only=False).nonzero()[0][0]
-        raise DataError(f"{what}: row {row} is null; every row needs a value")
-
-
-def _checked_ids(values: torch.Tensor, num_embeddings: int, what: str, row_of) -> torch.Tensor:
-    bad = (values < 0) | (values >= num_embeddings)
+def _dense(array, what: str, files: ParquetFiles) -> torch.Tensor:
+    """A numeric column as float32, every value finite and inside float32's range."""
+    values = _numbers(array, what, files)
+    bad = ~torch.isfinite(values) | (values.abs() > _FLOAT32_MAX)
     if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise DataError(f"{what}: row {row_of(i)} holds id {int(values[i])}, outside [0, {num_embeddings}) "
-                         f"(num_embeddings {num_embeddings})")
-    return values
+        row = int(bad.nonzero()[0])
+        value = array[row].as_py()
+        reason = "dense features must be finite" if not math.isfinite(float(values[row])) else \
+            "outside float32's range, the dense features' type"
+        raise DataError(f"{what}: {files.row(row)} holds {value}; {reason}")
+    return values.float()
 
 
-def _ids(array, what: str, num_embeddings: int) -> torch.Tensor:
+def _times(array, what: str, files: ParquetFiles) -> torch.Tensor:
+    """The timestamp column as int64 (integers, timestamps, dates: in their own unit) or float64, for comparing."""
+    import pyarrow as pa
+
+    _no_nulls(array, what, files)
+    if pa.types.is_timestamp(array.type) or pa.types.is_date(array.type) or pa.types.is_duration(array.type):
+        array = array.cast(pa.int64() if array.type.bit_width == 64 else pa.int32())
+    if pa.types.is_integer(array.type):
+        values = array.to_numpy()
+        if values.dtype == np.uint64 and values.size and int(values.max()) > 2**63 - 1:
+            i = int(values.argmax())
+            raise DataError(f"{what}: {files.row(i)} holds {int(values[i])}, above 2**63-1: timestamps must fit int64")
+        return torch.from_numpy(values.astype(np.int64))
+    if pa.types.is_floating(array.type):
+        values = torch.from_numpy(array.to_numpy().astype(np.float64))
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            raise DataError(f"{what}: {files.row(row)} holds {float(values[row])}; timestamps must be finite")
+        return values
+    raise DataError(f"{what} must hold times (integer, floating point, timestamp or date), got type {array.type}")
+
+
+def _no_nulls(array, what: str, files: ParquetFiles) -> None:
+    if array.null_count:
+        row = int(array.is_null().to_numpy(zero_copy_only=False).nonzero()[0][0])
+        raise DataError(f"{what}: {files.row(row)} is null; every row needs a value")
+
+
+def _checked_ids(values: np.ndarray, num_embeddings: int, what: str, row_of) -> torch.Tensor:
+    """`values` (any numpy integer type, compared in it: a uint64 id above 2**63-1 is reported as it is) as int64."""
+    bad = (values < 0) | (values >= num_embeddings)
+    if bad.any():
+        i = int(bad.nonzero()[0][0])
+        raise DataError(f"{what}: {row_of(i)} holds id {int(values[i])}, outside [0, {num_embeddings}) "
+                        f"(num_embeddings {num_embeddings})")
+    return torch.from_numpy(values.astype(np.int64))
+
+
+def _ids(array, what: str, num_embeddings: int, files: ParquetFiles) -> torch.Tensor:
     import pyarrow as pa
 
     if not pa.types.is_integer(array.type):
         raise DataError(f"{what} must hold integer ids, got type {array.type}")
-    _no_nulls(array, what)
-    values = torch.from_numpy(array.to_numpy().astype("int64"))
-    return _checked_ids(values, num_embeddings, what, lambda i: i)
+    _no_nulls(array, what, files)
+    return _checked_ids(array.to_numpy(), num_embeddings, what, files.row)
 
 
-def _id_lists(array, what: str, num_embeddings: int) -> Jagged:
+def _id_lists(array, what: str, num_embeddings: int, files: ParquetFiles) -> Jagged:
     """An int column (one id per row) or a list-of-int column, as `Jagged`."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if pa.types.is_integer(array.type):
-        values = _ids(array, what, num_embeddings)
+        values = _ids(array, what, num_embeddings, files)
         return Jagged(values, torch.arange(values.shape[0] + 1, dtype=torch.int64))
     if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)) or \
             not pa.types.is_integer(array.type.value_type):
         raise DataError(f"{what} must hold integer ids or lists of them, got type {array.type}")
-    _no_nulls(array, what)
-    lengths = torch.from_numpy(pc.list_value_length(array).to_numpy().astype("int64"))
-    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
+    _no_nulls(array, what, files)
+    offsets = _offsets(torch.from_numpy(pc.list_value_length(array).to_numpy().astype(np.int64)))
     flat = pc.list_flatten(array)
+
+    def row_of(i: int) -> str:
+        return files.row(int(torch.searchsorted(offsets, int(i), right=True)) - 1)
+
     if flat.null_count:
-        i = flat.is_null().to_numpy(zero_copy_only=False).nonzero()[0][0]
-        row = int(torch.searchsorted(offsets, int(i), right=True)) - 1
-        raise DataError(f"{what}: row {row} holds a null id")
-    values = torch.from_numpy(flat.to_numpy().astype("int64"))
-    _checked_ids(values, num_embeddings, what, lambda i: int(torch.searchsorted(offsets, i, right=True)) - 1)
-    return Jagged(values, offsets)
+        raise DataError(f"{what}: {row_of(int(flat.is_null().to_numpy(zero_copy_only=False).nonzero()[0][0]))} "
+                        f"holds a null id")
+    return Jagged(_checked_ids(flat.to_numpy(), num_embeddings, what, row_of), offsets)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -301,7 +467,9 @@ class ParquetRecDataset(IterableDataset):
 
     Batch `i` holds rows `order_e[j * B : (j + 1) * B]` with `e, j = divmod(i, batches_per_epoch)`: each
     epoch visits every row once, the last batch of an epoch holding the remainder (fewer than B rows, not
-    dropped). `order_e` is the file order, or with `shuffle` a permutation drawn from `(seed, e)`.
+    dropped). `order_e` is the file order, or with `shuffle` a permutation drawn from `(seed, e)`. Loader workers
+    split the batches (worker w of n yields `start + w`, `start + w + n`, ...), each holding the rows once (shared
+    with the parent process when workers fork).
     """
 
     def __init__(self, rows: ParquetRows, batch_size: int, seed: int, start: int = 0, shuffle: bool = True):
@@ -338,36 +506,103 @@ class ParquetRecDataset(IterableDataset):
 
 
 class ParquetSource:
-    """`data=parquet`: the training rows and the eval rows of the configured files."""
+    """`data=parquet`: the training rows and the eval rows of the configured files.
+
+    Without `eval_path`, the eval rows are the last `eval_fraction` of `path`'s rows, which must be the most recent:
+    with `timestamp` set, rows out of time order are an error naming the first of them (or, with `sort_by_time`, the
+    rows are sorted by time first, ties keeping file order); without it the order cannot be checked, and a warning
+    says so.
+    """
 
     def __init__(self, cfg: ParquetDataConfig, seed: int):
+        cfg.check_paths()
         self.cfg = cfg
         self.seed = seed
         self.features = cfg.feature_spec()
-        rows = read_parquet(cfg, cfg.path)
+        rows, self.train_files = read_parquet_files(cfg, cfg.path)
+        rows = self._time_ordered(rows)
         if cfg.eval_path is not None:
-            self.train_rows, self.eval_rows = rows, read_parquet(cfg, cfg.eval_path)
+            eval_rows, self.eval_files = read_parquet_files(cfg, cfg.eval_path)
+            self.train_rows, self.eval_rows = rows, self._time_ordered(eval_rows)
+            self.split = f"data.eval_path {cfg.eval_path}"
             log.info("data: %d training rows from %s, %d eval rows from %s", len(rows), cfg.path,
                      len(self.eval_rows), cfg.eval_path)
+            self._note_time_overlap()
         else:
+            self.eval_files = None
+            if cfg.timestamp and not cfg.sort_by_time:
+                _check_time_order(rows.times, f"{cfg.path}: column {cfg.timestamp!r}", self.train_files)
             n_eval = math.ceil(len(rows) * cfg.eval_fraction)
             if n_eval >= len(rows):
                 raise DataError(f"data: {cfg.path} holds {len(rows)} rows, too few to hold out "
-                                 f"eval_fraction={cfg.eval_fraction} for eval and train on the rest; "
-                                 f"give data.eval_path or more rows")
+                                f"eval_fraction={cfg.eval_fraction} for eval and train on the rest; "
+                                f"give data.eval_path or more rows")
             self.train_rows, self.eval_rows = rows.rows(0, len(rows) - n_eval), rows.rows(len(rows) - n_eval, len(rows))
-            log.info("data: %s: %d training rows, the last %d rows held out for eval", cfg.path,
-                     len(self.train_rows), n_eval)
+            order = (f"by time (column {cfg.timestamp!r}, {'sorted' if cfg.sort_by_time else 'order checked'})"
+                     if cfg.timestamp else "in file order (time order unchecked: no data.timestamp)")
+            self.split = f"the last {n_eval} rows {order}"
+            log.info("data: %s: %d training rows, %s held out for eval", cfg.path, len(self.train_rows), self.split)
+            if not cfg.timestamp:
+                log.warning("data: the eval rows are the last %d rows of %s in file order; nothing checks that they "
+                            "are the most recent. Name the time column (data.timestamp=<column>) to check it, or give "
+                            "data.eval_path", n_eval, cfg.path)
+
+    def _time_ordered(self, rows: ParquetRows) -> ParquetRows:
+        if not self.cfg.sort_by_time:
+            return rows
+        order = torch.sort(rows.times, stable=True).indices
+        return rows.take(order)
+
+    def _note_time_overlap(self) -> None:
+        """With a timestamp column and a separate eval file: log both time ranges, and whether they overlap."""
+        if self.train_rows.times is None:
+            return
+        train, evals = self.train_rows.times, self.eval_rows.times
+        overlap = evals.min() < train.max()
+        log.info("data: training rows from t=%s to %s, eval rows from t=%s to %s%s", train.min().item(),
+                 train.max().item(), evals.min().item(), evals.max().item(),
+                 " (overlapping: fine for a per-user split, where every eval event follows its own user's training "
+                 "events)" if overlap else "")
+
+    @property
+    def num_eval_rows(self) -> int:
+        return len(self.eval_rows)
 
     def train_dataset(self, start: int) -> ParquetRecDataset:
         return ParquetRecDataset(self.train_rows, self.cfg.batch_size, self.seed, start, self.cfg.shuffle)
 
-    def eval_batches(self, limit: int) -> list[RecBatch]:
-        """The eval rows in file order, in batches of `batch_size` (the last one may be smaller), at most `limit`."""
+    def eval_batches(self, limit: int | None = None) -> Iterator[RecBatch]:
+        """The eval rows in file order (time order when sorted), in batches of `batch_size` (the last one may be
+        smaller): all of them, or the first `limit` batches. Each batch is built as it is asked for."""
         b, n = self.cfg.batch_size, len(self.eval_rows)
-        count = math.ceil(n / b)
-        if count > limit:
-            log.info("data: evaluating on the first %d of %d eval batches (trainer.eval_batches=%d)", limit, count,
-                     limit)
-            count = limit
-        return [self.eval_rows.batch(torch.arange(k * b, min((k + 1) * b, n))) for k in range(count)]
+        count = math.ceil(n / b) if limit is None else min(limit, math.ceil(n / b))
+        for k in range(count):
+            yield self.eval_rows.batch(torch.arange(k * b, min((k + 1) * b, n)))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the run read: paths, files, row counts, the columns' types and their hash, the split."""
+        files = [self.train_files] + ([self.eval_files] if self.eval_files is not None else [])
+        return {
+            "source": "parquet",
+            "paths": {"train": self.cfg.path, "eval": self.cfg.eval_path},
+            "files": [name for f in files for name, _ in f.files],
+            "bytes": sum(Path(name).stat().st_size for f in files for name, _ in f.files),
+            "rows": {"train": len(self.train_rows), "eval": len(self.eval_rows)},
+            "schema": self.train_files.schema,
+            "schema_hash": self.train_files.schema_hash(),
+            "eval_split": self.split,
+            "max_history": self.cfg.max_history,
+        }
+
+
+def _check_time_order(times: torch.Tensor, what: str, files: ParquetFiles) -> None:
+    """Raise `DataError` naming the first row whose time is earlier than the row before it."""
+    if times.shape[0] < 2:
+        return
+    earlier = times[1:] < times[:-1]
+    if bool(earlier.any()):
+        row = int(earlier.nonzero()[0]) + 1
+        raise DataError(f"{what}: the rows are not in time order: {files.row(row)} (t={times[row].item()}) is earlier "
+                        f"than the row before it (t={times[row - 1].item()}), and the eval rows are the last "
+                        f"data.eval_fraction of the rows; sort the file by time, set data.sort_by_time=true, or give "
+                        f"data.eval_path")

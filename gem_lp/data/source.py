@@ -1,7 +1,7 @@
 """Data sources: what the trainer asks of a data pipeline, and the one `data=...` selects."""
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 from torch.utils.data import IterableDataset
 
@@ -13,20 +13,29 @@ from .synthetic import SyntheticSource
 
 
 class DataSource(Protocol):
-    """A pipeline the trainer can run on. Bring your own by implementing these three members.
+    """A pipeline the trainer can run on. Bring your own by implementing these members (`num_eval_rows` and
+    `fingerprint` are optional: without them `metrics.json` records what the trainer counted, and the data config).
 
     Attributes:
         features: the keys and table sizes of its batches (the model is built from it).
+        num_eval_rows: the number of samples in the whole eval set.
     """
 
     features: FeatureSpec
+    num_eval_rows: int
 
     def train_dataset(self, start: int) -> IterableDataset:
         """Training `RecBatch`es from batch index `start` on, without end; batch `i` must depend only on `i`
         (and the source's settings), so that a resumed run continues exactly."""
 
-    def eval_batches(self, limit: int) -> list[RecBatch]:
-        """The fixed eval set, at most `limit` batches; its labels must hold both classes."""
+    def eval_batches(self, limit: int | None = None) -> Iterable[RecBatch]:
+        """The fixed eval set in batches, from its first: all of them (`limit` None) or the first `limit`. Called
+        once per evaluation, each call yielding the same batches (build them as they are asked for: the trainer
+        keeps none between evaluations); the labels must hold both classes."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the data is, for `metrics.json`'s `data`: at least `source` (a name); e.g. paths, row counts and
+        a `schema_hash` of the columns' names and types."""
 
 
 def make_source(cfg: Any, seed: int) -> DataSource:

@@ -6,6 +6,8 @@ with one `FeatureSpec`; `GemRanker` builds its tables and checks its inputs from
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 ITEM_TABLE = "item"  # the table shared by the history items and the candidate
 
@@ -47,7 +49,7 @@ class FeatureSpec:
 
     Attributes:
         num_items: rows of the item table.
-        num_dense: width of `dense_features` (>= 1).
+        num_dense: width of `dense_features` (>= 0; with none, `dense_features` is `[B, 0]`).
         pooled_features: at least one.
         event_features: may be empty.
     """
@@ -64,8 +66,8 @@ class FeatureSpec:
         object.__setattr__(self, "event_features", tuple(self.event_features))
         if self.num_items < 1:
             raise ValueError(f"feature spec: num_items must be >= 1, got {self.num_items}")
-        if self.num_dense < 1:
-            raise ValueError(f"feature spec: num_dense must be >= 1, got {self.num_dense}")
+        if self.num_dense < 0:
+            raise ValueError(f"feature spec: num_dense must be >= 0, got {self.num_dense}")
         if not self.pooled_features:
             raise ValueError("feature spec: pooled_features must list at least one feature")
         if not self.history_key or not self.candidate_key or self.history_key == self.candidate_key:
@@ -90,3 +92,8 @@ class FeatureSpec:
 
 class DataError(ValueError):
     """Data that cannot be trained or evaluated on as given; the message names the file, column or row."""
+
+
+def schema_hash(schema: dict[str, str]) -> str:
+    """A stable hash of column names and types (their order does not matter): 16 hex digits of SHA-256."""
+    return hashlib.sha256(json.dumps(sorted(schema.items())).encode()).hexdigest()[:16]

@@ -6,7 +6,10 @@ several loader workers produce exactly the batches a single process would.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -15,6 +18,7 @@ from torchrec import KeyedJaggedTensor
 from .batch import RecBatch
 from .config import CAND_ITEM, HIST_ACTION, HIST_GAP, HIST_ITEM, SyntheticDataConfig
 from .sampling import RawSamples, sample_raw
+from .spec import ITEM_TABLE, FeatureSpec, schema_hash
 from .teacher import PlantedTeacher
 
 SPLITS = ("train", "eval")
@@ -99,16 +103,48 @@ class SyntheticRecDataset(IterableDataset):
 
 
 class SyntheticSource:
-    """`data=synthetic`: the training stream and the eval batches of the planted-teacher task."""
+    """`data=synthetic`: the training stream and the eval set of the planted-teacher task (the first
+    `eval_samples` samples of the eval stream)."""
 
     def __init__(self, cfg: SyntheticDataConfig, seed: int):
         self.cfg = cfg
         self.seed = seed
         self.features = cfg.feature_spec()
         self.teacher = PlantedTeacher(cfg)
+        self._eval_cache: list[RecBatch] = []
+
+    @property
+    def num_eval_rows(self) -> int:
+        return self.cfg.eval_samples
 
     def train_dataset(self, start: int) -> SyntheticRecDataset:
         return SyntheticRecDataset(self.cfg, self.seed, "train", start=start, teacher=self.teacher)
 
-    def eval_batches(self, limit: int) -> list[RecBatch]:
-        return list(SyntheticRecDataset(self.cfg, self.seed, "eval", num_batches=limit, teacher=self.teacher))
+    def eval_batches(self, limit: int | None = None) -> Iterator[RecBatch]:
+        """The eval set in batches of `batch_size` (the last one cut to the remainder of `eval_samples`): all of
+        them, or the first `limit`. Each batch is generated when first asked for and kept (`eval_samples` bounds
+        them, and generating a batch of GPU size is costly)."""
+        b, n = self.cfg.batch_size, self.cfg.eval_samples
+        count = math.ceil(n / b) if limit is None else min(limit, math.ceil(n / b))
+        for k in range(count):
+            if k == len(self._eval_cache):
+                batch = make_batch(self.cfg, self.teacher, self.seed, "eval", k)
+                self._eval_cache.append(batch if (k + 1) * b <= n else batch.samples(0, n - k * b))
+            yield self._eval_cache[k]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The task: its seed and config, the eval set's size, the batches' keys and tables (and their hash)."""
+        schema = feature_schema(self.features)
+        return {"source": "synthetic", "seed": self.seed, "config": dataclasses.asdict(self.cfg),
+                "rows": {"train": None, "eval": self.cfg.eval_samples}, "schema": schema,
+                "schema_hash": schema_hash(schema)}
+
+
+def feature_schema(spec: FeatureSpec) -> dict[str, str]:
+    """The keys of a spec's batches with what each holds (for a data fingerprint)."""
+    out = {spec.history_key: f"history ids, table {ITEM_TABLE} of {spec.num_items}",
+           spec.candidate_key: f"candidate id, table {ITEM_TABLE} of {spec.num_items}"}
+    out.update({f.key: f"event ids, table {f.table} of {f.num_embeddings}" for f in spec.event_features})
+    out.update({f"pooled:{f.key}": f"pooled ids, table {f.table} of {f.num_embeddings}" for f in spec.pooled_features})
+    out["dense"] = f"float32 x {spec.num_dense}"
+    return out

@@ -61,7 +61,7 @@ def check_config(cfg: DictConfig, run_dir: str | None, launch: LaunchEnv | None 
                                   f"{launch.world_size} processes: it must be at least {launch.world_size}")
         if run_dir is not None:
             check_run_directory(config, run_dir)
-    except (ConfigError, RunDirectoryInUse, FileNotFoundError) as err:
+    except (ConfigError, DataError, RunDirectoryInUse, FileNotFoundError) as err:
         raise RunRefused(str(err)) from None
 
 

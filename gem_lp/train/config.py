@@ -52,7 +52,7 @@ class TrainerConfig:
     max_steps: int = 600
     stop_after: int | None = None
     eval_every: int = 200
-    eval_batches: int = 32
+    eval_batches: int | None = None  # evaluate the first this many batches of the eval set (None: all of it)
     log_every: int = 10
     checkpoint_every: int = 200
     checkpoint_path: str | None = None  # default: <run dir>/checkpoint.pt
@@ -85,9 +85,11 @@ class TrainerConfig:
         self.betas = tuple(self.betas)
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"trainer.device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
-        for name in ("max_steps", "eval_every", "eval_batches", "log_every", "checkpoint_every"):
+        for name in ("max_steps", "eval_every", "log_every", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"trainer.eval_batches must be null (the whole eval set) or >= 1, got {self.eval_batches}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.max_steps:
             raise ValueError(f"trainer.stop_after must be null or in [1, max_steps={self.max_steps}], "
                              f"got {self.stop_after}")
@@ -187,6 +189,11 @@ def load_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
             del node["hydra"]
     try:
         typed = OmegaConf.merge(OmegaConf.structured(RunConfig), node)
+        missing = sorted(OmegaConf.missing_keys(typed))
+        if missing:  # every one at once, not the first one to be reached
+            raise ConfigError(f"{', '.join(missing)}: {'a value is' if len(missing) == 1 else 'values are'} required "
+                              f"(the config leaves {'it' if len(missing) == 1 else 'them'} ???); set "
+                              f"{'it' if len(missing) == 1 else 'each'}, e.g. {missing[0]}=...")
         run = OmegaConf.to_object(typed)
     except OmegaConfBaseException as err:
         raise ConfigError(one_line(err)) from None

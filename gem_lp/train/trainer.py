@@ -193,10 +193,10 @@ class Trainer:
         if self.fused_tables:
             self.embedding_optimizer.zero_grad()  # hands the scheduled LR to the fused kernels (see train_step)
 
-        self.eval_batches: list[RecBatch] = self.source.eval_batches(t.eval_batches)
-        self.teacher_metrics = self._teacher_metrics()
-        self.eval_slices = ([rank_slice(b, self.rank, self.world_size) for b in self.eval_batches] if self.group
-                            else self.eval_batches)
+        self.teacher_metrics = self._teacher_metrics()  # also counts the eval rows
+        self.data_fingerprint = self._data_fingerprint()
+        if self.is_main:
+            self._log_eval_coverage()
 
     def close(self) -> None:
         """End this rank's part in the process group (no-op on one process); call it once the run is over."""
@@ -353,53 +353,92 @@ class Trainer:
 
     # ---- evaluation --------------------------------------------------------------------------------
 
+    def _eval_batches(self):
+        """The eval set's batches, as many as `trainer.eval_batches` allows (null: all), built as they come."""
+        return self.source.eval_batches(self.tcfg.eval_batches)
+
     def _teacher_metrics(self) -> dict[str, float | None]:
-        labels = torch.cat([b.labels for b in self.eval_batches])
+        """The eval labels' base rate and the planted teacher's figures (None on real data), from one pass over the
+        eval batches, which also counts the rows evaluated (`eval_rows`) and refuses labels of one class."""
+        labels, teacher = [], []
+        for batch in self._eval_batches():
+            labels.append(batch.labels)
+            teacher.append(batch.teacher_logits)
+        if not labels:
+            raise DataError("data: the eval set is empty; the eval data needs rows of both classes")
+        labels = torch.cat(labels)
+        self.eval_rows = labels.numel()
+        total = getattr(self.source, "num_eval_rows", None)
+        self.eval_rows_total = total if total is not None or self.tcfg.eval_batches is not None else self.eval_rows
         classes = torch.unique(labels)
         if classes.numel() < 2:
             raise DataError(f"data: every one of the {labels.numel()} eval labels is {float(classes[0]):g}, so AUC "
-                             f"and NE are undefined; the eval data needs both classes")
+                            f"and NE are undefined; the eval data needs both classes")
         out: dict[str, float | None] = {"eval_base_rate": float(labels.mean())}
-        if all(b.teacher_logits is not None for b in self.eval_batches):
-            logits = torch.cat([b.teacher_logits for b in self.eval_batches])
+        if all(t is not None for t in teacher):
+            logits = torch.cat(teacher)
             out.update(teacher_auc=roc_auc(logits, labels), teacher_ne=normalized_entropy(logits, labels),
                        teacher_loss=mean_bce(logits, labels))
         else:  # real data: no planted teacher
             out.update(teacher_auc=None, teacher_ne=None, teacher_loss=None)
         return out
 
+    def _data_fingerprint(self) -> dict[str, Any]:
+        """`metrics.json`'s `data`: the source's own fingerprint, or (a source without one) its type and config."""
+        fingerprint = getattr(self.source, "fingerprint", None)
+        if fingerprint is not None:
+            return fingerprint()
+        return {"source": type(self.source).__name__, "config": plain(self.dcfg)}
+
+    def _log_eval_coverage(self) -> None:
+        rows, total, limit = self.eval_rows, self.eval_rows_total, self.tcfg.eval_batches
+        if total is not None and rows == total:
+            log.info("eval: all %s eval rows", f"{rows:,}")
+        else:
+            log.info("eval: %s of %s eval rows (trainer.eval_batches=%d caps it; null evaluates them all)",
+                     f"{rows:,}", "an unknown number" if total is None else f"{total:,}", limit)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (mean BCE), AUC and NE of the model on the fixed eval batches.
+        """Loss (mean BCE), AUC and NE of the model on the eval set (`trainer.eval_batches` of it, null: all).
 
-        On several processes each rank scores its slice of every eval batch; one all-gather brings every logit to
-        every rank, in the order of one process, and the metrics are computed as on one process, over all samples.
-        Every rank must call it then (it runs collectives).
+        The batches are built as they come and dropped once scored. On several processes each rank scores its slice
+        of every eval batch; one all-gather brings every logit to every rank, in the order of one process, and the
+        metrics are computed as on one process, over all samples. Every rank must call it then (it runs
+        collectives).
         """
         was_training = self.network.training
         self.network.eval()
-        logits = [self.network(batch.to(self.device)).float() for batch in self.eval_slices]
+        logits, labels, sizes = [], [], []
+        for batch in self._eval_batches():
+            labels.append(batch.labels)
+            sizes.append(batch.batch_size)
+            part = rank_slice(batch, self.rank, self.world_size) if self.group is not None else batch
+            logits.append(self.network(part.to(self.device)).float())
         self.network.train(was_training)
-        logits = torch.cat(logits) if self.group is None else self._gathered_eval_logits(logits)
-        logits, labels = logits.cpu(), torch.cat([batch.labels for batch in self.eval_batches])
+        logits = torch.cat(logits) if self.group is None else self._gathered_eval_logits(logits, sizes)
+        logits, labels = logits.cpu(), torch.cat(labels)
+        if labels.numel() != self.eval_rows:
+            raise DataError(f"data: the eval set held {self.eval_rows} rows when the run started and {labels.numel()} "
+                            f"now; a source's eval batches must be the same at every evaluation")
         if not torch.isfinite(logits).all():
             raise NonFiniteError(f"step {self.step}: the model produced non-finite eval logits", self.step,
                                  ["eval logits"])
         return {"eval_loss": mean_bce(logits, labels), "eval_auc": roc_auc(logits, labels),
                 "eval_ne": normalized_entropy(logits, labels)}
 
-    def _gathered_eval_logits(self, logits: list[torch.Tensor]) -> torch.Tensor:
-        """Every rank's eval logits (`logits[i]`: this rank's slice of eval batch `i`) in the order of the eval
-        batches, through one all-gather (each rank's logits padded to the longest rank's count for it, the padding
-        dropped again)."""
-        sizes = [[stop - start for start, stop in (rank_bounds(b.batch_size, r, self.world_size)
-                                                    for b in self.eval_batches)] for r in range(self.world_size)]
+    def _gathered_eval_logits(self, logits: list[torch.Tensor], batch_sizes: list[int]) -> torch.Tensor:
+        """Every rank's eval logits (`logits[i]`: this rank's slice of eval batch `i`, of `batch_sizes[i]` samples)
+        in the order of the eval batches, through one all-gather (each rank's logits padded to the longest rank's
+        count for it, the padding dropped again)."""
+        sizes = [[stop - start for start, stop in (rank_bounds(b, r, self.world_size) for b in batch_sizes)]
+                 for r in range(self.world_size)]
         longest = max(sum(per_batch) for per_batch in sizes)
         mine = torch.cat(logits)
         padded = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
         gathered = self.group.gather(padded)
         per_rank = [gathered[r, :sum(sizes[r])].split(sizes[r]) for r in range(self.world_size)]
-        return torch.cat([per_rank[r][i] for i in range(len(self.eval_batches)) for r in range(self.world_size)])
+        return torch.cat([per_rank[r][i] for i in range(len(batch_sizes)) for r in range(self.world_size)])
 
     # ---- training ----------------------------------------------------------------------------------
 
@@ -740,6 +779,10 @@ class Trainer:
             "eval_loss": last["eval_loss"],
             "eval_auc": last["eval_auc"],
             "eval_ne": last["eval_ne"],
+            "eval_rows": self.eval_rows,  # the rows each evaluation scored, of eval_rows_total in the eval set
+            "eval_rows_total": self.eval_rows_total,
+            "eval_batches": self.tcfg.eval_batches,
+            "data": self.data_fingerprint,
             **self.teacher_metrics,
             "samples_per_s": self.stopwatch.rate,
             "samples_per_s_median_step": self.stopwatch.median_rate,

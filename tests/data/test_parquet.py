@@ -101,13 +101,14 @@ def test_the_last_rows_are_held_out_for_eval(logs, tmp_path):
     source = ParquetSource(config(logs), seed=0)
     n_eval = math.ceil(N * 0.2)
     assert len(source.train_rows) == N - n_eval and len(source.eval_rows) == n_eval
-    evals = source.eval_batches(limit=10)
-    assert [b.batch_size for b in evals] == [5]
+    evals = list(source.eval_batches())
+    assert [b.batch_size for b in evals] == [5] and source.num_eval_rows == 5
     assert evals[0].labels.tolist() == rows()["label"][N - n_eval:]
-    assert len(source.eval_batches(limit=1)) == 1
+    assert len(list(source.eval_batches(limit=1))) == 1
     other = write(tmp_path / "eval.parquet", rows(n=12, seed=5))
     source = ParquetSource(config(logs, eval_path=str(other)), seed=0)
-    assert len(source.train_rows) == N and [b.batch_size for b in source.eval_batches(10)] == [5, 5, 2]
+    assert len(source.train_rows) == N and [b.batch_size for b in source.eval_batches()] == [5, 5, 2]
+    assert [b.batch_size for b in source.eval_batches(limit=2)] == [5, 5] and source.num_eval_rows == 12
 
 
 def broken(column, values):
@@ -148,10 +149,14 @@ def test_missing_columns_and_files(tmp_path, logs):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(dense_features=[]), "data.dense_features must list at least one"),
     (dict(pooled_features=[]), "data.pooled_features must list at least one"),
     (dict(eval_fraction=1.0), "data.eval_fraction must be in (0, 1)"),
-    (dict(dense_features=["age", "segment"]), "used twice: ['segment']"),
+    (dict(dense_features=["age", "age"]), "data.dense_features lists ['age'] more than once"),
+    (dict(dense_features=["age", "label"]), "column 'label' is also ['dense_features']: the label cannot be a feature"),
+    (dict(pooled_features=[ColumnFeature("label", 2)]), "the label cannot be a feature"),
+    (dict(candidate_item="hist_item"), "must be two columns"),
+    (dict(max_history=0), "data.max_history must be null (every event) or >= 1, got 0"),
+    (dict(sort_by_time=True), "data.sort_by_time=true needs data.timestamp"),
     (dict(pooled_features=[ColumnFeature("segment", 0)]), "column 'segment' needs num_embeddings >= 1"),
 ])
 def test_config_errors(logs, bad, message):
@@ -169,3 +174,109 @@ def test_directory_of_files(tmp_path):
     data = read_parquet(config(directory), directory)
     assert len(data) == N
     assert data.batch(torch.arange(N)).sequence_features.to_dict()["cand_item"].values().tolist() == cols["cand_item"]
+
+
+def test_every_missing_setting_is_named_at_once(logs):
+    with pytest.raises(ValueError, match=r"data=parquet needs data.path, data.num_items, data.pooled_features"):
+        ParquetDataConfig()
+
+
+def test_a_column_may_serve_two_roles(logs):
+    """The candidate also as a pooled feature, a numeric id also as a dense feature: each role reads the same
+    values."""
+    cols = rows()
+    cfg = config(logs, pooled_features=[ColumnFeature("cand_item", 50), ColumnFeature("segment", 7)],
+                 dense_features=["age", "segment"])
+    batch = read_parquet(cfg, logs).batch(torch.arange(N))
+    assert batch.sparse_features.to_dict()["cand_item"].values().tolist() == cols["cand_item"]
+    assert batch.sequence_features.to_dict()["cand_item"].values().tolist() == cols["cand_item"]
+    assert batch.dense_features[:, 1].tolist() == [float(x) for x in cols["segment"]]
+
+
+def test_no_dense_features(logs):
+    batch = read_parquet(config(logs, dense_features=[]), logs).batch(torch.arange(4))
+    assert batch.dense_features.shape == (4, 0) and config(logs, dense_features=[]).feature_spec().num_dense == 0
+
+
+def test_max_history_keeps_the_most_recent_events(logs):
+    cols = rows()
+    data = read_parquet(config(logs, max_history=2), logs)
+    seq = data.batch(torch.arange(N)).sequence_features.to_dict()
+    assert seq["hist_item"].values().tolist() == sum((h[-2:] for h in cols["hist_item"]), [])
+    assert seq["hist_action"].values().tolist() == sum((h[-2:] for h in cols["hist_action"]), [])
+    assert seq["hist_item"].lengths().tolist() == [min(len(h), 2) for h in cols["hist_item"]]
+
+
+def timed(path, times):
+    cols = rows()
+    cols["ts"] = times
+    return write(path, cols)
+
+
+def test_time_order_is_checked_or_sorted_never_assumed(tmp_path):
+    times = list(range(N))
+    times[9], times[10] = 10, 9  # row 10 is earlier than row 9
+    path = timed(tmp_path / "shuffled.parquet", times)
+    with pytest.raises(DataError, match=r"'ts': the rows are not in time order: row 10 \(t=9\) is earlier than the "
+                                        r"row before it \(t=10\).*data.sort_by_time=true"):
+        ParquetSource(config(path, timestamp="ts"), seed=0)
+    source = ParquetSource(config(path, timestamp="ts", sort_by_time=True), seed=0)
+    assert source.eval_rows.times.tolist() == list(range(N - 5, N))
+    assert source.train_rows.times.tolist() == list(range(N - 5))
+    assert source.train_rows.labels[9] == rows()["label"][10]  # the row moved with its time
+    assert "sorted" in source.fingerprint()["eval_split"]
+    # ties keep file order; timestamps of timestamp type compare in their unit
+    stamps = pa.array([1_700_000_000_000 + 1000 * (i // 2) for i in range(N)], pa.timestamp("ms"))
+    ok = ParquetSource(config(timed(tmp_path / "ties.parquet", stamps), timestamp="ts"), seed=0)
+    assert len(ok.eval_rows) == 5
+
+
+def test_eval_file_must_not_be_the_training_file(logs, tmp_path):
+    with pytest.raises(DataError, match="is data.path"):
+        ParquetSource(config(logs, eval_path=str(logs)), seed=0)
+    directory = tmp_path / "logs"
+    directory.mkdir()
+    write(directory / "a.parquet", rows())
+    with pytest.raises(DataError, match="is inside data.path"):
+        ParquetSource(config(directory, eval_path=str(directory / "a.parquet")), seed=0)
+
+
+def test_uint64_ids_are_reported_as_the_values_they_are(tmp_path):
+    cols = rows()
+    cols["cand_item"] = pa.array([0] * 3 + [2**63 + 5] + [0] * (N - 4), pa.uint64())
+    path = write(tmp_path / "u64.parquet", cols)
+    with pytest.raises(DataError, match=f"'cand_item': row 3 holds id {2**63 + 5}, outside"):
+        read_parquet(config(path), path)
+    cols = rows()
+    cols["hist_item"] = pa.array([[1, 2**64 - 1]] + [[0]] * (N - 1), pa.list_(pa.uint64()))
+    path = write(tmp_path / "u64_lists.parquet", cols)
+    with pytest.raises(DataError, match=f"'hist_item': row 0 holds id {2**64 - 1}, outside"):
+        read_parquet(config(path, event_features=[]), path)
+
+
+def test_dense_values_outside_float32_are_errors(tmp_path):
+    path = write(tmp_path / "big.parquet", broken("age", [0.0, 1e300] + [0.0] * (N - 2)))
+    with pytest.raises(DataError, match="'age': row 1 holds 1e\\+300; outside float32's range"):
+        read_parquet(config(path), path)
+
+
+def test_errors_in_a_directory_name_the_file(tmp_path):
+    directory = tmp_path / "logs"
+    directory.mkdir()
+    cols = broken("cand_item", [0] * 12 + [77] + [0] * (N - 13))
+    write(directory / "part-0.parquet", {k: v[:10] for k, v in cols.items()})
+    write(directory / "part-1.parquet", {k: v[10:] for k, v in cols.items()})
+    with pytest.raises(DataError, match=r"row 12 \(part-1.parquet: row 2\) holds id 77"):
+        read_parquet(config(directory), directory)
+
+
+def test_fingerprint(logs, tmp_path):
+    a = ParquetSource(config(logs), seed=0).fingerprint()
+    assert a["source"] == "parquet" and a["rows"] == {"train": N - 5, "eval": 5} and a["files"] == [str(logs)]
+    assert a["schema"]["hist_item"] == "list<element: int64>" and len(a["schema_hash"]) == 16
+    reordered = config(logs, dense_features=["visits", "age"])
+    assert ParquetSource(reordered, seed=0).fingerprint()["schema_hash"] == a["schema_hash"]
+    cols = rows()
+    cols["visits"] = [float(v) for v in cols["visits"]]
+    other = write(tmp_path / "float_visits.parquet", cols)
+    assert ParquetSource(config(other), seed=0).fingerprint()["schema_hash"] != a["schema_hash"]

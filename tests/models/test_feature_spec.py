@@ -58,7 +58,7 @@ def test_the_synthetic_spec_keeps_the_table_names():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(num_dense=0), "num_dense must be >= 1"),
+    (dict(num_dense=-1), "num_dense must be >= 0"),
     (dict(pooled_features=()), "pooled_features must list at least one"),
     (dict(candidate_key="viewed"), "two different non-empty keys"),
     (dict(event_features=(EmbeddingFeature("shown", 3),)), "sequence keys must be unique"),

@@ -83,6 +83,7 @@ def test_gpu_sizes_follow_the_tensor_core_tiles(composed):
     parquet = load_run_config(composed("trainer=gpu", "data=parquet", "data.path=x", "data.num_items=5",
                                        "data.dense_features=[a]", "data.pooled_features=[{column:u,num_embeddings:3}]"))
     assert parquet.data.batch_size == 1024  # trainer=gpu composes with the Parquet source too
+    assert parquet.trainer.num_workers == 8 and parquet.trainer.eval_batches is None  # loader workers, whole eval
 
 
 @pytest.mark.parametrize("override", ["trainer.lr=abc", "seed=abc", "trainer.max_steps=1.5", "model.causal=maybe",
@@ -103,9 +104,11 @@ def test_types_are_checked_when_the_config_is_composed(composed, override):
     (["model.head_dim=48"], "model.head_dim must be a positive multiple of 32, got 48"),
     (["resume=maybe"], "resume must be false, true or force, got 'maybe'"),
     (["seed=-1"], "seed must be an integer in [0, 2**63)"),
-    (["data=parquet"], "data.path: a value is required"),
-    (["data=parquet", "data.path=x", "data.num_items=5", "data.dense_features=[]",
-      "data.pooled_features=[{column:u,num_embeddings:3}]"], "data.dense_features must list at least one"),
+    (["data=parquet"], "data.num_items, data.path, data.pooled_features: values are required"),
+    (["data=parquet", "data.num_items=5"], "data.path, data.pooled_features: values are required"),
+    (["data=parquet", "data.path=x", "data.num_items=5", "data.pooled_features=[]"],
+     "data.pooled_features must list at least one"),
+    (["trainer.eval_batches=0"], "trainer.eval_batches must be null (the whole eval set) or >= 1, got 0"),
 ])
 def test_ranges_are_checked_with_one_line_errors(composed, overrides, message):
     with pytest.raises(ConfigError) as info:

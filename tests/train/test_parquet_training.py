@@ -1,5 +1,6 @@
 """Training on Parquet logs through the shipped config (`data=parquet data.path=...`), with exact resume."""
 import json
+import math
 
 import pytest
 import torch
@@ -80,6 +81,11 @@ def test_a_missing_file_is_refused_before_the_run_directory(composed, tmp_path):
     with pytest.raises(RunRefused, match=f"data.path: no Parquet file or directory at {tmp_path / 'nothing.parquet'}"):
         check_config(composed(*overrides(tmp_path / "nothing.parquet")), str(tmp_path / "run"))
     assert list(tmp_path.iterdir()) == []
+    logs = tmp_path / "logs.parquet"
+    logs.touch()
+    with pytest.raises(RunRefused, match=f"data.eval_path {logs} is data.path {logs}: the eval rows would be trained"):
+        check_config(composed(*overrides(logs), f"data.eval_path={logs}"), str(tmp_path / "run"))
+    assert list(tmp_path.iterdir()) == [logs]
 
 
 def test_a_data_source_of_ones_own(tmp_path):
@@ -127,8 +133,8 @@ def test_a_data_source_of_ones_own(tmp_path):
         def train_dataset(self, start):
             return Stream(start)
 
-        def eval_batches(self, limit):
-            return [batch(i, "eval") for i in range(min(limit, 2))]
+        def eval_batches(self, limit=None):
+            return [batch(i, "eval") for i in range(2 if limit is None else min(limit, 2))]
 
     run = RunConfig(model=GemModelConfig(embedding_dim=32, d_model=32, head_dim=32, num_blocks=1, mlp_hidden=32,
                                          dense_hidden=32, head_hidden=32),
@@ -137,6 +143,8 @@ def test_a_data_source_of_ones_own(tmp_path):
                                           progress=False, tensorboard=False, num_threads=1))
     metrics = Trainer(run, tmp_path, source=ClickLogs()).fit()
     assert metrics["steps"] == 6 and metrics["batch_size"] == 16 and metrics["teacher_auc"] is None
+    assert metrics["eval_rows"] == metrics["eval_rows_total"] == 32  # counted: the source does not say
+    assert metrics["data"] == {"source": "ClickLogs", "config": {"batch_size": 16}}
     with pytest.raises(TypeError, match="expected a SyntheticDataConfig or ParquetDataConfig"):
         Trainer(run, tmp_path / "no_source")
 
@@ -151,3 +159,76 @@ def test_a_config_of_ones_own_extends_the_shipped_parquet_config(logs, tmp_path)
         "pooled_features:\n  - {column: country, num_embeddings: 20}\ndense_features: [d0, d1, d2]\n")
     out = run_cli(TRAIN_PY, "--config-dir", tmp_path / "my_configs", "data=clicks", "--cfg", "job", cwd=tmp_path)
     assert f"path: {logs}" in out.stdout and "eval_fraction: 0.1" in out.stdout
+
+
+SHORT = ["trainer.max_steps=2", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.warmup_steps=1"]
+
+
+def test_eval_covers_every_eval_row_unless_capped(composed, logs, tmp_path, caplog):
+    full = Trainer(composed(*overrides(logs), *SHORT, "trainer.eval_batches=null"), tmp_path / "full").fit()
+    assert full["eval_rows"] == full["eval_rows_total"] == 60  # the last 10% of 600 rows, in batches of 32
+    data = full["data"]
+    assert data["source"] == "parquet" and data["paths"] == {"train": str(logs), "eval": None}
+    assert data["rows"] == {"train": 540, "eval": 60} and len(data["schema_hash"]) == 16
+    assert data["schema"]["history"] == "list<element: int64>"
+    with caplog.at_level("INFO", logger="gem_lp"):
+        capped = Trainer(composed(*overrides(logs), *SHORT, "trainer.eval_batches=1"), tmp_path / "capped").fit()
+    assert capped["eval_rows"] == 32 and capped["eval_rows_total"] == 60
+    assert "eval: 32 of 60 eval rows (trainer.eval_batches=1 caps it" in caplog.text
+
+
+def test_no_dense_features_and_the_candidate_as_a_pooled_feature(composed, logs, tmp_path):
+    metrics = Trainer(composed(*overrides(logs), *SHORT, "data.dense_features=[]",
+                               "data.pooled_features=[{column: country, num_embeddings: 20}, "
+                               "{column: item, num_embeddings: 100}]"), tmp_path).fit()
+    assert metrics["steps"] == 2 and all(math.isfinite(x) for x in metrics["train_loss_history"])
+    assert math.isfinite(metrics["eval_ne"])
+
+
+def test_eval_logits_of_several_ranks_come_back_in_the_order_of_one_process():
+    """Uneven eval batches (the last one short) cut over 2 ranks: the gathered logits are one process's."""
+    from gem_lp.data import rank_bounds
+
+    sizes, world = [5, 5, 3], 2
+    whole = torch.arange(13, dtype=torch.float32)
+    starts = [0, 5, 10]
+    per_rank = [torch.cat([whole[s + a:s + b] for s, n in zip(starts, sizes)
+                           for a, b in [rank_bounds(n, r, world)]]) for r in range(world)]
+    longest = max(p.numel() for p in per_rank)
+
+    class Group:
+        def gather(self, mine):
+            return torch.stack([torch.cat([p, p.new_zeros(longest - p.numel())]) for p in per_rank])
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.world_size, trainer.group = world, Group()
+    mine = [whole[s + a:s + b] for s, n in zip(starts, sizes) for a, b in [rank_bounds(n, 0, world)]]
+    assert torch.equal(trainer._gathered_eval_logits(mine, sizes), whole)
+
+
+def test_a_raw_log_built_into_samples_trains(composed, tmp_path):
+    """The docs' walk-through at test size: a generated ratings log with side tables, build_sequences, train.py's
+    config written beside the samples."""
+    from gem_lp.data.build_sequences import BuildOptions, build_sequences, train_overrides
+    from gem_lp.data.example_log import generate_log
+
+    log = generate_log(tmp_path / "ratings.parquet", events=3000, users=60, items=200, side_tables=True)
+    summary = build_sequences(BuildOptions(
+        log=str(log), out=str(tmp_path / "built"), rating="rating", threshold=4, event_columns=("rating",),
+        user_table=str(tmp_path / "ratings_users.parquet"), item_table=str(tmp_path / "ratings_items.parquet"),
+        dense=("age",), max_history=20), log=lambda _: None)
+    data = summary["data"]
+    assert [f["column"] for f in data["pooled_features"]] == ["user", "occupation", "genre"]
+    assert data["dense_features"] == ["age"] and summary["rows"]["events"] == 3000
+    times = pq.read_table(log).column("timestamp").to_pylist()
+    assert times == sorted(times)  # the generated log is in time order
+    from hydra import compose, initialize_config_dir
+
+    from train_helpers import CONFIG_DIR
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            *train_overrides(summary), "data.batch_size=64", *SHORT, "trainer.progress=false",
+            "trainer.tensorboard=false", "model.mlp_hidden=64", "model.head_hidden=64"])
+    metrics = Trainer(cfg, tmp_path / "run").fit()
+    assert metrics["eval_rows"] == metrics["eval_rows_total"] == summary["rows"]["eval"]
+    assert metrics["data"]["paths"] == {"train": data["path"], "eval": data["eval_path"]}

@@ -143,10 +143,9 @@ def test_eval_labels_of_one_class_stop_before_training(tiny_config, tmp_path, mo
     original = SyntheticSource.eval_batches
 
     def all_positive(self, limit):
-        batches = original(self, limit)
-        for b in batches:
+        for b in original(self, limit):
             b.labels.fill_(1.0)
-        return batches
+            yield b
 
     monkeypatch.setattr(SyntheticSource, "eval_batches", all_positive)
     with pytest.raises(DataError, match=r"every one of the 32 eval labels is 1, so AUC and NE are undefined"):

@@ -1,0 +1,95 @@
+"""A generated ratings log to try `build_sequences` and `data=parquet` on: `python -m gem_lp.data.example_log OUT`.
+
+Shaped like a public movie-ratings log (by default MovieLens-100K's sizes: 943 users, 1,682 items, 100,000 ratings
+over seven months; every user with at least 20 ratings, a few with hundreds): one row per rating, `user_id`, `item_id`,
+`timestamp` (Unix seconds) and `rating` (1-5), in time order. Items belong to 20 genres; each user favours two of
+them, picks most items there and rates those higher, so a user's history says what they will like. With
+`--side-tables` it also writes a user table (`user_id`, `age`, `occupation`) and an item table (`item_id`, `genre`).
+Written in chunks of events (row groups), so a log of any size needs little memory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+NUM_GENRES = 20
+OCCUPATIONS = ("artist", "doctor", "educator", "engineer", "homemaker", "lawyer", "programmer", "retired", "student",
+               "writer")
+
+
+def generate_log(path: str | Path, events: int = 100_000, users: int = 943, items: int = 1682, days: int = 215,
+                 seed: int = 0, side_tables: bool = False, chunk: int = 1 << 20) -> Path:
+    """Write the log to `path` (Parquet); with `side_tables`, `<stem>_users.parquet` and `<stem>_items.parquet`
+    beside it. Returns `path`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if events < 1 or users < 1 or items < NUM_GENRES or days < 1:
+        raise ValueError(f"expected events >= 1, users >= 1, items >= {NUM_GENRES}, days >= 1; got {events}, {users}, "
+                         f"{items}, {days}")
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # every user rates at least `floor` items (MovieLens keeps users with 20 or more), a few rate hundreds
+    floor = min(20.0, events / (2 * users))
+    activity = rng.lognormal(0.0, 0.8, users)
+    activity = (floor + activity / activity.sum() * (events - floor * users)) / events
+    favourites = np.stack([rng.choice(NUM_GENRES, 2, replace=False) for _ in range(users)])
+    generosity = rng.normal(0.0, 0.4, users)
+    genre = rng.integers(0, NUM_GENRES, items)
+    popularity = 1.0 / np.arange(1, items + 1) ** 0.9
+    rng.shuffle(popularity)
+    by_genre = [np.flatnonzero(genre == g) for g in range(NUM_GENRES)]
+    genre_popularity = [popularity[ids] / popularity[ids].sum() for ids in by_genre]
+    start, period = 1_700_000_000, days * 86400
+    schema = pa.schema([("user_id", pa.int64()), ("item_id", pa.int64()), ("timestamp", pa.int64()),
+                        ("rating", pa.int8())])
+    chunks = -(-events // chunk)
+    with pq.ParquetWriter(path, schema) as writer:
+        for k in range(chunks):  # chunk k: its share of the events, in its share of the period, in time order
+            n = min(chunk, events - k * chunk)
+            user = rng.choice(users, n, p=activity)
+            liked = rng.random(n) < 0.6
+            fav = favourites[user, rng.integers(0, 2, n)]
+            item = rng.choice(items, n, p=popularity / popularity.sum())
+            for g in np.unique(fav[liked]):
+                picks = liked & (fav == g)
+                item[picks] = rng.choice(by_genre[g], int(picks.sum()), p=genre_popularity[g])
+            likes = (favourites[user] == genre[item][:, None]).any(axis=1)
+            score = 3.0 + 1.2 * likes - 0.4 * ~likes + generosity[user] + rng.normal(0.0, 0.9, n)
+            rating = np.clip(np.rint(score), 1, 5).astype(np.int8)
+            times = start + np.sort(rng.uniform(k * period / chunks, (k + 1) * period / chunks, n)).astype(np.int64)
+            writer.write_table(pa.table({"user_id": user + 1, "item_id": item + 1, "timestamp": times,
+                                         "rating": rating}, schema=schema))
+    if side_tables:
+        stem = path.with_suffix("")
+        pq.write_table(pa.table({"user_id": np.arange(1, users + 1), "age": rng.integers(16, 75, users),
+                                 "occupation": rng.choice(OCCUPATIONS, users)}), f"{stem}_users.parquet")
+        pq.write_table(pa.table({"item_id": np.arange(1, items + 1),
+                                 "genre": [f"genre{g:02d}" for g in genre]}), f"{stem}_items.parquet")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gem_lp.data.example_log", description=__doc__.splitlines()[0])
+    p.add_argument("out", help="the log's path (.parquet)")
+    p.add_argument("--events", type=int, default=100_000)
+    p.add_argument("--users", type=int, default=943)
+    p.add_argument("--items", type=int, default=1682)
+    p.add_argument("--days", type=int, default=215)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side-tables", action="store_true", help="also write <stem>_users.parquet and _items.parquet")
+    a = p.parse_args(argv)
+    try:
+        path = generate_log(a.out, a.events, a.users, a.items, a.days, a.seed, a.side_tables)
+    except ValueError as err:
+        p.error(str(err))
+    print(f"wrote {a.events:,} ratings of {a.users:,} users on {a.items:,} items to {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
