@@ -90,21 +90,17 @@ def test_kernel_builds_counts_and_chains_the_previous_hook():
 
 
 def test_kernel_builds_counts_cute_kernels_added_to_the_caches(monkeypatch):
-    """A CuTe kernel newly held by a kernel package's cache counts as a build; after stop the count is frozen."""
-    import types
+    """A CuTe kernel newly held by a registered kernel cache counts as a build; after stop the count is frozen."""
+    from gem_lp.runtime import builds as registry
 
-    from gem_lp import backend
-
-    fake = types.ModuleType("fake_cute_launch")
-    fake._COMPILED = {"warm": object()}
-    monkeypatch.setitem(sys.modules, "fake_cute_launch", fake)
-    monkeypatch.setattr(backend, "_CUTE_CACHE_MODULES", ("fake_cute_launch",))
+    monkeypatch.setattr(registry, "_CACHES", {})
+    cache = registry.register_cache("fake_cute_launch", {"warm": object()})
     with KernelBuilds() as builds:
         assert builds.count == 0  # what was built before start does not count
-        fake._COMPILED["a"] = object()
-        fake._COMPILED["b"] = object()
+        cache["a"] = object()
+        cache["b"] = object()
         assert builds.count == 2
-    fake._COMPILED["c"] = object()
+    cache["c"] = object()
     assert builds.count == 2
     assert len(builds.builds()) == 2 and all(b.startswith("fake_cute_launch: ") for b in builds.builds())
     assert builds.new_builds() == builds.builds() and builds.new_builds() == []
