@@ -2,11 +2,13 @@
 
 A: MX `[M, K]` (E4M3 payload + blocked E8M0 scales, rceil cast of randn), B: BF16 `[N, K]` (the MX-exact weight), Y
 BF16. Shapes: the model's linears (K -> N) 1024 -> 3072, 1024 -> 4096, 4096 -> 1024, 256 -> 768, 512 -> 1536 at
-M = 32767 and 32768 (a jagged token count and its round neighbour). Rows per shape (group `gemm MxKxN`):
-  ours mx_gemm_sm90         the launch table's launch (then every other of `launch.LAUNCH_CANDIDATES` unless
+M = 32767 and 32768 (a jagged token count and its round neighbour), and the GPU trainer's thin-K linears (d_model
+256: 256 -> 768, 256 -> 256, 256 -> 1024, and the MLP down projection 1024 -> 256) at the token count of its first
+batch (`common.trainer_token_counts`). Rows per shape (group `gemm MxKxN`):
+  ours mx_gemm_sm90         the launch table's launch (then every other of `cute_gemm.LAUNCH_CANDIDATES` unless
                             --no-candidates), A decoded to BF16 in registers
-  dequant + cuBLAS          the current route: `triton_gemm.mx_dequantize_operand(A)` (memory-bound pass writing
-                            BF16 deq(A)), then cuBLAS `torch.mm` (peer)
+  dequant + cuBLAS          the cuBLAS route's way: `triton_dequantize.mx_dequantize_operand(A)` (memory-bound pass
+                            writing BF16 deq(A)), then cuBLAS `torch.mm` (peer)
   cuBLAS bf16 torch.mm      on deq(A) already in BF16: the GEMM alone, no dequantize (peer)
   quack bf16 gemm           quack's BF16 GEMM on the same operands (peer)
 TF/s count 2MNK for every row; `vs_best_peer` in the JSON and the table is the best peer's time over the row's.
@@ -14,7 +16,8 @@ Accuracy per row: SQNR in dB (20 log10 |ref| / |Y - ref|) against the FP32 refer
 and the max abs error over the max |ref|.
 
 Run on the GPU host from the repository root: `python -m benchmarks.bench_mx_gemm [--ms 32767,32768]
-[--shapes 1024x3072,...] [--no-candidates]`. Prints the timing table last; JSON under $OUT.
+[--shapes 1024x3072,...] [--no-candidates]` (`--ms` or `--shapes` given: every shape at every M). Prints the timing
+table last; JSON under $OUT. `--dry-run` (no GPU) prints the (M, K, N) it would time.
 """
 from __future__ import annotations
 
@@ -27,11 +30,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Bench  # noqa: E402
+from benchmarks.common import Bench, trainer_token_counts  # noqa: E402
 
 DEV = "cuda"
 MS = (32767, 32768)
 SHAPES = ((1024, 3072), (1024, 4096), (4096, 1024), (256, 768), (512, 1536))  # (K, N)
+# the GPU trainer's linears (d_model 256, MLP hidden 1024): thin K, timed at the trainer's own token count
+TRAINER_SHAPES = ((256, 768), (256, 256), (256, 1024), (1024, 256))
+
+
+def default_plan() -> list[tuple[int, int, int]]:
+    """(M, K, N): SHAPES at MS, then TRAINER_SHAPES at the token count of the GPU trainer's first batch."""
+    (trainer_m,) = trainer_token_counts(1)
+    return [(M, K, N) for K, N in SHAPES for M in MS] + [(trainer_m, K, N) for K, N in TRAINER_SHAPES]
 
 
 def accuracy(y: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -56,7 +67,7 @@ def gemm_group(bench: Bench, M: int, K: int, N: int, candidates: bool) -> None:
     from gem_lp.linear.kernels.cute_gemm import LAUNCH_CANDIDATES, launch_for
     from gem_lp.runtime.device import build_arch
     from gem_lp.mx import MXTensor
-    from gem_lp.linear.functions import mx_dequantize_operand
+    from gem_lp.mx.kernels.triton_dequantize import mx_dequantize_operand
 
     group = f"gemm {M}x{K}x{N}"
     flop = 2.0 * M * N * K
@@ -78,7 +89,7 @@ def gemm_group(bench: Bench, M: int, K: int, N: int, candidates: bool) -> None:
                    lambda launch=launch: mx_gemm_sm90(a.data, a_blocked, b, launch=launch), flop=flop, **acc)
     a_bf16 = mx_dequantize_operand(a_mx)
     acc = accuracy(torch.mm(a_bf16, b.t()), ref)
-    bench.time(group, f"dequant + cuBLAS torch.mm (current route) [SQNR {acc['sqnr_db']} dB]",
+    bench.time(group, f"dequant + cuBLAS torch.mm (the cuBLAS route's way) [SQNR {acc['sqnr_db']} dB]",
                lambda: torch.mm(mx_dequantize_operand(a_mx), b.t()), flop=flop, peer=True, **acc)
     bench.time(group, "cuBLAS bf16 torch.mm (operand already BF16)", lambda: torch.mm(a_bf16, b.t()), flop=flop,
                peer=True, **acc)
@@ -105,27 +116,36 @@ def _shapes(text: str, ap) -> list[tuple[int, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated")
-    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN pairs, comma-separated")
+    ap.add_argument("--ms", default=None, help="token counts M, comma-separated (default: " + ",".join(map(str, MS))
+                    + "; the trainer's shapes at its first batch's)")
+    ap.add_argument("--shapes", default=None, help="KxN pairs, comma-separated (default: "
+                    + ",".join(f"{k}x{n}" for k, n in SHAPES + TRAINER_SHAPES) + ")")
     ap.add_argument("--no-candidates", action="store_true", help="time only the launch table's launch")
+    ap.add_argument("--dry-run", action="store_true", help="print the (M, K, N) to time and exit (no GPU needed)")
     args = ap.parse_args()
-    try:
-        ms = [int(v) for v in args.ms.split(",") if v]
-    except ValueError:
-        ap.error(f"--ms must be comma-separated integers, got {args.ms!r}")
-    shapes = _shapes(args.shapes, ap)
+    if args.ms is None and args.shapes is None:
+        plan = default_plan()
+    else:
+        try:
+            ms = [int(v) for v in (args.ms or ",".join(map(str, MS))).split(",") if v]
+        except ValueError:
+            ap.error(f"--ms must be comma-separated integers, got {args.ms!r}")
+        shapes = _shapes(args.shapes, ap) if args.shapes else list(SHAPES + TRAINER_SHAPES)
+        plan = [(M, K, N) for K, N in shapes for M in ms]
+    if args.dry_run:
+        print("\n".join(f"gemm {M}x{K}x{N}" for M, K, N in plan))
+        return
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     bench = Bench("bench_mx_gemm")
-    for K, N in shapes:
-        for M in ms:
-            try:
-                gemm_group(bench, M, K, N, candidates=not args.no_candidates)
-            except Exception as e:  # a failing group is recorded; the others still run
-                print(f"  [gemm {M}x{K}x{N}] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                traceback.print_exc(limit=3)
-                bench.rows.append(dict(group=f"gemm {M}x{K}x{N}", name="(group)", error=f"{type(e).__name__}: {e}"))
-            torch.cuda.empty_cache()
+    for M, K, N in plan:
+        try:
+            gemm_group(bench, M, K, N, candidates=not args.no_candidates)
+        except Exception as e:  # a failing group is recorded; the others still run
+            print(f"  [gemm {M}x{K}x{N}] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            traceback.print_exc(limit=3)
+            bench.rows.append(dict(group=f"gemm {M}x{K}x{N}", name="(group)", error=f"{type(e).__name__}: {e}"))
+        torch.cuda.empty_cache()
     bench.finish()
 
 

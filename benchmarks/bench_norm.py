@@ -1,7 +1,9 @@
 """RMSNorm + both MX casts (and the dual cast alone) on one GPU: the CuTe kernel beside a device copy of the same
 bytes (the ceiling), quack's BF16 `rmsnorm_fwd`, `torch.compile` of the reference, and the Triton kernels.
 
-Shapes: BF16 x `[M, K]`, M = 32768 and the jagged token counts 32767, 32766, 32784; K = 256, 1024, 4096.
+Shapes: BF16 x `[M, K]`, M = 32767, 262143, 300001 (odd token counts of jagged batches: the colwise payload's padded
+rows, partial row blocks) and the token count of the GPU trainer's first batch (`common.trainer_token_counts`);
+K = 256, 512, 1024, 4096 (the model's widths and the kernels' launch-table entries).
 Rows per shape (group `norm MxK`):
   copy                 a device copy of as many bytes as ours moves (the ceiling of the group)
   ours cute            `norm_mx_cast` (blocked scales, the launch table's choice), then every other launch of
@@ -12,17 +14,18 @@ Rows per shape (group `norm MxK`):
   torch.compile        of `rms_norm_quantize_reference` (RMSNorm + both casts, unfused)
   quack rmsnorm_fwd    BF16 RMSNorm only (reads x, writes BF16 y): what copy speed looks like for a norm
 and per shape a `dual MxK` group: `quantize_dual` on cute beside Triton and the copy; with `--casts`, a `casts MxK`
-group: each cast the MX linears make on the cuBLAS route (`triton_gemm._casts`: the forward operand with and
-without the norm, the SiLU operand, dY's two operands with its column sums) by the CuTe kernel and by the Triton
-kernel (`triton_gemm.CUTE_CASTS` on / off), the outputs compared byte for byte (`same` in the JSON); with
-`--backward`, a `norm backward MxK` group: the Triton norm backward the MX linears use (its launch candidates too)
-beside quack's `rmsnorm_bwd` (`--only casts|backward` runs just those groups).
+group: each cast the MX linears make on the cuBLAS route (`gem_lp.linear.operands.casts`: the forward operand with
+and without the norm, the SiLU operand, dY's two operands with its column sums) by the CuTe kernel and by the Triton
+kernel (forced through the per-arch table `cute_cast_config.LINEAR_CASTS_FROM_K`: every cast from K = 0, or none),
+the outputs compared byte for byte (`same` in the JSON); with `--backward`, a `norm backward MxK` group: the Triton
+norm backward the MX linears use (its launch candidates too) and the CuTe one beside quack's `rmsnorm_bwd`
+(`--only casts|backward` runs just those groups).
 TB/s counts x read once plus every byte written (payloads, scales, rstd); quack's rows count its own bytes. Each
 of our rows is checked byte for byte (`exact` in the JSON): payloads and scales against the reference quantization of
 y computed with the kernel's rstd, rstd within 4 ulp of the FP64 value.
 
-Run on the GPU host from the repository root: `python -m benchmarks.bench_norm [--ms 32768,32767] [--ks 1024]
-[--no-candidates]`. Prints the timing table last; JSON under $OUT.
+Run on the GPU host from the repository root: `python -m benchmarks.bench_norm [--ms 32767,262143] [--ks 1024]
+[--no-candidates]`. Prints the timing table last; JSON under $OUT. `--dry-run` (no GPU) prints the shapes.
 """
 from __future__ import annotations
 
@@ -35,18 +38,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Bench, host_us_per_call  # noqa: E402
+from benchmarks.common import Bench, host_us_per_call, trainer_token_counts  # noqa: E402
 from gem_lp.mx import quantize_dual, quantize_reference, to_blocked  # noqa: E402
 from gem_lp.norm import rms_norm_quantize  # noqa: E402
-from gem_lp.linear.reference import rms_norm_quantize_reference  # noqa: E402
+from gem_lp.norm.reference import rms_norm_quantize_reference  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6
-MS = (32768, 32767, 32766, 32784)
-KS = (256, 1024, 4096)
+MS = (32767, 262143, 300001)  # and the GPU trainer's first batch (`default_ms`)
+KS = (256, 512, 1024, 4096)
 # Launches (tile_k, cluster_n) timed beside the table's, per K
 LAUNCH_CANDIDATES = {256: ((128, 2), (256, 1)), 512: ((128, 4), (256, 2), (512, 1)),
                      1024: ((128, 8), (256, 4), (512, 2), (1024, 1)), 4096: ((256, 16), (512, 8), (1024, 4))}
+
+
+def default_ms() -> tuple[int, ...]:
+    return MS + tuple(trainer_token_counts(1))
 
 
 def moved_bytes(x: torch.Tensor, tensors) -> int:
@@ -147,7 +154,7 @@ def dual_group(bench: Bench, M: int, K: int) -> None:
     torch.cuda.empty_cache()
 
 
-# what each call site of the MX linears asks `_casts` for (`benchmarks.bench_norm --casts`)
+# what each call site of the MX linears asks `operands.casts` for (`benchmarks.bench_norm --casts`)
 CAST_CALLS = {
     "forward operand + colwise, norm": dict(norm=True, rowwise=False, colwise=True, row_operand=True),
     "forward operand + colwise": dict(norm=False, rowwise=False, colwise=True, row_operand=True),
@@ -158,7 +165,7 @@ CAST_CALLS = {
 
 
 def _cast_tensors(out) -> list:
-    """Every tensor a `_casts` call wrote (None where not asked for), in a fixed order."""
+    """Every tensor a `casts` call wrote (None where not asked for), in a fixed order."""
     mx = [t for m in (out.rowwise, out.colwise) for t in ((None, None) if m is None else (m.data, m.scale))]
     return [out.row_operand, out.col_operand, out.rstd, *mx]
 
@@ -171,25 +178,36 @@ def _same_bytes(a, b) -> bool:
 
 
 def casts_group(bench: Bench, M: int, K: int) -> None:
-    from gem_lp.linear import functions as tg
+    from gem_lp.linear import operands as lo
+    from gem_lp.linear.gemm import gemm_rows
+    from gem_lp.mx.kernels import cute_cast_config
+    from gem_lp.runtime.device import build_arch
 
     group = f"casts {M}x{K}"
     g = torch.Generator(device=DEV).manual_seed(M + 3 * K)
     x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
     w = (torch.rand(K, device=DEV, generator=g) + 0.5).bfloat16()
-    rows = tg.gemm_rows(M)
-    saved = tg.CUTE_CASTS
+    rows = gemm_rows(M)
+    arch = build_arch(x.device)
+    saved = cute_cast_config.LINEAR_CASTS_FROM_K
+
+    def use_cute(on: bool) -> None:  # every cast the CuTe kernel can take, or none
+        cute_cast_config.LINEAR_CASTS_FROM_K = {**saved, arch: (0, 0) if on else (None, None)}
+
     try:
         for call, opts in CAST_CALLS.items():
             opts = dict(opts)
             weight = w if opts.pop("norm") else None
 
             def run(opts=opts, weight=weight):
-                return tg._casts(x, weight, EPS, scaling="rceil", operand_rows=rows, **opts)
+                return lo.casts(x, weight, EPS, scaling="rceil", operand_rows=rows, **opts)
 
             outs = {}
             for on in (True, False):
-                tg.CUTE_CASTS = on
+                use_cute(on)
+                if lo._cute_cast(x, weight) != on:
+                    raise RuntimeError(f"the CuTe cast kernel {'cannot' if on else 'must not'} take {call} here "
+                                       "(the dispatch table's rms_norm_quantize choice on this GPU)")
                 outs[on] = run()
             # rstd and the normalized casts may differ in last bits (the kernels sum squares in other orders);
             # column sums are atomic adds in any order: neither is compared
@@ -197,11 +215,11 @@ def casts_group(bench: Bench, M: int, K: int) -> None:
                 if weight is None else None
             nbytes = moved_bytes(x, [*_cast_tensors(outs[True]), outs[True].column_sums])
             for on, name in ((True, "ours cute"), (False, "triton")):
-                tg.CUTE_CASTS = on
+                use_cute(on)
                 label = f"{call}: {name}" + ("" if same is None or not on else tag(same))
                 bench.time(group, label, run, nbytes=nbytes, same=same, peer=not on)
     finally:
-        tg.CUTE_CASTS = saved
+        cute_cast_config.LINEAR_CASTS_FROM_K = saved
     del x
     torch.cuda.empty_cache()
 
@@ -213,11 +231,11 @@ BACKWARD_CANDIDATES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8), (64, 16))
 def backward_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
     """The RMSNorm backward as the MX linears run it (dY of the normalized x in FP32, from the GEMM that makes it):
     ours (Triton, `rms_norm_backward`) at its table's launch and the candidates, and on the CuTe kernel (quack's kernel
-    built by `gem_lp.norm.kernels.cute_backward`, which the MX linears take where `CUTE_NORM_BACKWARD_ARCHES` says), beside
+    built by `gem_lp.norm.kernels.cute_backward`, which the MX linears take where the dispatch table says), beside
     quack's `rmsnorm_bwd` on the same FP32 dY and on BF16 dY (what the BF16 model's norm sees), and a copy of the same
     bytes. dx checked against the FP64 formula (largest error over the largest |dx|, `dx_rel_err` in the JSON; BF16
     rounding alone: ~2^-9)."""
-    from gem_lp.mx.kernels.triton_cast import rms_norm_backward
+    from gem_lp.norm.kernels.triton_backward import rms_norm_backward
 
     group = f"norm backward {M}x{K}"
     g = torch.Generator(device=DEV).manual_seed(M + 5 * K)
@@ -276,17 +294,23 @@ def _ints(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated")
+    ap.add_argument("--ms", default=None, help="token counts M, comma-separated (default: "
+                    + ",".join(map(str, MS)) + " and the GPU trainer's first batch)")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="row widths K (multiples of 32), comma-separated")
     ap.add_argument("--no-candidates", action="store_true", help="time only the launch table's launch")
     ap.add_argument("--no-dual", action="store_true", help="skip the dual cast groups")
     ap.add_argument("--casts", action="store_true", help="also the MX linears' casts, CuTe against Triton")
     ap.add_argument("--backward", action="store_true", help="also the norm backward, ours against quack's")
     ap.add_argument("--only", choices=("casts", "backward"), help="only these groups (no norm or dual groups)")
+    ap.add_argument("--dry-run", action="store_true", help="print the shapes and exit (no GPU needed)")
     args = ap.parse_args()
-    ms, ks = _ints(args.ms, "--ms", ap), _ints(args.ks, "--ks", ap)
+    ms = default_ms() if args.ms is None else _ints(args.ms, "--ms", ap)
+    ks = _ints(args.ks, "--ks", ap)
     if any(k % 32 for k in ks):
         ap.error(f"--ks must be multiples of 32, got {ks}")
+    if args.dry_run:
+        print(f"M: {list(ms)}; K: {ks}")
+        return
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     bench = Bench("bench_norm")

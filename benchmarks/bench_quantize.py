@@ -3,8 +3,8 @@ compiled reference, with the copy ceiling of the same run.
 
 Run from the project root: `python -m benchmarks.bench_quantize` (JSON under $OUT, else ./.bench_out).
 Ours use `rceil`; torchao's `to_mx` uses its default FLOOR rule (the cost of a cast does not depend on it).
-Every variant of ours runs the launch configurations of `CANDIDATE_CONFIGS` on the first shape (the
-default first); later shapes run the default and the first shape's best. Effective bytes = the bf16 input
+Every variant of ours runs the launch configurations of `cast_candidates.QUANTIZE_CANDIDATE_CONFIGS` on the
+first shape (the default first); later shapes run the default and the first shape's best. Effective bytes = the bf16 input
 read once + every payload and scale byte written. The input is randn with NaN, +-Inf, zeros and block
 maxima at the E4M3 boundary sprinkled in, and every output of ours is compared byte for byte with the
 reference (run on the GPU) on it: PASS/FAIL.
@@ -25,10 +25,10 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cast_candidates import QUANTIZE_CANDIDATE_CONFIGS as CANDIDATE_CONFIGS  # noqa: E402
 from benchmarks.common import Bench  # noqa: E402
 from gem_lp.mx import quantize_reference, to_blocked  # noqa: E402
-from gem_lp.mx.kernels.triton_quantize import (CANDIDATE_CONFIGS, DEFAULT_CONFIGS, CastConfig,  # noqa: E402
-                                       mx_cast_2d)
+from gem_lp.mx.kernels.triton_quantize import DEFAULT_CONFIGS, CastConfig, mx_cast_2d  # noqa: E402
 
 SHAPES = ((65536, 2048), (32768, 4096))
 SCALING = "rceil"

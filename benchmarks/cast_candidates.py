@@ -1,9 +1,10 @@
-"""The tuning space of the Triton MX cast kernel (`gem_lp.mx.kernels.triton_cast`): the launches
-`bench_norm_gemm` times beside the product's default (`strip_config`), each checked against the reference."""
+"""The tuning spaces of the Triton MX cast kernels: the launches of `gem_lp.mx.kernels.triton_cast` that
+`benchmarks/tune_casts.py` times beside the product's default (`strip_config`), and those of
+`gem_lp.mx.kernels.triton_quantize` that `benchmarks/bench_quantize.py` times, each checked against the reference."""
 from gem_lp.mx.kernels.triton_cast import MEASURED_CONFIG, NormConfig
 from gem_lp.mx.kernels.triton_quantize import CastConfig
 
-# The tuning space `benchmarks/bench_norm_gemm.py` times (each checked against the reference) and the GPU tests
+# The tuning space `benchmarks/tune_casts.py` times (each checked against the reference) and the GPU tests
 # run, for the K of the benchmark shapes: thread strips (programs_per_sm > 0: a persistent walk that bounds the
 # re-read bytes in flight; max_registers: a register cap for more programs per SM).
 # The strips keep every thread busy when

@@ -28,6 +28,35 @@ def lognormal_lengths(batch: int, mean: float, *, seed: int = 0, lo: int = 1, hi
     return torch.exp(torch.randn(batch, generator=g) * sigma + mu).round().clamp(lo, hi).long()
 
 
+def trainer_token_counts(batches: int = 2, seed: int = 0) -> list[int]:
+    """The token counts the sequence part of the GPU trainer (`trainer=gpu data=synthetic`) feeds its linears in its
+    first `batches` training batches of `seed`: each sample's history (lognormal lengths, drawn as the trainer draws
+    them: `gem_lp.data.sampling`, seeded as `gem_lp.data.synthetic.make_batch`) plus its summary tokens, summed over
+    the batch. Read from the package's configs (`data/synthetic.yaml` with `data_sizes/gpu_synthetic.yaml`, the
+    model's `num_summary_tokens`)."""
+    import yaml
+
+    from gem_lp.data.sampling import lognormal_lengths
+    from gem_lp.data.synthetic import batch_seed
+
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gem_lp", "configs")
+
+    def load(*path: str) -> dict:
+        with open(os.path.join(configs, *path)) as f:
+            return {k: v for k, v in yaml.safe_load(f).items() if k != "defaults"}
+
+    data = {**load("data", "synthetic.yaml"), **load("data_sizes", "gpu_synthetic.yaml")}
+    summary = load("model", "gem_bf16.yaml")["num_summary_tokens"]
+    b = data["batch_size"]
+    counts = []
+    for i in range(batches):
+        g = torch.Generator().manual_seed(batch_seed(seed, "train", i))
+        lengths = lognormal_lengths(b, data["history_mean"], data["history_sigma"], data["history_min"],
+                                    data["history_max"], g)
+        counts.append(int(lengths.sum()) + summary * b)
+    return counts
+
+
 def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     offs = torch.zeros(len(lengths) + 1, dtype=torch.long)
     offs[1:] = torch.cumsum(lengths, 0)

@@ -1,10 +1,11 @@
-"""Python host time of the Triton paths' calls, on a CPU with every Triton launch replaced by a no-op.
+"""Python host time of the MX linears' calls on their GPU routes, on a CPU with every Triton launch replaced by a
+no-op.
 
 Run from the project root on any machine: `python -m benchmarks.host_cpu [--profile]`. The kernels run nowhere
 (TRITON_INTERPRET=1, launches mocked), so what is timed is the Python and the torch ops around them: a relative
-measure of host-side changes without a GPU (a GPU host's Python is slower, and its launches cost more). Rows:
-`mx_linear_triton` and `rms_norm_mx_linear_triton` fwd+bwd (cuBLAS route, torch's CPU matmuls included) beside
-`F.linear`.
+measure of host-side changes without a GPU (a GPU host's Python is slower, and its launches cost more). Rows: the
+public `mx_linear`, `rms_norm_mx_linear` and `rms_norm_mx_mlp` fwd+bwd with `backend="triton"` (the cuBLAS route
+here; argument checks and dispatch included, torch's CPU matmuls too) beside `F.linear`.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gem_lp.linear import functions as tg  # noqa: E402
+from gem_lp.linear import mx_linear, rms_norm_mx_linear, rms_norm_mx_mlp  # noqa: E402
 from gem_lp.mx.kernels import triton_cast as tn  # noqa: E402
+from gem_lp.mx.kernels import triton_dequantize  # noqa: E402
+from gem_lp.norm.kernels import triton_backward  # noqa: E402
 
 
 class _NoLaunch:
@@ -36,7 +39,7 @@ class _NoLaunch:
 
 
 def _mock_launches() -> None:
-    for module in (tn, tg):
+    for module in (tn, triton_dequantize, triton_backward):
         for name in dir(module):
             obj = getattr(module, name)
             if name.endswith("_kernel") and hasattr(obj, "arg_names") and hasattr(obj, "fn"):
@@ -60,10 +63,13 @@ def cases() -> dict:
     gw = torch.ones(K, requires_grad=True)
     dy = torch.randn(M, N, dtype=torch.bfloat16)
     out = {}
-    out["mx_linear_triton fwd+bwd"] = lambda: torch.autograd.grad(
-        tg.mx_linear_triton(x, w, b, "rceil", "cublas"), (x, w, b), dy)
-    out["rms_norm_mx_linear_triton fwd+bwd"] = lambda: torch.autograd.grad(
-        tg.rms_norm_mx_linear_triton(x, gw, w, b, 1e-6, "rceil", "cublas"), (x, gw, w, b), dy)
+    w_down, b_down = torch.randn(K, N, requires_grad=True), torch.randn(K, requires_grad=True)
+    dy_mlp = torch.randn(M, K, dtype=torch.bfloat16)
+    out["mx_linear fwd+bwd"] = lambda: torch.autograd.grad(mx_linear(x, w, b, backend="triton"), (x, w, b), dy)
+    out["rms_norm_mx_linear fwd+bwd"] = lambda: torch.autograd.grad(
+        rms_norm_mx_linear(x, gw, w, b, 1e-6, backend="triton"), (x, gw, w, b), dy)
+    out["rms_norm_mx_mlp fwd+bwd"] = lambda: torch.autograd.grad(
+        rms_norm_mx_mlp(x, gw, w, b, w_down, b_down, 1e-6, backend="triton"), (x, gw, w, b, w_down, b_down), dy_mlp)
     out["F.linear bf16 fwd+bwd (peer)"] = lambda: torch.autograd.grad(
         F.linear(x, w.bfloat16(), b.bfloat16()), (x, w, b), dy)
     return out
@@ -75,7 +81,7 @@ def main(profile: bool) -> None:
     for name, fn in rows.items():
         print(f"{name:40s} {_us_per_call(fn):8.1f} us per call", flush=True)
     if profile:
-        for name in ("mx_linear_triton fwd+bwd", "rms_norm_mx_linear_triton fwd+bwd"):
+        for name in ("mx_linear fwd+bwd", "rms_norm_mx_linear fwd+bwd", "rms_norm_mx_mlp fwd+bwd"):
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(200):

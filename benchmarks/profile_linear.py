@@ -3,13 +3,14 @@
 Run from the project root: `python -m benchmarks.profile_linear [--sections kernels,cublas_host,calls]`
 (JSON `profile_linear.json` under $OUT, else ./.bench_out). Diagnostics behind docs/PERF.md's MXLinear notes:
 
-* kernels: GPU time per kernel of one `mx_linear_triton` fwd+bwd (1024 -> 3072, cuBLAS route) at M = 32768, 32767
+* kernels: GPU time per kernel of one MX linear fwd+bwd (1024 -> 3072, cuBLAS route) at M = 32768, 32767
   (odd) and 32760 (a multiple of 8, not of 16), from torch.profiler, and the three backward pieces alone (the dY
   operand cast, the saved colwise operand of X, the dW GEMM).
 * cublas_host: host microseconds per cuBLAS call as the layer issues them (mm, mm with an FP32 output, addmm with
   a bias, F.linear) with the same M on every call and with a new M on every call (cuBLAS plans once per shape).
-* calls: host and wall milliseconds per fwd+bwd call of `mx_linear_triton` / `rms_norm_mx_linear_triton` beside
-  `nn.Linear` (and `F.rms_norm` + `nn.Linear`) at the model shapes, odd and aligned M.
+* calls: host and wall milliseconds per fwd+bwd call of the MX linear / RMSNorm + MX linear (cuBLAS route, the
+  autograd Functions of `gem_lp.linear.functions`) beside `nn.Linear` (and `F.rms_norm` + `nn.Linear`) at the
+  model shapes, odd and aligned M.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import host_us_per_call  # noqa: E402
-from gem_lp.linear import functions as tg  # noqa: E402
+from gem_lp.linear.functions import MXLinearFunction, RMSNormMXLinearFunction  # noqa: E402
+from gem_lp.linear.operands import saved_col_operand  # noqa: E402
 from gem_lp.mx.kernels.triton_cast import rms_norm_mx  # noqa: E402
 
 SECTIONS = ("kernels", "cublas_host", "calls")
@@ -48,7 +50,7 @@ def kernels(out: dict) -> None:
         dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
 
         def step():
-            return torch.autograd.grad(tg.mx_linear_triton(x, w, b, "rceil", "cublas"), (x, w, b), dy)
+            return torch.autograd.grad(MXLinearFunction.apply(x, w, b, "rceil", "cublas", None), (x, w, b), dy)
 
         for _ in range(3):
             step()
@@ -64,12 +66,12 @@ def kernels(out: dict) -> None:
         cast = rms_norm_mx(dy, None, rowwise=False, colwise=False, row_operand=True, col_operand=True,
                            column_sums=True)
         col = rms_norm_mx(x.detach(), None, rowwise=False, colwise=True).colwise
-        x_op = tg._saved_col_operand(col.data, col.scale, "rceil", "cublas", torch.bfloat16)
+        x_op = saved_col_operand(col.data, col.scale, "rceil", "cublas", torch.bfloat16)
         pieces = {
             "dY operand cast": lambda: rms_norm_mx(dy, None, rowwise=False, colwise=False, row_operand=True,
                                                    col_operand=True, column_sums=True),
-            "saved colwise operand of X": lambda: tg._saved_col_operand(col.data, col.scale, "rceil", "cublas",
-                                                                        torch.bfloat16),
+            "saved colwise operand of X": lambda: saved_col_operand(col.data, col.scale, "rceil", "cublas",
+                                                                    torch.bfloat16),
             "dW GEMM": lambda: torch.mm(cast.col_operand.t(), x_op.t(), out_dtype=torch.float32),
         }
         alone = {name: _bench(fn) for name, fn in pieces.items()}
@@ -124,7 +126,7 @@ def calls(out: dict) -> None:
         w16, b16, gw16 = (t.detach().bfloat16().requires_grad_() for t in (w, b, gw))
         if norm:
             def ours():
-                y = tg.rms_norm_mx_linear_triton(x, gw, w, b, 1e-6, "rceil", "cublas")
+                y = RMSNormMXLinearFunction.apply(x, gw, w, b, 1e-6, "rceil", "cublas")
                 return torch.autograd.grad(y, (x, gw, w, b), dy)
 
             def peer():
@@ -132,7 +134,7 @@ def calls(out: dict) -> None:
                 return torch.autograd.grad(y, (x, gw16, w16, b16), dy)
         else:
             def ours():
-                return torch.autograd.grad(tg.mx_linear_triton(x, w, b, "rceil", "cublas"), (x, w, b), dy)
+                return torch.autograd.grad(MXLinearFunction.apply(x, w, b, "rceil", "cublas", None), (x, w, b), dy)
 
             def peer():
                 return torch.autograd.grad(F.linear(x, w16, b16), (x, w16, b16), dy)

@@ -24,7 +24,10 @@ RECIPES = ("bf16", "fp32", "mxfp8")
 
 def _rms_norm(x, weight, eps, **kw):
     """The BF16 / FP32 recipes' norm: `gem_lp.norm.rms_norm`, reached through the table (ops do not import each
-    other)."""
+    other). It has no Triton kernel: the module's `backend="triton"` (a model's backend, passed to every op) takes its
+    reference, torch's norm."""
+    if kw.get("backend") == "triton":
+        kw = dict(kw, backend=dispatch.REFERENCE)
     return dispatch.entry("gem_lp.norm.ops:rms_norm")(x, weight, eps, **kw)
 
 

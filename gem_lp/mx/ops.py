@@ -11,8 +11,9 @@ import math
 import torch
 
 from gem_lp.runtime import dispatch
-from gem_lp.mx.formats import BLOCK, BLOCKS, MXTensor, check_input, check_scaling
-from gem_lp.mx.layout import to_blocked
+from gem_lp.runtime.device import skips_dispatch
+from gem_lp.mx.formats import BLOCK, BLOCKS, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, check_input, check_scaling
+from gem_lp.mx.layout import blocked_size, to_blocked
 from gem_lp.mx.reference import dequantize as _dequantize_reference
 from gem_lp.mx.reference import quantize_reference
 
@@ -160,16 +161,43 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
             raise ValueError(f"backend='cute' cannot run quantize_dual: {why}")
         backend = "triton"
     if backend == "triton":
-        from gem_lp.mx.kernels.triton_cast import rms_norm_mx
-
-        out = rms_norm_mx(x if x.stride(-1) == 1 else x.contiguous(), None, scaling=scaling, blocked_scales=True)
-        return out.rowwise, out.colwise
+        x = (x if x.stride(-1) == 1 else x.contiguous()).detach()  # not differentiable: no autograd graph
+        args = (x, scaling == "rceil")
+        row_data, row_scale, col_data, col_scale = (_dual_cast_triton(*args) if skips_dispatch(x)
+                                                    else _dual_cast_triton_op(*args))
+        return (MXTensor(row_data, row_scale, "1d", 1, scaling, x.dtype, "blocked"),
+                MXTensor(col_data, col_scale, "1d", 1, scaling, x.dtype, "blocked"))
     row = quantize_reference(x, axis=1, scaling=scaling)
     col = quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True)
     row_data, row_scale = row.data, to_blocked(row.scale)
     col_data, col_scale = col.data, to_blocked(col.scale)
     return (MXTensor(row_data, row_scale, "1d", 1, scaling, x.dtype, "blocked"),
             MXTensor(col_data, col_scale, "1d", 1, scaling, x.dtype, "blocked"))
+
+
+def _dual_cast_triton(x: torch.Tensor, rceil: bool) -> list[torch.Tensor]:
+    """`quantize_dual`'s Triton implementation: the MX cast kernel without its prologue (blocked scales; the colwise
+    payload a `[K, M]` view with 16-byte aligned rows)."""
+    from gem_lp.mx.kernels.triton_cast import rms_norm_mx
+
+    out = rms_norm_mx(x, None, scaling="rceil" if rceil else "floor", blocked_scales=True)
+    return [out.rowwise.data, out.rowwise.scale, out.colwise.data, out.colwise.scale]
+
+
+# The custom op is what traced and compiled graphs call (`torch.compile(fullgraph=True)` traces `quantize_dual` without
+# a graph break); eager calls skip its dispatch (`skips_dispatch`).
+_dual_cast_triton_op = torch.library.custom_op("gem_lp::mx_dual_cast", _dual_cast_triton, mutates_args=())
+
+
+@_dual_cast_triton_op.register_fake
+def _(x: torch.Tensor, rceil: bool) -> list[torch.Tensor]:
+    from gem_lp.mx.kernels.triton_cast import colwise_row_stride
+
+    M, K = x.shape
+    stride = colwise_row_stride(M)
+    return [x.new_empty((M, K), dtype=PAYLOAD_DTYPE), x.new_empty((blocked_size(M, K // BLOCK),), dtype=SCALE_DTYPE),
+            x.new_empty((K * stride,), dtype=PAYLOAD_DTYPE).as_strided((K, M), (stride, 1)),
+            x.new_empty((blocked_size(K, -(-M // BLOCK)),), dtype=SCALE_DTYPE)]
 
 
 def dequantize(mx: MXTensor) -> torch.Tensor:

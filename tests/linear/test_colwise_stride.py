@@ -3,28 +3,36 @@
 Whatever M is, the payload is the `[:, :M]` view of a `[K, M rounded up to 16]` buffer, so that the kernel's
 colwise stores stay vectors (see `triton_norm.colwise_payload_buffer`). Checked here: the bytes and scales
 equal the reference for odd and unaligned M under several launches, the view's layout, that the kernel
-writes nothing outside the buffer's rows, and that every consumer (the dequantize pass, the MX GEMM, the
-MXLinear backward, the public `rms_norm_quantize`) reads the view as its values.
+writes nothing outside the buffer's rows, and that every consumer (the dequantize pass, the dW GEMM of each route:
+the cuBLAS route's on the dequantized operands, the block-scaled `scaled_mm` on the payloads, the MXLinear backward,
+the public `rms_norm_quantize`) reads the view as its values.
 """
 import pytest
 import torch
 from byte_checks import assert_same_bytes, u8
 
+from gem_lp.linear import gemm as lg
+from gem_lp.linear import operands as lo
+from gem_lp.linear.functions import MXLinearFunction, RMSNormMXLinearFunction
+from gem_lp.linear.reference import MXLinearReference, RMSNormMXLinearReference
 from gem_lp.mx import MXTensor, dequantize, quantize_reference, to_blocked
-from gem_lp.norm import rms_norm_quantize
 from gem_lp.mx.kernels import triton_cast as triton_norm
-from gem_lp.linear.reference import MXLinearFunction, RMSNormMXLinearFunction, rms_norm_quantize_reference
-from gem_lp.linear.functions import mx_dequantize_operand, mx_gemm, mx_linear_triton, rms_norm_mx_linear_triton
 from gem_lp.mx.kernels.triton_cast import (COLWISE_ROW_ALIGN, NormConfig, colwise_payload_buffer, colwise_row_stride,
-                                          forward_launch, rms_norm_mx)
+                                           forward_launch, rms_norm_mx)
+from gem_lp.mx.kernels.triton_dequantize import mx_dequantize_operand
+from gem_lp.norm import rms_norm_quantize
+from gem_lp.norm.reference import rms_norm_quantize_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+# scaled_mm needs block-scaled MMA (sm_100): on Hopper cuBLAS refuses it; on the CPU it is emulated
+BLOCK_SCALED = not ON_GPU or torch.cuda.get_device_capability()[0] == 10
+ROUTES = lg.ROUTES if BLOCK_SCALED else ("cublas",)
 MS = (1, 31, 33, 100, 129)
 GARBAGE_BYTE = 0xA5
 # The default launch, 1-row strips (byte-wise colwise stores), 16-row strips (paired stores, 64-row blocks), the
-# persistent walk, and the 32x32-block tile kernel.
-CONFIGS = (None, NormConfig(32, 64, 1, 1), NormConfig(64, 32, 1, 16), NormConfig(32, 32, 1, 4, False, 1),
-           NormConfig(32, 64, 1, 0))
+# persistent walk.
+CONFIGS = (None, NormConfig(32, 64, 1, 1), NormConfig(64, 32, 1, 16), NormConfig(32, 32, 1, 4, False, 1))
 
 
 def _gen(seed):
@@ -142,8 +150,9 @@ def test_public_rms_norm_quantize_values(M):
 
 
 @pytest.mark.parametrize("M", (31, 100))
-def test_dequantize_and_mx_gemm_read_the_padded_view(M):
-    """The dequantize pass and the MX GEMM (contracting over M, as dW does) take the padded payload."""
+def test_dequantize_and_dw_gemms_read_the_padded_view(M):
+    """The dequantize pass and the dW GEMM of each route (contracting over M) take the padded payload: the cuBLAS
+    route's on the dequantized operands (`saved_col_operand`), scaled_mm's on the payloads themselves."""
     K, N = 64, 32
     x = torch.randn(M, K, generator=_gen(M + 3)).to(DEVICE)
     dy = torch.randn(M, N, generator=_gen(M + 4)).to(DEVICE)
@@ -155,20 +164,14 @@ def test_dequantize_and_mx_gemm_read_the_padded_view(M):
     torch.testing.assert_close(mx_dequantize_operand(x_col, torch.float32).cpu(), want, rtol=0, atol=0)
     dw_ref = dequantize(MXTensor(dy_col.data.cpu().contiguous(), dy_col.scale.cpu(), "1d", 1, "rceil",
                                  torch.float32, "blocked")) @ want.t()
-    for variant in ("fp8", "dequant_triton"):
-        dw = mx_gemm(dy_col, x_col, variant=variant, out_dtype=torch.float32).y
-        rel = _FP8_MMA_REL if variant == "fp8" and DEVICE.type == "cuda" else 1e-5
-        torch.testing.assert_close(dw.cpu(), dw_ref, rtol=1e-5, atol=rel * dw_ref.abs().max().item())
+    for route in ROUTES:
+        a, b = (lo.saved_col_operand(t.data, t.scale, "rceil", route, torch.float32) for t in (dy_col, x_col))
+        dw = lg.gemm_nt(a, b, route, torch.float32)
+        torch.testing.assert_close(dw.cpu(), dw_ref, rtol=1e-5, atol=1e-5 * dw_ref.abs().max().item(),
+                                   msg=lambda m: f"{route}: {m}")
     with pytest.raises(ValueError, match="contiguous last dim"):
         mx_dequantize_operand(MXTensor(x_col.data.t().contiguous().t(), x_col.scale, "1d", 1, "rceil",
                                        torch.float32, "blocked"))
-
-
-# Hopper's FP8 MMA (the "fp8" route's dots) accumulates below FP32 precision: on the H200, 4.5% of the elements of
-# Y, dX and dW below were off the exact sums, by up to 0.17% of the element (0.19). Bound used on CUDA: 2^-8 of the
-# tensor's largest magnitude (a misread block is off by the order of the values). Other routes and the interpreter
-# are exact.
-_FP8_MMA_REL = 2.0**-8
 
 
 def _exact(rows, cols, seed, dtype):
@@ -186,36 +189,34 @@ def _run(fn, args, dy):
     return y.detach(), [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("gemm", ("cublas", "triton_bf16", "fp8"))
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("M", (31, 100))
-def test_mx_linear_gradients_equal_reference(gemm, M):
-    """MXLinear's backward reads the saved padded colwise payload (dW) and dY's (MX routes): gradients equal
+def test_mx_linear_gradients_equal_reference(route, M):
+    """MXLinear's backward reads the saved padded colwise payload (dW) and dY's (MX route): gradients equal
     the reference backward bit for bit on exact inputs."""
     K, N = 64, 32
     x, w, dy = _exact(M, K, M, torch.float32), _exact(N, K, N, torch.float32), _exact(M, N, M + N, torch.float32)
-    y, grads = _run(lambda a, b: mx_linear_triton(a, b, None, "rceil", gemm), (x, w), dy)
-    y_ref, grads_ref = _run(lambda a, b: MXLinearFunction.apply(a, b, None, "rceil"), (x, w), dy)
-    inexact = gemm == "fp8" and DEVICE.type == "cuda"
+    y, grads = _run(lambda a, b: MXLinearFunction.apply(a, b, None, "rceil", route, None), (x, w), dy)
+    y_ref, grads_ref = _run(lambda a, b: MXLinearReference.apply(a, b, None, "rceil"), (x, w), dy)
     for got, want, what in zip([y] + grads, [y_ref] + grads_ref, ("Y", "dX", "dW")):
-        atol = _FP8_MMA_REL * want.abs().max().item() if inexact else 0
-        torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=f"{gemm} {what} M={M}")
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{route} {what} M={M}")
     saved = []  # what the forward saves, seen as autograd packs it
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        mx_linear_triton(x.clone().requires_grad_(), w.clone().requires_grad_(), None, "rceil", gemm)
+        MXLinearFunction.apply(x.clone().requires_grad_(), w.clone().requires_grad_(), None, "rceil", route, None)
     assert_padded_view(saved[0], K, M)
 
 
-@pytest.mark.parametrize("gemm", ("cublas", "fp8"))
-def test_rms_norm_mx_linear_gradients_match_reference(gemm):
+@pytest.mark.parametrize("route", ROUTES)
+def test_rms_norm_mx_linear_gradients_match_reference(route):
     M, K, N = 31, 64, 32
     g = _gen(12)
     x = (torch.randn(M, K, generator=g) * 3).to(DEVICE)
     gw = (torch.rand(K, generator=g) + 0.5).to(DEVICE)
     w = (torch.randn(N, K, generator=g) * 0.1).to(DEVICE)
     dy = torch.randn(M, N, generator=g).to(DEVICE)
-    y, grads = _run(lambda *a: rms_norm_mx_linear_triton(*a, None, 1e-6, "rceil", gemm), (x, gw, w), dy)
-    y_ref, grads_ref = _run(lambda *a: RMSNormMXLinearFunction.apply(*a, None, 1e-6, "rceil"), (x, gw, w), dy)
-    rel = 2.0**-12 if (gemm == "fp8" and DEVICE.type == "cuda") else 1e-5
+    y, grads = _run(lambda *a: RMSNormMXLinearFunction.apply(*a, None, 1e-6, "rceil", route), (x, gw, w), dy)
+    y_ref, grads_ref = _run(lambda *a: RMSNormMXLinearReference.apply(*a, None, 1e-6, "rceil"), (x, gw, w), dy)
+    rel = 1e-5  # FP32 sums in another order
     for got, want, what in zip([y] + grads, [y_ref] + grads_ref, ("Y", "dX", "dnorm_weight", "dW")):
         scale = want.abs().max().item() or 1.0
         assert (got - want).abs().max().item() <= max(1e-4, 4 * rel) * scale, what

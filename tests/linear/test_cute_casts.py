@@ -1,6 +1,6 @@
-"""The MX linears' casts on the CuTe norm kernel (`triton_gemm.CUTE_CASTS`): every cast the layers make gives the
-bytes of `rms_norm_mx`'s, and a layer's forward and backward give the same tensors either way (sm_90 / sm_100 with
-the CuTe DSL stack only)."""
+"""The MX linears' casts on the CuTe cast kernel (forced for every cast, or for none, through the per-arch table
+`cute_cast_config.LINEAR_CASTS_FROM_K`): every cast the layers make gives the bytes of `rms_norm_mx`'s, and a layer's
+forward and backward give the same tensors either way (sm_90 / sm_100 with the CuTe DSL stack only)."""
 import pytest
 import torch
 from byte_checks import assert_same_bytes
@@ -10,16 +10,26 @@ from cute_gpu import require_cute_gpu
 pytestmark = pytest.mark.gpu
 require_cute_gpu()
 
-from gem_lp.linear import functions as tg  # noqa: E402
 from gem_lp.accuracy import sqnr_db  # noqa: E402
+from gem_lp.linear import gemm as lg  # noqa: E402
+from gem_lp.linear import operands as lo  # noqa: E402
+from gem_lp.linear.functions import MXLinearFunction, RMSNormMXLinearFunction  # noqa: E402
+from gem_lp.mx.kernels import cute_cast_config  # noqa: E402
+from gem_lp.runtime import dispatch  # noqa: E402
+from gem_lp.runtime.device import build_arch  # noqa: E402
 
 DEV = "cuda"
 
 
 @pytest.fixture
 def cute_casts(monkeypatch):
+    """`use(on)`: the table sends every cast the CuTe kernel can take to it (K from 0, with and without the norm), or
+    none. The dispatch table must give the CuTe RMSNorm + MX cast on this GPU."""
+    assert dispatch.choose("rms_norm_quantize", "mxfp8", torch.device(DEV)) == "cute"
+    arch = build_arch(torch.device(DEV))
+
     def use(on: bool):
-        monkeypatch.setattr(tg, "CUTE_CASTS", on)
+        monkeypatch.setattr(cute_cast_config, "LINEAR_CASTS_FROM_K", {arch: (0, 0) if on else (None, None)})
     return use
 
 
@@ -49,11 +59,12 @@ def test_each_cast_writes_the_triton_bytes(cute_casts, call, M, K):
     if M > 2:
         x[M // 2, :32] = float("nan")  # a NaN block: NaN scale byte, NaN operand values
     w = (torch.rand(K, generator=g) + 0.5).to(DEV) if norm else None
-    rows = tg.gemm_rows(M) + 3 if padded else None  # zero rows past M
+    rows = lg.gemm_rows(M) + 3 if padded else None  # zero rows past M
     outs = []
     for on in (False, True):
         cute_casts(on)
-        outs.append(tg._casts(x, w, 1e-6, scaling="rceil", operand_rows=rows, **opts))
+        assert lo._cute_cast(x, w) == on
+        outs.append(lo.casts(x, w, 1e-6, scaling="rceil", operand_rows=rows, **opts))
     triton, cute = outs
     for name in ("rowwise", "colwise"):
         a, b = getattr(triton, name), getattr(cute, name)
@@ -96,13 +107,13 @@ def test_a_layer_trains_the_same(cute_casts, layer, M, K, N):
     results = []
     for on in (False, True):
         cute_casts(on)
-        tg.clear_weight_cache()
+        lo.clear_weight_cache()
         leaves = [t.clone().requires_grad_() for t in ((x, gamma, weight, bias) if layer == "norm_linear"
                                                         else (x, weight, bias))]
         if layer == "norm_linear":
-            y = tg.rms_norm_mx_linear_triton(*leaves)
+            y = RMSNormMXLinearFunction.apply(*leaves, 1e-6, "rceil", "cublas")
         else:
-            y = tg.mx_linear_triton(*leaves, activation="silu" if layer == "linear_silu" else None)
+            y = MXLinearFunction.apply(*leaves, "rceil", "cublas", "silu" if layer == "linear_silu" else None)
         y.backward(dy)
         results.append([y.detach(), *(t.grad for t in leaves)])
     for i, (a, b) in enumerate(zip(*results)):

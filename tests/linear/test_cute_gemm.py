@@ -111,6 +111,7 @@ def test_exact_on_small_integers():
     torch.testing.assert_close(y, mx_gemm_reference(a, s, b), rtol=0, atol=0)
 
 
+@pytest.mark.slow  # the tuning space
 @pytest.mark.parametrize("launch", LAUNCH_CANDIDATES, ids=str)
 def test_launch_candidates_agree(launch):
     M, K, N = 4097, 1024, 3072

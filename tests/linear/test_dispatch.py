@@ -81,3 +81,30 @@ def test_mx_linear_input_activation_errors():
 
     with pytest.raises(ValueError, match="input_activation must be None or one of"):
         mx_linear(torch.randn(4, 32), torch.randn(32, 32), input_activation="tanh")
+
+
+def test_auto_takes_the_route_of_the_emulated_plan(monkeypatch):
+    """CPU tensors under `dispatch.emulate(arch)` take that arch's plan, its kernels' CPU models: `auto` runs the MX
+    linears on scaled_mm for sm_100 (the block-scaled GEMM from exact values) and on cublas for sm_90, each with the
+    reference's values (only the FP32 summation order differs)."""
+    import gem_lp.linear.functions as functions
+
+    from gem_lp.runtime import dispatch
+
+    routes = []
+    original = functions.MXLinearFunction.apply
+    monkeypatch.setattr(functions.MXLinearFunction, "apply", lambda *a: routes.append(a[4]) or original(*a))
+    x = torch.randn(33, 64)
+    w = torch.randn(96, 64) / 8
+    b = torch.randn(96)
+    torch.manual_seed(4)
+    ref = _grads(lambda *a: mx_linear(*a, backend="reference"), x, w, b)
+    for arch, route in (("sm_100", "scaled_mm"), ("sm_90", "cublas")):
+        with dispatch.emulate(arch):
+            assert dispatch.choose("linear", "mxfp8", x.device) == route
+            torch.manual_seed(4)
+            got = _grads(lambda *a: mx_linear(*a), x, w, b)
+        for r, t in zip(ref, got):
+            assert sqnr_db(t, r) > 60
+    assert routes == ["scaled_mm", "cublas"]
+    assert dispatch.choose("linear", "mxfp8", x.device) == "reference"  # outside: the CPU's plan

@@ -1,21 +1,20 @@
-"""The sm_90 MX GEMM on a machine without a GPU: argument checks, the compile targets, the oracle's NaN / zero-scale
-semantics, and one build for sm_90a under FakeTensorMode (a child process, as `gem_lp.compile_check`) whose PTX holds
-the RS WGMMA, the E4M3 decode and the BF16 scale multiply without flushing subnormals."""
+"""The CuTe MX GEMMs on a machine without a GPU: argument checks, the compile targets, the oracle's NaN / zero-scale
+semantics, and the builds `gem_lp.compile_check` makes (read from its dump: see tests/compile_dump.py): sm_90a's
+PTX holds the RS WGMMA, the E4M3 decode and the BF16 scale multiply without flushing subnormals; sm_100a's the
+block-scaled MMA and the quantizing epilogue."""
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from compile_dump import ptx_texts, stack_missing
 from gem_lp.runtime.device import cute_stack_missing
 from gem_lp.linear.kernels.cute_gemm_reference import dequantize_a, mx_gemm_reference
 from gem_lp.mx.layout import blocked_size, to_blocked
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_stack = pytest.mark.skipif(cute_stack_missing() is not None, reason=str(cute_stack_missing()))
+needs_builds = pytest.mark.skipif(stack_missing() is not None, reason=str(stack_missing()))
 
 
 def operands(M=4, K=64, N=16):
@@ -65,7 +64,7 @@ def test_compile_targets_list():
 
     t90 = compile_targets("sm_90a")
     modes = [t.mode for t in t90]
-    assert {(t.op, t.direction, t.precision, t.needs_mma) for t in t90} == {("gemm", "fwd", "mxfp8", True)}
+    assert {(t.op, t.direction, t.precision, t.needs_mma) for t in t90} == {("linear", "fwd", "mxfp8", True)}
     assert all(f"K{K} N{N} bf16" in modes for K, N in SHAPES)
     assert "K1024 N3072 bf16 bias" in modes and "K1024 N3072 fp32" in modes
     assert len(modes) == len(set(modes)) == len(SHAPES) + 2
@@ -94,67 +93,41 @@ def test_reference_nan_and_zero_scale_semantics():
     assert to_blocked(s).numel() == blocked_size(M, K // 32)
 
 
-_BUILD = r"""
-import os, sys
-dump = sys.argv[1]
-os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump, FLASH_ATTENTION_ARCH="sm_90a")
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from gem_lp.linear.kernels.cute_gemm import mx_gemm_sm90
-from gem_lp.mx.layout import blocked_size
-with FakeTensorMode():
-    M, K, N = 1000, 512, 1536
-    a = torch.empty(M, K, dtype=torch.float8_e4m3fn, device="cuda")
-    s = torch.empty(blocked_size(M, K // 32), dtype=torch.uint8, device="cuda")
-    b = torch.empty(N, K, dtype=torch.bfloat16, device="cuda")
-    y = mx_gemm_sm90(a, s, b, torch.empty(N, device="cuda"), arch="sm_90a")
-    print("built", tuple(y.shape), y.dtype, flush=True)
-"""
+# sm_90a's GEMM builds: `GemmDefaultSm90_object_at__<A's payload as (16, M, K/16): ..._<K/16>_1_<K>_16>_...`
+_SM90 = r"GemmDefaultSm90_object_at__FakeTensorFloat8E4M3FN_16_div1_\d+_1_(?P<K>\d+)_16_"
 
 
-@needs_stack
-def test_kernel_builds_for_sm90(tmp_path):
-    dump = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _BUILD, dump], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "built (1000, 1536) torch.bfloat16" in done.stdout
-    ptx = [open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")]
-    assert len(ptx) == 1, sorted(os.listdir(dump))
-    text = ptx[0]
-    assert ".target sm_90a" in text and ".ftz" not in text
-    # RS WGMMA: A from registers (a brace list of A registers, not a 64-bit smem descriptor)
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16[^;]*;", text)
-    assert len(wgmma) == 24 and all(re.search(r"\}\s*,\s*\{", w) for w in wgmma)  # 8 k16 blocks x 3 tile phases
-    assert text.count("cvt.rn.f16x2.e4m3x2") == 96 and text.count("mul.rn.bf16x2") == 96  # 4 per block
-    assert text.count("ld.shared.b16") == 96  # the payload's byte pairs
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", text)) >= 1  # A's (16, M, K/16) box
+@needs_builds
+def test_kernel_builds_for_sm90():
+    """Every sm_90a build of the model's shapes: RS WGMMA (A from registers: a brace list of A registers, not a 64-bit
+    smem descriptor), per k16 block four E4M3 -> FP16 decodes of the payload's byte pairs from shared memory and four
+    BF16 scale multiplies, A's (16, M, K/16) TMA box, and no subnormal flushed (`.ftz`); at K = 512, N = 1536: 8 k16
+    blocks of the 128-wide k-tile x 3 tile phases."""
+    builds = ptx_texts(_SM90, "sm_90a", "linear")
+    assert {int(re.search(_SM90, n)["K"]) for n in builds} >= {256, 512, 1024, 4096}, sorted(builds)
+    for name, text in builds.items():
+        what = name[:140]
+        assert ".target sm_90a" in text and ".ftz" not in text, what
+        wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16[^;]*;", text)
+        assert wgmma and all(re.search(r"\}\s*,\s*\{", w) for w in wgmma), what
+        n = len(wgmma)
+        assert text.count("cvt.rn.f16x2.e4m3x2") == text.count("mul.rn.bf16x2") == 4 * n, what  # 4 per block
+        assert text.count("ld.shared.b16") == 4 * n, what  # the payload's byte pairs
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", text)) >= 1, what
+    (k512,) = [t for n, t in builds.items() if "FakeTensorBFloat1615365125121" in n]  # B [N=1536, K=512]
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", k512)) == 24
 
 
-_BUILD_SM100_MX_OUT = r"""
-import os, sys
-from torch._subclasses.fake_tensor import FakeTensorMode
-from gem_lp import compile_check
-compile_check._configure("sm_100a", sys.argv[1])
-from gem_lp.linear.kernels.cute_gemm import build_sm100_mxfp8
-with FakeTensorMode():
-    build_sm100_mxfp8(mx_out=sys.argv[2])
-print("built", flush=True)
-"""
-
-
-@needs_stack
-@pytest.mark.parametrize("direction", ("row", "col"))
-def test_mx_output_epilogue_builds_for_sm100(tmp_path, direction):
-    """The GEMM + quantize epilogue on sm_100a (never run: no Blackwell GPU here): block-scaled MMAs, Y's scales by
-    the E8M0 conversion rounding up (rceil) and its payload by E4M3 round-to-nearest-even conversions."""
-    dump = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _BUILD_SM100_MX_OUT, dump, direction], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ptx = [open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")]
-    assert len(ptx) == 1, sorted(os.listdir(dump))
-    text = ptx[0]
-    assert ".target sm_100a" in text
-    assert re.search(r"tcgen05\.mma\.cta_group::2\.kind::mxf8f6f4\.block_scale", text)
-    assert "cvt.rp.ue8m0x2.f32" in text and "cvt.rn.satfinite.e4m3x2.f32" in text
+@needs_builds
+def test_block_scaled_gemm_and_mx_output_epilogue_build_for_sm100():
+    """quack's block-scaled MXFP8 GEMM for sm_100a (never run: no Blackwell GPU here): block-scaled MMAs over CTA
+    pairs in every build; the builds writing Y as MXFP8 (the GEMM + quantize epilogue, along N or along M) take Y's
+    scales by the E8M0 conversion rounding up (rceil) and its payload by E4M3 round-to-nearest-even conversions."""
+    builds = ptx_texts(r"GemmDefaultSm100_object_at__", "sm_100a", "linear")
+    mx_out = {n: t for n, t in builds.items() if re.search(r"FakeTensorFloat8E4M3FN\w*_FakeTensorFloat8E4M3FN\w*_"
+                                                            r"FakeTensorFloat8E4M3FN", n)}
+    assert mx_out and len(mx_out) < len(builds), sorted(builds)
+    for name, text in builds.items():
+        assert ".target sm_100a" in text, name
+        assert re.search(r"tcgen05\.mma\.cta_group::2\.kind::mxf8f6f4\.block_scale", text), name
+        assert ("cvt.rp.ue8m0x2.f32" in text and "cvt.rn.satfinite.e4m3x2.f32" in text) == (name in mx_out), name

@@ -1,19 +1,26 @@
 """The MLP op (`rms_norm_mx_mlp`) and the casts of an activation's gradient it is built on.
 
-On the Triton path the up-projection's dY casts compute SiLU's backward from the down-projection's dX (the gradient
-of SiLU's output) and the pre-activation: the fused op must give the values of the two layers composed, and the
-gradient casts the bytes of casting torch's `silu_backward`. CPU: Triton's interpreter; with CUDA, the kernels.
+On the GPU routes the up-projection's dY casts compute SiLU's backward from the down-projection's dX (the gradient
+of SiLU's output) and the pre-activation: the fused op must give the values of the two layers composed, on every
+route, and the gradient casts the bytes of casting torch's `silu_backward`. CPU: Triton's interpreter (the `scaled_mm`
+route emulated from exact values, as the emulated Blackwell plan runs it); with CUDA, the kernels.
 """
+import contextlib
+
 import pytest
 import torch
 
 from gem_lp.models.blocks import FeedForward, OpSettings
 from gem_lp.linear import mx_linear, rms_norm_mx_linear, rms_norm_mx_mlp
-from gem_lp.linear import functions as tg
+from gem_lp.linear import operands as lo
+from gem_lp.linear.gemm import ROUTES as ALL_ROUTES
 from gem_lp.mx.kernels.triton_cast import rms_norm_mx
+from gem_lp.runtime import dispatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
+# scaled_mm needs block-scaled MMA (sm_100): on Hopper cuBLAS refuses it; on the CPU it is emulated
+ROUTES = ("cublas",) if ON_GPU else ALL_ROUTES
 
 
 def _gen(seed):
@@ -104,14 +111,29 @@ if ON_GPU:
     MLP_CASES += [(32767, 256, 1024, True), (4097, 1024, 256, False)]
 
 
+# (backend, the arch whose plan CPU tensors take): the cuBLAS route (`backend="triton"`), the reference, and on the CPU
+# the emulated Blackwell plan, whose `auto` takes the scaled_mm route
+PLANS = [("triton", None), ("reference", None)] + ([] if ON_GPU else [("auto", "sm_100")])
+
+
 @pytest.mark.parametrize("M,D,H,bias", MLP_CASES)
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_mlp_equals_the_layers_composed(M, D, H, bias, backend):
+@pytest.mark.parametrize("backend,arch", PLANS, ids=[f"{b}-{a}" if a else b for b, a in PLANS])
+def test_mlp_equals_the_layers_composed(M, D, H, bias, backend, arch):
     """Y and every gradient of the fused op equal those of `rms_norm_mx_linear` then `mx_linear(input_activation=
-    "silu")` on the same backend (BF16 activations). The bias gradients are FP32 column sums that atomics add in an
-    order that changes between runs: equal within FP32 rounding of the sums of the summed values' magnitudes."""
+    "silu")` on the same backend and route (BF16 activations). The bias gradients are FP32 column sums that atomics
+    add in an order that changes between runs: equal within FP32 rounding of the sums of the summed values'
+    magnitudes."""
     if backend == "reference" and M > 1000:
         pytest.skip("the reference at the GPU sizes adds nothing")
+    if arch is not None and M not in (0, 33):
+        pytest.skip("the emulated scaled_mm route: M = 0 and 33 (a partial block) cover it")
+    with dispatch.emulate(arch) if arch else contextlib.nullcontext():
+        if arch:
+            assert dispatch.choose("linear", "mxfp8", DEVICE, backend) == "scaled_mm"
+        _check_mlp_equals_the_layers_composed(M, D, H, bias, backend)
+
+
+def _check_mlp_equals_the_layers_composed(M, D, H, bias, backend):
     ins, dy = _mlp_inputs(M, D, H, torch.bfloat16, bias)
     d_hidden = []  # the gradient of the up-projection's output, whose column sums db_up is
 
@@ -139,23 +161,26 @@ def test_mlp_equals_the_layers_composed(M, D, H, bias, backend):
             assert torch.equal(got, want), name
 
 
-def test_mlp_never_stores_the_activation_gradient(monkeypatch):
-    """On the Triton path no `silu_backward` runs: the up-projection's casts compute it, and write the row operand
-    over their input (act's gradient), whose memory then serves again."""
+@pytest.mark.parametrize("route", ROUTES)
+def test_mlp_never_stores_the_activation_gradient(route, monkeypatch):
+    """On the GPU routes no `silu_backward` runs: the up-projection's casts compute it, and (cuBLAS route) write the
+    row operand over their input (act's gradient), whose memory then serves again."""
     ins, dy = _mlp_inputs(33, 64, 128, torch.bfloat16, True)
     calls = []
-    original = tg._casts
+    original = lo.casts
 
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
-        if kwargs.get("activation_input") is not None:  # written over act's gradient, the cast's input
+        if kwargs.get("activation_input") is not None and route == "cublas":  # written over act's gradient
             assert out.row_operand.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
         calls.append(kwargs.get("activation_input") is not None)
         return out
 
-    monkeypatch.setattr(tg, "_casts", recording)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        _run(lambda *a: rms_norm_mx_mlp(*a, 1e-6, backend="triton"), ins, dy)
+    monkeypatch.setattr(lo, "casts", recording)
+    plan = contextlib.nullcontext() if route == "cublas" else dispatch.emulate("sm_100")
+    with plan, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert dispatch.choose("linear", "mxfp8", DEVICE, "triton" if route == "cublas" else "auto") == route
+        _run(lambda *a: rms_norm_mx_mlp(*a, 1e-6, backend="triton" if route == "cublas" else "auto"), ins, dy)
     names = {e.name for e in prof.events()}
     assert not any("silu_backward" in n for n in names), sorted(n for n in names if "silu" in n)
     assert calls.count(True) == 1  # the up-projection's dY cast (rows, columns and column sums in one pass)

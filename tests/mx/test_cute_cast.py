@@ -174,6 +174,7 @@ def test_subnormal_and_huge_blocks():
             assert_same_bytes(got.scale, want.scale, f"{what} scale {scaling}")
 
 
+@pytest.mark.slow  # the tuning space
 @pytest.mark.parametrize("K,launches", [(1024, [NormLaunch(128, 8), NormLaunch(256, 4), NormLaunch(512, 2),
                                                 NormLaunch(1024, 1)]),
                                         (4096, [NormLaunch(256, 16), NormLaunch(512, 8), NormLaunch(1024, 4)]),

@@ -1,97 +1,113 @@
-"""The CuTe RMSNorm + MX cast kernel on a machine without a GPU: it builds for sm_90a under FakeTensorMode (a child
-process, as `gem_lp.compile_check`), its PTX does the MX arithmetic without flushing subnormals, and the dispatch
-and launch tables are checked."""
-import os
+"""The CuTe RMSNorm + MX cast kernel on a machine without a GPU: its builds for sm_90a and sm_100a (those
+`gem_lp.compile_check` makes, read from its dump: see tests/compile_dump.py) do the MX arithmetic without flushing
+subnormals, the host side lays out the outputs of every kind of call, and the dispatch and launch tables are
+checked."""
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from gem_lp.runtime.device import cute_stack_missing
-
-from gem_lp.runtime.dispatch import resolve_backend
+from compile_dump import ptx_texts, stack_missing
 from gem_lp.mx import quantize_dual
+from gem_lp.mx.kernels.cute_cast_config import launch_for
+from gem_lp.mx.layout import blocked_size
 from gem_lp.norm import rms_norm_quantize
+from gem_lp.runtime import dispatch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-_BUILD = r"""
-import os, sys
-dump = sys.argv[1]
-os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump)
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from gem_lp.mx.kernels.cute_cast_launch import norm_mx_cast
-with FakeTensorMode():
-    for K, dtype, norm, blocked, scaling in ((1024, torch.bfloat16, True, True, "rceil"),
-                                             (96, torch.float32, True, False, "floor"),
-                                             (256, torch.float16, False, True, "rceil")):
-        x = torch.empty(1000, K, dtype=dtype, device="cuda")
-        w = torch.empty(K, dtype=torch.bfloat16, device="cuda") if norm else None
-        out = norm_mx_cast(x, w, 1e-6, scaling=scaling, blocked_scales=blocked, arch="sm_90a")
-        print("built", K, tuple(out.row_data.shape), tuple(out.col_data.shape), out.col_data.stride(), flush=True)
-"""
+needs_builds = pytest.mark.skipif(stack_missing() is not None, reason=str(stack_missing()))
+# The cast kernel's dump files: `NormMXCast_object_at__<x: dtype, K>_<weight or None>_<row payload, row scales, col
+# payload, col scales: Uint8 or None>_<rstd>_<row operand, col operand: BFloat16 or None>_...`
+_CAST = r"NormMXCast_object_at__FakeTensor(?P<dtype>[A-Za-z]+\d+)div1(?P<K>\d+)i64div\d+_(?P<weight>FakeTensorFloat32|None)"
 
 
-@pytest.mark.skipif(cute_stack_missing() is not None, reason=str(cute_stack_missing()))
-def test_kernel_builds_for_sm90_without_ftz(tmp_path):
-    dump = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _BUILD, dump], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("built") == 3
-    assert "built 1024 (1000, 1024) (1024, 1000) (1008, 1)" in done.stdout  # y^T rows 16-byte aligned
-    ptx = [open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")]
-    assert len(ptx) == 3, sorted(os.listdir(dump))
-    for text in ptx:
-        assert ".target sm_90a" in text
-        assert ".ftz" not in text  # subnormal x, y, d and payload products keep their values
-        assert "cvt.rn.satfinite.e4m3x2.f32" in text and "max.NaN.xorsign.abs.f32" in text
-        assert "cp.async.cg.shared.global" in text or "cp.async.ca.shared.global" in text
-        assert re.search(r"st\.global\.v2\.b32", text)  # 8-byte payload stores
-    cluster = [t for t in ptx if "st.async" in t]
-    assert len(cluster) == 1 and "mbarrier" in cluster[0]  # K=1024: two CTAs share the sums of squares
-    assert any("div.rn.f32" in t and "sqrt.rn.f32" in t for t in ptx)  # rstd correctly rounded
+def _builds(arch: str) -> list[tuple[dict, str]]:
+    """(facts from the file name: dtype, K, norm, mx (payloads written), operands; PTX) of every cast build."""
+    out = []
+    for name, text in ptx_texts(_CAST, arch, "cast").items():
+        m = re.search(_CAST, name)
+        rest = name[m.end():]
+        facts = dict(name=name, dtype=m["dtype"], K=int(m["K"]), norm=m["weight"] != "None",
+                     mx="FakeTensorUint8" in rest, operands="FakeTensorBFloat16" in rest)
+        out.append((facts, text))
+    return out
 
 
-_BUILD_OPERANDS = r"""
-import os, sys
-dump = sys.argv[1]
-os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump)
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from gem_lp.mx.kernels.cute_cast_launch import norm_mx_cast
-with FakeTensorMode():
-    x = torch.empty(1001, 512, dtype=torch.bfloat16, device="cuda")
-    w = torch.empty(512, dtype=torch.float32, device="cuda")
-    out = norm_mx_cast(x, w, 1e-6, arch="sm_90a", rowwise=False, row_operand=True, operand_rows=1024)
-    print("forward", out.row_data, out.row_scale, tuple(out.col_data.shape), tuple(out.row_operand.shape),
-          out.row_operand.dtype, out.col_operand, flush=True)
-    out = norm_mx_cast(x, None, arch="sm_90a", rowwise=False, colwise=False, row_operand=True, col_operand=True,
-                       operand_rows=1003)
-    print("dual", out.row_data, out.col_data, tuple(out.row_operand.shape), tuple(out.col_operand.shape),
-          out.col_operand.stride(), out.col_operand.dtype, flush=True)
-"""
+@needs_builds
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_builds_do_the_mx_arithmetic_without_flushing_subnormals(arch):
+    """Every build: for its target, subnormal x, y, d and payload products keep their values (no `.ftz` but SiLU's
+    approximate exp2, by design: the BF16 SiLU of the MLP's casts); the payloads by the hardware E4M3 conversion from
+    NaN-propagating block maxima, x by `cp.async`; MX payloads leave as 8-byte stores, dequantized operands as 16-byte
+    stores of E4M3 -> FP16 -> BF16 conversions (colwise pairs by `prmt`); rstd correctly rounded; the CTAs of a cluster
+    (K above one CTA's columns, the launch table's) share the sums of squares through `st.async` and an mbarrier."""
+    builds = _builds(arch)
+    assert any(f["norm"] for f, _ in builds) and any(f["operands"] for f, _ in builds), [f["name"] for f, _ in builds]
+    for f, text in builds:
+        what = f["name"][:120]
+        assert f".target {arch}" in text, what
+        ftz = {re.sub(r"\s.*", "", line.strip()) for line in text.splitlines() if ".ftz" in line.split("//")[0]}
+        assert ftz <= {"ex2.approx.ftz.f32"}, (what, ftz)
+        assert not ftz or not (f["norm"] or f["mx"]), what  # SiLU: an operand cast without the norm
+        assert "cvt.rn.satfinite.e4m3x2.f32" in text and "max.NaN.xorsign.abs.f32" in text, what
+        assert "cp.async.cg.shared.global" in text or "cp.async.ca.shared.global" in text, what
+        if f["mx"]:
+            assert re.search(r"st\.global\.v2\.b32", text), what
+        if f["operands"]:
+            assert "cvt.rn.f16x2.e4m3x2" in text and "cvt.rn.bf16x2.f32" in text, what
+            assert re.search(r"st\.global\.v4\.b32", text), what
+        if f["norm"]:
+            assert "div.rn.f32" in text and "sqrt.rn.f32" in text, what
+        cluster = f["norm"] and launch_for(arch, f["K"]).cluster_n > 1
+        assert ("st.async" in text) == cluster and (not cluster or "mbarrier" in text), what
+    assert any(f["operands"] and "prmt.b32" in text for f, text in builds)
+    assert any(f["norm"] and launch_for(arch, f["K"]).cluster_n > 1 for f, _ in builds)  # a cluster build
 
 
-@pytest.mark.skipif(cute_stack_missing() is not None, reason=str(cute_stack_missing()))
-def test_operand_outputs_build_for_sm90(tmp_path):
-    """The casts' dequantized BF16 operands (an RMSNorm + linear forward's, a dY cast's): built for sm_90a, laid out
-    as y, the MX casts not asked for absent; 16-byte stores of E4M3 -> FP16 -> BF16, colwise pairs by `prmt`."""
-    dump = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _BUILD_OPERANDS, dump], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "forward None None (512, 1001) (1024, 512) torch.bfloat16 None" in done.stdout
-    assert "dual None None (1003, 512) (1003, 512) (512, 1) torch.bfloat16" in done.stdout  # both laid out as y
-    ptx = [open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")]
-    assert len(ptx) == 2, sorted(os.listdir(dump))
-    for text in ptx:
-        assert ".ftz" not in text and "cvt.rn.f16x2.e4m3x2" in text and "cvt.rn.bf16x2.f32" in text
-        assert re.search(r"st\.global\.v4\.b32", text)
-    assert any("prmt.b32" in text for text in ptx)
+@pytest.fixture
+def host_side(monkeypatch):
+    """`norm_mx_cast` under FakeTensorMode with the build recorded instead of compiled: the host side of a call
+    (output buffers and their layouts, the build it asks for) on a machine without a GPU or a compile."""
+    from gem_lp.mx.kernels import cute_cast_launch
+
+    builds = []
+    monkeypatch.setattr(cute_cast_launch, "_build", lambda *args: builds.append(args) or (lambda *a: None))
+    monkeypatch.setattr(cute_cast_launch, "_DEFAULT_BUILDS", {})
+    return cute_cast_launch.norm_mx_cast, builds
+
+
+@needs_builds
+def test_the_outputs_are_laid_out_for_the_gemms(host_side):
+    """y^T's payload rows 16-byte aligned; scales blocked or plain; the operands laid out as y with their padding
+    rows; the MX casts not asked for absent; one build per kind of call, with the launch table's launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gem_lp.mx.kernels.cute_cast_launch import colwise_row_stride
+
+    norm_mx_cast, builds = host_side
+    with FakeTensorMode():
+        for K, dtype, norm, blocked, scaling in ((1024, torch.bfloat16, True, True, "rceil"),
+                                                 (96, torch.float32, True, False, "floor"),
+                                                 (256, torch.float16, False, True, "rceil")):
+            x = torch.empty(1000, K, dtype=dtype, device="cuda")
+            w = torch.empty(K, dtype=torch.bfloat16, device="cuda") if norm else None
+            out = norm_mx_cast(x, w, 1e-6, scaling=scaling, blocked_scales=blocked, arch="sm_90a")
+            assert out.row_data.shape == (1000, K) and out.col_data.shape == (K, 1000)
+            assert out.col_data.stride() == (1008, 1) == (colwise_row_stride(1000), 1)  # y^T rows 16-byte aligned
+            assert out.row_scale.shape == ((blocked_size(1000, K // 32),) if blocked else (1000, K // 32))
+            assert (out.rstd is not None) == norm and out.row_operand is None and out.col_operand is None
+            assert builds[-1][3] == launch_for("sm_90a", K) and builds[-1][4] == norm
+        x = torch.empty(1001, 512, dtype=torch.bfloat16, device="cuda")
+        out = norm_mx_cast(x, torch.empty(512, device="cuda"), 1e-6, arch="sm_90a", rowwise=False, row_operand=True,
+                           operand_rows=1024)
+        assert out.row_data is None and out.row_scale is None and out.col_operand is None
+        assert out.col_data.shape == (512, 1001) and out.row_operand.shape == (1024, 512)
+        assert out.row_operand.dtype == torch.bfloat16
+        out = norm_mx_cast(x, None, arch="sm_90a", rowwise=False, colwise=False, row_operand=True, col_operand=True,
+                           operand_rows=1003)
+        assert out.row_data is None and out.col_data is None
+        assert out.row_operand.shape == out.col_operand.shape == (1003, 512)  # both laid out as y
+        assert out.col_operand.stride() == (512, 1) and out.col_operand.dtype == torch.bfloat16
+    assert len(builds) == 5
 
 
 def test_operand_arguments_are_checked():
@@ -118,11 +134,13 @@ def test_launch_table_covers_every_k():
 
 def test_cute_backend_on_cpu_tensors_says_why():
     x, w = torch.randn(40, 64), torch.ones(64)
-    with pytest.raises(ValueError, match="backend='cute' cannot run: the CuTe kernels need a CUDA device"):
+    with pytest.raises(ValueError, match="backend='cute' cannot run rms_norm_quantize: it needs CUDA tensors"):
         rms_norm_quantize(x, w, backend="cute")
-    with pytest.raises(ValueError, match="backend='cute' cannot run: the CuTe kernels need a CUDA device"):
+    with pytest.raises(ValueError, match="backend='cute' cannot run quantize_dual: it needs CUDA tensors"):
         quantize_dual(x, backend="cute")
-    assert resolve_backend("auto", x, kernels=("triton", "cute")) == "reference"
+    for op in ("rms_norm_quantize", "quantize_dual"):
+        assert dispatch.choose(op, "mxfp8", x.device) == "reference"
+        assert dispatch.TABLE[(op, "mxfp8")]["sm_90"][0] == dispatch.TABLE[(op, "mxfp8")]["sm_100"][0] == "cute"
 
 
 def test_fake_mode_is_seen_only_under_fake_tensors():

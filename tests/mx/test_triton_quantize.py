@@ -15,7 +15,8 @@ import torch
 from byte_checks import assert_same_bytes
 
 from gem_lp.mx import MXTensor, dequantize, quantize, quantize_dual, quantize_reference, to_blocked
-from gem_lp.mx.kernels.triton_quantize import CANDIDATE_CONFIGS, mx_cast_2d
+from benchmarks.cast_candidates import QUANTIZE_CANDIDATE_CONFIGS
+from gem_lp.mx.kernels.triton_quantize import mx_cast_2d
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -238,7 +239,8 @@ def test_quantize_dual_matches_reference(M, K, dtype):
         ref_row, ref_col = quantize_dual(x, scaling=scaling, backend="reference")
         _assert_same_mx(row, ref_row, "rowwise")
         _assert_same_mx(col, ref_col, "colwise")
-        assert col.shape == (K, M) and col.data.is_contiguous() and col.scale_layout == "blocked"
+        # the kernel's colwise payload: a [K, M] view, rows 16-byte aligned (contiguous when M is a multiple of 16)
+        assert col.shape == (K, M) and col.data.stride() == (-(-M // 16) * 16, 1) and col.scale_layout == "blocked"
         # the colwise cast is the quantization of x^T along its last dim, partial last block included
         torch.testing.assert_close(col.plain_scale(),
                                    quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True).scale,
@@ -401,9 +403,10 @@ def test_gpu_hardware_and_integer_e4m3_rounding_agree():
                 assert_same_bytes(out, ref, f"{dtype} hw_cast={hw_cast}")
 
 
-GPU_CONFIGS = [(variant, config) for variant, configs in CANDIDATE_CONFIGS.items() for config in configs]
+GPU_CONFIGS = [(variant, config) for variant, configs in QUANTIZE_CANDIDATE_CONFIGS.items() for config in configs]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,config", GPU_CONFIGS, ids=[f"{v}-{c!r}".replace(" ", "_") for v, c in GPU_CONFIGS])
 def test_gpu_every_candidate_config_matches_reference(variant, config):

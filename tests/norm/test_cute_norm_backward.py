@@ -9,10 +9,10 @@ from cute_gpu import require_cute_gpu
 pytestmark = pytest.mark.gpu
 require_cute_gpu()
 
-from gem_lp.norm.kernels.cute_backward import rms_norm_backward_cute  # noqa: E402
-from gem_lp.linear import functions as triton_gemm  # noqa: E402
 from gem_lp.linear.ops import rms_norm_mx_linear  # noqa: E402
-from gem_lp.mx.kernels.triton_cast import rms_norm_backward  # noqa: E402
+from gem_lp.norm.kernels.cute_backward import rms_norm_backward_cute  # noqa: E402
+from gem_lp.norm.kernels.triton_backward import rms_norm_backward  # noqa: E402
+from gem_lp.runtime import dispatch  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6
@@ -61,16 +61,30 @@ def test_strided_rows_give_the_contiguous_rows_result():
     assert torch.equal(dx, dx_c) and torch.allclose(dw, dw_c, rtol=1e-6, atol=0)
 
 
+@pytest.fixture
+def norm_backward_impl(monkeypatch):
+    """`use(impl)`: the dispatch table gives the RMSNorm backward `impl` ("cute" or "triton") on this GPU's arch."""
+    key = ("rms_norm_backward", "fp32")
+
+    def use(impl: str) -> None:
+        monkeypatch.setitem(dispatch.TABLE, key, {arch: (impl,) for arch in ("sm_90", "sm_100", "cuda")})
+        dispatch.clear()
+
+    yield use
+    dispatch.clear()
+
+
 @pytest.mark.parametrize("M", [33, 4097])
-def test_the_norm_linear_backward_on_either_kernel(monkeypatch, M):
+def test_the_norm_linear_backward_on_either_kernel(norm_backward_impl, M):
     g = torch.Generator(device=DEV).manual_seed(M)
     x = torch.randn(M, 256, device=DEV, generator=g).bfloat16()
     norm_w = torch.rand(256, device=DEV, generator=g) + 0.5
     weight = (torch.randn(512, 256, device=DEV, generator=g) / 16).bfloat16()
     dy = torch.randn(M, 512, device=DEV, generator=g).bfloat16()
     grads = []
-    for cute in (True, False):
-        monkeypatch.setattr(triton_gemm, "CUTE_NORM_BACKWARD", cute)
+    for impl in ("cute", "triton"):
+        norm_backward_impl(impl)
+        assert dispatch.choose("rms_norm_backward", "fp32", x.device) == impl
         xi, gi = x.clone().requires_grad_(), norm_w.clone().requires_grad_()
         rms_norm_mx_linear(xi, gi, weight, eps=EPS, backend="triton").backward(dy)
         grads.append((xi.grad.float(), gi.grad.float()))

@@ -1,27 +1,25 @@
-"""Fused RMSNorm+MX quantize, exact MX GEMM routes and the MXLinear Triton path beside their peers (GPU).
+"""The Triton MX cast kernel's tuning space (`gem_lp.mx.kernels.triton_cast`, `benchmarks/cast_candidates.py`): every
+candidate launch timed beside the product's default, each checked against the reference (GPU), and the sm_90 builds
+of the launches with their registers, spills and instructions per element (no GPU needed).
 
-Run from the project root: `python -m benchmarks.bench_norm_gemm` (JSON under $OUT, else ./.bench_out).
+Run from the project root: `python -m benchmarks.tune_casts` (JSON `tune_casts.json` under $OUT, else ./.bench_out).
 Sections (each one guarded: a failing variant or peer is recorded, the rest still runs):
 
 * norm: `rms_norm_mx` (rowwise + colwise MX, blocked scales, rstd) per launch configuration of
-  `triton_norm.CANDIDATE_CONFIGS` (the default first), bytes checked against the reference; then host against
+  `cast_candidates.CANDIDATE_CONFIGS` (the default first), bytes checked against the reference; then host against
   kernel time: the public `gem_lp.norm.rms_norm_quantize` (plain scales, checked too), the bare Triton
   launch into preallocated outputs and a CUDA-graph replay (no host work) of the default and of the fastest
   launch, each with its host microseconds per call (JSON `norm_host_us_per_call`); peers: `torch.compile` of
   RMSNorm + torchao `to_mx` in both layouts (or, without torchao, of our reference RMSNorm + dual cast) and a
   copy of x. Effective bytes = x read once + every payload, scale and rstd byte written.
-* gemm: `mx_gemm` per route from MX operands (the dequantize pass of the dequant routes included) beside
-  cuBLAS BF16 `torch.mm` and cuBLAS FP8 rowwise `torch._scaled_mm`; every route's Y checked against the
-  FP32 reference within the accumulation bound.
-* linear: `mx_linear_triton` forward+backward per GEMM route beside `nn.Linear` in BF16 (`--linear-tokens`
-  sets M, e.g. 32767 as a jagged batch has), with the bytes
-  each saves for the backward and the SQNR of Y, dX, dW against FP32; the public `MXLinear` module once. Each
-  of these rows holds its host milliseconds per call (`host_ms_per_call`; `host_bound` when it reaches the
-  row's time, i.e. the row measures the host; JSON `linear_host_ms_per_call`).
+* tokens: the default launch at the token counts of a jagged batch (M not a multiple of 32 or 16).
+* cast: MXLinear's dY cast (both dequantized operands, with and without the bias gradient's column sums) per launch
+  of `cast_candidates.OPERAND_CAST_CANDIDATE_CONFIGS`.
 
-`python -m benchmarks.bench_norm_gemm --compile-only` (no GPU needed) builds every norm launch the GPU run
-times for sm_90 and prints its registers, spills, programs per SM, sm_90 (SASS) instructions per element
-and the bytes its resident programs keep between the two sweeps; it fails if one does not build.
+`python -m benchmarks.tune_casts --compile-only` (no GPU needed) builds every launch the GPU run times for sm_90
+and prints its registers, spills, programs per SM, sm_90 (SASS) instructions per element and the bytes its resident
+programs keep between the two sweeps; it fails if one does not build. (The CuTe cast kernel and the casts of the
+MX linears on each kernel: `benchmarks/bench_norm.py`; the linears themselves: `benchmarks/bench_linear.py`.)
 """
 from __future__ import annotations
 
@@ -41,31 +39,19 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cast_candidates import CANDIDATE_CONFIGS, OPERAND_CAST_CANDIDATE_CONFIGS  # noqa: E402
 from benchmarks.common import Bench, host_us_per_call  # noqa: E402
 from gem_lp.mx import dequantize, quantize_reference, to_blocked  # noqa: E402
-from gem_lp.linear import functions as tg  # noqa: E402
-from gem_lp.linear.reference import rms_norm_quantize_reference  # noqa: E402
-from gem_lp.linear.functions import GemmConfig, mx_gemm, mx_linear_triton, rms_norm_mx_linear_triton  # noqa: E402
 from gem_lp.mx.kernels import triton_cast as tn  # noqa: E402
 from gem_lp.mx.kernels.triton_cast import rms_norm_mx  # noqa: E402
-from gem_lp.accuracy import sqnr_db  # noqa: E402
+from gem_lp.norm.reference import rms_norm_quantize_reference  # noqa: E402
 
 EPS = 1e-6
 DEVICE = "cuda"
-NORM_SHAPES = ((32768, 1024), (32768, 4096))  # K of each is a key of triton_norm.CANDIDATE_CONFIGS
+NORM_SHAPES = ((32768, 1024), (32768, 4096))  # K of each is a key of CANDIDATE_CONFIGS
 NORM_EXTRA_SHAPES = ((32768, 512),)  # timed when --norm-ks names them
-# MXLinear's dY cast (no norm, both dequantized operands): K a key of triton_norm.OPERAND_CAST_CANDIDATE_CONFIGS
+# MXLinear's dY cast (no norm, both dequantized operands): K a key of OPERAND_CAST_CANDIDATE_CONFIGS
 OPERAND_CAST_SHAPES = ((32768, 3072),)
-# (M, N, K): Y [M, N] = A [M, K] B [N, K]^T
-GEMM_SHAPES = ((8192, 8192, 8192), (32768, 3072, 1024), (32768, 4096, 1024), (32768, 1024, 4096),
-               (32768, 1536, 512))
-GEMM_SWEEP = {  # tried at 8192^3 beside the defaults
-    "fp8": (GemmConfig(128, 128, 32, 8, 8, 4), GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 256, 64, 8, 8, 3),
-            GemmConfig(128, 128, 128, 8, 8, 3)),
-    "dot_scaled": (GemmConfig(128, 128, 128, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3)),
-    "dequant_triton": (GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4)),
-}
-LINEAR_SHAPES = tuple((m, k, n) for m, n, k in GEMM_SHAPES[1:])  # (M, K, N)
 
 
 def _fail(bench: Bench, group: str, name: str, e: Exception) -> None:
@@ -137,14 +123,14 @@ def _compiled_norm_peers(w: torch.Tensor):
 def norm_configs(K: int) -> list[tn.NormConfig]:
     """The default launch configuration for rows of K first, then the other candidates."""
     default = tn.default_config(K)
-    return [default] + [c for c in tn.CANDIDATE_CONFIGS.get(K, ()) if c != default]
+    return [default] + [c for c in CANDIDATE_CONFIGS.get(K, ()) if c != default]
 
 
 def operand_cast_configs(K: int) -> list[tn.NormConfig]:
     """The dual-operand cast without the norm (MXLinear's dY): its default launch for rows of K (M even, hardware
     conversion), then the other candidates."""
     default = tn.default_config(K, True, True, True, False)
-    return [default] + [c for c in tn.OPERAND_CAST_CANDIDATE_CONFIGS.get(K, ()) if c != default]
+    return [default] + [c for c in OPERAND_CAST_CANDIDATE_CONFIGS.get(K, ()) if c != default]
 
 
 def _operand_cast_matches_reference(out, x) -> bool:
@@ -423,9 +409,10 @@ def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
 
 def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True, row_operand=False,
                col_operand=False, normalize=True, hw_cast=True, x_dtype=torch.bfloat16, column_sums=False,
-               activation=None) -> dict:
+               activation=None, activation_input=False) -> dict:
     """sm_90 build of the launch `rms_norm_mx` makes for x [M, K] (bf16 unless `x_dtype`; fp32 weight, blocked
-    scales; `column_sums` and `activation` without the norm), from shapes only (meta tensors): registers, spill bytes,
+    scales; `column_sums` and `activation` without the norm; `activation_input`: x is the gradient of the activation's
+    output, the casts those of its input's gradient), from shapes only (meta tensors): registers, spill bytes,
     programs per SM, SASS instructions per element, 16-byte loads, vector stores, hardware E4M3 conversions, float32
     atomic adds in the PTX (`atomics`), and the re-read bytes in flight (resident row blocks of a multi-pass launch,
     H200)."""
@@ -442,9 +429,11 @@ def build_norm(M: int, K: int, cfg: tn.NormConfig, *, rowwise=True, colwise=True
            torch.empty(blocked_size(K, math.ceil(M / 32)), dtype=torch.uint8, device=dev)) if colwise else None
     ops = [torch.empty(M, K, dtype=torch.bfloat16, device=dev) if want else None for want in (row_operand, col_operand)]
     sums = torch.empty(K, device=dev) if column_sums else None
+    z = torch.empty(M, K, dtype=x_dtype, device=dev) if activation_input else None
     kernel, _, args, kwargs = tn.forward_launch(x, w, 1e-6, rstd, row, col, *ops, blocked_scales=True, rceil=True,
                                                 hw_cast=hw_cast, config=cfg, column_sums=sums,
-                                                act=tn._activation_code(activation, x_dtype))
+                                                act=tn._activation_code(activation, x_dtype, activation_input),
+                                                act_input=z)
     compiled = compile_for_target(kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)
@@ -497,326 +486,41 @@ def compile_only() -> int:
     return 1 if failed else 0
 
 
-# ----------------------------------------------------------------------------- gemm
+SECTIONS = ("norm", "tokens", "cast")
 
 
-def _mx_operand(rows: int, cols: int, seed: int):
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    hp = torch.randn(rows, cols, device=DEVICE, dtype=torch.bfloat16, generator=g)
-    return hp, rms_norm_mx(hp, None, rowwise=True, colwise=False).rowwise
-
-
-def _scaled_mm_rowwise(a: torch.Tensor, b: torch.Tensor):
-    """cuBLAS FP8 (E4M3) GEMM with rowwise FP32 scales, operands prepared once outside the timing."""
-    sa = a.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
-    sb = b.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
-    a8 = (a.float() / sa).to(torch.float8_e4m3fn)
-    b8 = (b.float() / sb).to(torch.float8_e4m3fn)
-    sbt = sb.t().contiguous()
-    return lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sbt, out_dtype=torch.bfloat16)
-
-
-def _gemm_ok(y: torch.Tensor, A, B, K: int, variant: str) -> bool:
-    """Y within the FP32 accumulation bound (plus bf16 output rounding) of the reference product; the FP8
-    route adds the per-chunk alignment error of Hopper's FP8 MMA (~2^-13)."""
-    da, db = dequantize(A), dequantize(B)
-    ref = da @ db.t()
-    rel = K * torch.finfo(torch.float32).eps + (2.0**-12 if variant == "fp8" else 0.0)
-    bound = rel * (da.abs() @ db.abs().t()) + ref.abs() * 2.0**-8
-    ok = bool(((y.float() - ref).abs() <= bound).all())
-    del da, db, ref, bound
-    return ok
-
-
-def bench_gemm(bench: Bench, checks: dict) -> None:
-    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the FP32 reference product of the checks
-    for M, N, K in GEMM_SHAPES:
-        group = f"gemm {M}x{N}x{K}"
-        flop = 2.0 * M * N * K
-        a, A = _mx_operand(M, K, 1)
-        b, B = _mx_operand(N, K, 2)
-        bench.time(group, "cuBLAS BF16 torch.mm", lambda: torch.mm(a, b.t()), flop=flop, peer=True)
-        try:
-            bench.time(group, "cuBLAS FP8 rowwise torch._scaled_mm (no block scales)", _scaled_mm_rowwise(a, b),
-                       flop=flop, peer=True)
-        except Exception as e:
-            _fail(bench, group, "cuBLAS FP8 rowwise", e)
-        check = M * N * K <= 8192**3
-        for variant in tg.GEMM_VARIANTS:
-            configs = (None, *GEMM_SWEEP.get(variant, ())) if (M, N, K) == GEMM_SHAPES[0] else (None,)
-            for cfg in configs:
-                tile = "" if cfg is None else (f" {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
-                                               f" s{cfg.num_stages}")
-                name = f"ours {variant}{tile}"
-                if variant == "dequant_cublas" and cfg is not None:
-                    continue
-
-                def run(variant=variant, cfg=cfg):
-                    return mx_gemm(A, B, variant=variant, out_dtype=torch.bfloat16, config=cfg).y
-
-                try:
-                    y = run()
-                    ok = _gemm_ok(y, A, B, K, variant) if check else None
-                    del y
-                except Exception as e:
-                    _fail(bench, group, name, e)
-                    continue
-                if ok is not None:
-                    checks[f"{group} {name}"] = ok
-                bench.time(group, name, run, flop=flop, within_bound=ok)
-        # the quantizing epilogue: Y written as MX in both layouts instead of BF16
-        for variant in ("fp8", "dequant_triton"):
-            name = f"ours {variant} -> MX rowwise + colwise epilogue"
-            try:
-                bench.time(group, name, lambda variant=variant: mx_gemm(A, B, variant=variant, out_dtype=None,
-                                                                        rowwise=True, colwise=True), flop=flop)
-            except Exception as e:
-                _fail(bench, group, name, e)
-        del a, b, A, B
-        _free()
-    torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-
-
-# ----------------------------------------------------------------------------- linear
-
-
-def _saved_bytes(fn, params) -> int:
-    """Bytes of the distinct storages autograd saves for the backward, parameters excluded (whole storages: the
-    colwise payload's row padding, under 16 bytes a row of K, included)."""
-    seen, total = set(), 0
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-
-    def pack(t):
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr not in param_ptrs:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return total
-
-
-def _time_with_host(bench: Bench, group: str, name: str, fn, **info) -> float | None:
-    """`bench.time` plus the host milliseconds per call (`host_ms_per_call`, launches queued without waiting):
-    a row whose host time reaches its measured time (`host_bound`) measures the host, not the GPU."""
-    try:
-        host_ms = host_us_per_call(fn, calls=50) / 1e3
-    except Exception as e:
-        _fail(bench, group, name, e)
-        return None
-    ms = bench.time(group, name, fn, host_ms_per_call=host_ms, **info)
-    if ms is not None:
-        bound = host_ms >= 0.9 * ms
-        bench.rows[-1]["host_bound"] = bound
-        bench.extra.setdefault("linear_host_ms_per_call", {})[f"{group} | {name}"] = dict(
-            host_ms=host_ms, ms=ms, host_bound=bound)
-        print(f"  [{group}] {name}: host {host_ms:.3f} ms/call"
-              + ("  HOST-BOUND (the row measures the host)" if bound else ""), flush=True)
-    return ms
-
-
-def bench_linear(bench: Bench, accuracy: dict, gemms: tuple[str, ...] = tg.LINEAR_GEMMS,
-                 tokens: tuple[int, ...] | None = None) -> None:
-    """MXLinear forward+backward and forward per GEMM route (`gemms`) beside nn.Linear; each of these rows also
-    holds its host time per call (`host_ms_per_call`, `host_bound`). `tokens`: the M of every shape (default
-    32768; a jagged batch's token count is rarely a multiple of 16, so 32767 shows what training meets)."""
-    shapes = LINEAR_SHAPES if tokens is None else tuple((m, k, n) for m in tokens for _, k, n in LINEAR_SHAPES)
-    for M, K, N in shapes:
-        group = f"linear fwd+bwd {M}x{K}->{N}"
-        fwd_group = group.replace("fwd+bwd", "fwd")
-        flop = 3 * 2.0 * M * N * K
-        g = torch.Generator(device=DEVICE).manual_seed(M + K + N)
-        x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
-        w = (torch.randn(N, K, device=DEVICE, generator=g) / K**0.5).requires_grad_()
-        bias = torch.randn(N, device=DEVICE, generator=g).requires_grad_()
-        dy = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16, generator=g)
-        w16, b16 = w.detach().bfloat16().requires_grad_(), bias.detach().bfloat16().requires_grad_()
-
-        def bf16_step():
-            y = F.linear(x, w16, b16)
-            return torch.autograd.grad(y, (x, w16, b16), dy)
-
-        _time_with_host(bench, group, "nn.Linear bf16 (cuBLAS)", bf16_step, flop=flop, peer=True)
-        _time_with_host(bench, fwd_group, "nn.Linear bf16 (cuBLAS)", lambda: F.linear(x, w16, b16), flop=flop / 3,
-                        peer=True)
-        saved_bf16 = _saved_bytes(lambda: F.linear(x, w16, b16), (w16, b16))
-        # FP32 reference for the accuracy figures
-        with torch.no_grad():
-            x32, w32 = x.detach().float(), w.detach()
-            y32 = torch.addmm(bias.detach(), x32, w32.t())
-            dx32, dw32 = dy.float() @ w32, dy.float().t() @ x32
-        y16, (dx16, dw16, _) = F.linear(x, w16, b16), bf16_step()
-        accuracy[f"{M}x{K}->{N} bf16"] = dict(Y=sqnr_db(y16, y32), dX=sqnr_db(dx16, dx32), dW=sqnr_db(dw16, dw32),
-                                             saved_bytes=saved_bf16)
-        del y16, dx16, dw16
-        for gemm in gemms:
-            name = f"ours MXLinear gemm={gemm}"
-
-            def step(gemm=gemm):
-                y = mx_linear_triton(x, w, bias, "rceil", gemm)
-                return torch.autograd.grad(y, (x, w, bias), dy)
-
-            def step_new_weight(gemm=gemm):  # the first step after an optimizer update: W is re-quantized
-                tg.clear_weight_cache()
-                return step(gemm)
-
-            try:
-                y = mx_linear_triton(x, w, bias, "rceil", gemm)
-                dx, dw, _ = torch.autograd.grad(y, (x, w, bias), dy)
-                saved = _saved_bytes(lambda: mx_linear_triton(x, w, bias, "rceil", gemm), (w, bias))
-                accuracy[f"{M}x{K}->{N} mxfp8 {gemm}"] = dict(
-                    Y=sqnr_db(y, y32), dX=sqnr_db(dx, dx32), dW=sqnr_db(dw, dw32), saved_bytes=saved,
-                    saved_vs_bf16=saved / max(saved_bf16, 1))
-                del y, dx, dw
-            except Exception as e:
-                _fail(bench, group, name, e)
-                continue
-            _time_with_host(bench, group, name, step, flop=flop, saved_bytes=saved)
-            _time_with_host(bench, group, name + " (W re-quantized)", step_new_weight, flop=flop)
-            _time_with_host(bench, fwd_group, name, lambda gemm=gemm: mx_linear_triton(x, w, bias, "rceil", gemm),
-                            flop=flop / 3)
-        if (M, K, N) == shapes[-1]:  # the public module (ops.mx_linear's checks and dispatch) once
-            try:
-                from gem_lp.linear import MXLinear
-
-                layer = MXLinear(K, N, backend="triton").to(DEVICE)
-                with torch.no_grad():
-                    layer.weight.copy_(w)
-                    layer.bias.copy_(bias)
-                params = (x, layer.weight, layer.bias)
-
-                def module_step():
-                    return torch.autograd.grad(layer(x), params, dy)
-
-                module_step()
-            except Exception as e:
-                _fail(bench, group, "ours MXLinear module", e)
-            else:
-                _time_with_host(bench, group, "ours MXLinear module (gem_lp.linear.MXLinear, cuBLAS route)",
-                                module_step, flop=flop)
-                _time_with_host(bench, fwd_group, "ours MXLinear module (gem_lp.linear.MXLinear, cuBLAS route)",
-                                lambda: layer(x), flop=flop / 3)
-                del layer, params
-        if (M, K, N) == shapes[0]:  # the fused RMSNorm + linear once
-            gw = torch.ones(K, device=DEVICE, requires_grad=True)
-            gw16 = gw.detach().bfloat16().requires_grad_()
-            ngroup = f"rmsnorm+linear fwd+bwd {M}x{K}->{N}"
-
-            def bf16_norm_step():
-                y = F.linear(F.rms_norm(x, (K,), gw16, EPS), w16, b16)
-                return torch.autograd.grad(y, (x, gw16, w16, b16), dy)
-
-            _time_with_host(bench, ngroup, "F.rms_norm + nn.Linear bf16 (eager)", bf16_norm_step, flop=flop,
-                            peer=True)
-            try:
-                compiled = torch.compile(bf16_norm_step)
-                compiled()
-                bench.time(ngroup, "F.rms_norm + nn.Linear bf16 (torch.compile)", compiled, flop=flop, peer=True)
-            except Exception as e:
-                _fail(bench, ngroup, "compiled bf16 peer", e)
-            for gemm in [g for g in ("cublas", "triton_bf16") if g in gemms]:
-                def norm_step(gemm=gemm):
-                    y = rms_norm_mx_linear_triton(x, gw, w, bias, EPS, "rceil", gemm)
-                    return torch.autograd.grad(y, (x, gw, w, bias), dy)
-
-                try:
-                    norm_step()
-                except Exception as e:
-                    _fail(bench, ngroup, f"ours gemm={gemm}", e)
-                    continue
-                _time_with_host(bench, ngroup, f"ours RMSNormMXLinear gemm={gemm}", norm_step, flop=flop)
-        if (M, K, N) == shapes[0] and "cublas" in gemms:
-            _time_new_token_counts(bench, M, K, N, w, bias, w16, b16)
-        del x, w, bias, dy, w16, b16
-        tg.clear_weight_cache()
-        _free()
-
-
-def _time_new_token_counts(bench: Bench, M: int, K: int, N: int, w, bias, w16, b16) -> None:
-    """fwd+bwd with a new token count on every call (M - 1, M - 2, ...: as a jagged batch brings every step),
-    ours (cuBLAS route) beside nn.Linear. cuBLAS plans a GEMM once per shape; nn.Linear meets a new shape on
-    every call, ours runs its GEMMs at bucketed token counts (`triton_gemm.gemm_rows`)."""
-    g = torch.Generator(device=DEVICE).manual_seed(M + 1)
-    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
-    dy = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16, generator=g)
-    group = f"linear fwd+bwd, a new token count every call, {M}x{K}->{N}"
-    flop = 3 * 2.0 * M * N * K  # within 0.1% for every token count timed
-
-    def stepper(fn):
-        counts = iter(range(M - 1, M // 2, -1))  # distinct token counts, never repeated within a timing
-
-        def step():
-            m = next(counts)
-            return fn(x[:m], dy[:m])
-        return step
-
-    rows = (("nn.Linear bf16 (cuBLAS)", lambda a, d: torch.autograd.grad(F.linear(a, w16, b16), (x, w16, b16), d),
-             True),
-            ("ours MXLinear gemm=cublas", lambda a, d: torch.autograd.grad(
-                mx_linear_triton(a, w, bias, "rceil", "cublas"), (x, w, bias), d), False))
-    for name, fn, peer in rows:
-        try:
-            _time_with_host(bench, group, name, stepper(fn), flop=flop, peer=peer)
-        except Exception as e:
-            _fail(bench, group, name, e)
-
-
-SECTIONS = ("norm", "tokens", "cast", "gemm", "linear")
-
-
-def main(sections: tuple[str, ...] = SECTIONS, gemms: tuple[str, ...] = tg.LINEAR_GEMMS,
-         linear_tokens: tuple[int, ...] | None = None, norm_ks: tuple[int, ...] | None = None,
+def main(sections: tuple[str, ...] = SECTIONS, norm_ks: tuple[int, ...] | None = None,
          norm_match: str | None = None) -> None:
     t0 = time.time()
-    bench = Bench("bench_norm_gemm")
+    bench = Bench("tune_casts")
     bench.copy_bandwidth()
     checks: dict[str, bool] = {}
-    accuracy: dict[str, dict] = {}
-    bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy)  # filled as the sections run (partial runs too)
+    bench.extra.update(checks=checks)  # filled as the sections run (partial runs too)
+
     def norm(bench: Bench, checks: dict) -> None:
         bench_norm(bench, checks, norm_ks, norm_match)
 
-    for section in [f for n, f in (("norm", norm), ("tokens", bench_norm_token_counts), ("cast", bench_operand_cast),
-                                   ("gemm", bench_gemm))
+    for section in [f for n, f in (("norm", norm), ("tokens", bench_norm_token_counts), ("cast", bench_operand_cast))
                     if n in sections]:
         try:
             section(bench, checks)
         except Exception as e:
             _fail(bench, section.__name__, "section", e)
         _free()
-    try:
-        if "linear" in sections:
-            bench_linear(bench, accuracy, gemms, linear_tokens)
-    except Exception as e:
-        _fail(bench, "bench_linear", "section", e)
-    bench.extra.update(checks=checks, accuracy_sqnr_db=accuracy, wall_s=time.time() - t0)
+    bench.extra.update(checks=checks, wall_s=time.time() - t0)
     n_fail = sum(not ok for ok in checks.values())
     print(f"\nchecks vs reference: {len(checks) - n_fail} PASS, {n_fail} FAIL"
           + "".join(f"\n  FAIL {k}" for k, ok in checks.items() if not ok))
-    print("SQNR vs FP32 (dB) and bytes saved for the backward:")
-    for k, v in accuracy.items():
-        print(f"  {k:40s} Y {v['Y']:6.2f}  dX {v['dX']:6.2f}  dW {v['dW']:6.2f}  "
-              f"saved {v['saved_bytes'] / 2**20:8.1f} MiB"
-              + (f" ({v['saved_vs_bf16']:.2f}x bf16)" if "saved_vs_bf16" in v else ""))
     bench.finish()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true",
-                        help="build the norm launches for sm_90 without a GPU (TRITON_INTERPRET must be unset)")
+                        help="build the launches for sm_90 without a GPU (TRITON_INTERPRET must be unset)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated subset of " + ",".join(SECTIONS) + " to run (tokens: the norm's "
                         "default at unaligned token counts; cast: the dY operand cast)")
-    parser.add_argument("--linear-gemms", default=",".join(tg.LINEAR_GEMMS),
-                        help="MXLinear GEMM routes the linear section times, a subset of " + ",".join(tg.LINEAR_GEMMS))
-    parser.add_argument("--linear-tokens", default=None,
-                        help="comma-separated token counts M for the linear section's shapes (default 32768)")
     parser.add_argument("--norm-ks", default=None,
                         help="comma-separated K of the norm section's shapes (default "
                         + ",".join(str(k) for _, k in NORM_SHAPES) + "; also "
@@ -824,17 +528,9 @@ if __name__ == "__main__":
     parser.add_argument("--norm-match", default=None,
                         help="the norm section times only the candidates whose name contains this (e.g. prefetch)")
     args = parser.parse_args()
-    for given, known, what in ((args.sections, SECTIONS, "--sections"), (args.linear_gemms, tg.LINEAR_GEMMS,
-                                                                        "--linear-gemms")):
-        unknown = set(given.split(",")) - set(known)
-        if unknown:
-            parser.error(f"{what}: unknown {sorted(unknown)}; expected a subset of {','.join(known)}")
-    try:
-        tokens = None if args.linear_tokens is None else tuple(int(m) for m in args.linear_tokens.split(","))
-    except ValueError:
-        parser.error(f"--linear-tokens: expected comma-separated integers, got {args.linear_tokens!r}")
-    if tokens is not None and min(tokens) < 1:
-        parser.error(f"--linear-tokens: token counts must be >= 1, got {args.linear_tokens!r}")
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--sections: unknown {sorted(unknown)}; expected a subset of {','.join(SECTIONS)}")
     known_ks = {k for _, k in NORM_SHAPES + NORM_EXTRA_SHAPES}
     try:
         norm_ks = None if args.norm_ks is None else tuple(int(k) for k in args.norm_ks.split(","))
@@ -845,5 +541,5 @@ if __name__ == "__main__":
     if args.compile_only:
         sys.exit(compile_only())
     if not torch.cuda.is_available():
-        sys.exit("bench_norm_gemm needs a CUDA device (or --compile-only)")
-    main(tuple(args.sections.split(",")), tuple(args.linear_gemms.split(",")), tokens, norm_ks, args.norm_match)
+        sys.exit("tune_casts needs a CUDA device (or --compile-only)")
+    main(tuple(args.sections.split(",")), norm_ks, args.norm_match)

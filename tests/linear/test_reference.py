@@ -1,11 +1,12 @@
-"""RMSNorm(+quantize), the MXFP8 linear recipe and the modules against explicit computations and FP32."""
+"""The MXFP8 linear recipe (reference backend) and the modules against explicit computations and FP32 (RMSNorm and
+rms_norm_quantize alone: tests/norm/test_reference.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gem_lp.mx import dequantize, quantize_reference
 from gem_lp.linear import RECIPES, MXLinear, RMSNormMXLinear, mx_linear, rms_norm_mx_linear
-from gem_lp.norm import RMSNorm, rms_norm, rms_norm_quantize
+from gem_lp.norm import rms_norm, rms_norm_quantize
 from gem_lp.accuracy import cosine, sqnr_db
 
 M, K, N = 100, 256, 192  # M = 100 ends the colwise (along M) blocks in a partial block of 4
@@ -18,48 +19,6 @@ def _u8(t):
 def deq_rows(t):
     """Dequantized 1x32 blocks along dim 1; `allow_partial` for blocks along M."""
     return dequantize(quantize_reference(t, axis=1, allow_partial=True))
-
-
-# ----------------------------------------------------------------------------- RMSNorm
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_quantize_is_bit_exact_quantization_of_fp32_output(dtype):
-    x = (torch.randn(M, K) * 3).to(dtype)
-    w = (torch.rand(K) + 0.5).to(dtype)
-    got = rms_norm_quantize(x, w, 1e-5)
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.square().mean(-1) + 1e-5)
-    y = x32 * rstd[:, None] * w.float()
-    row = quantize_reference(y, axis=1)
-    col = quantize_reference(y.t(), axis=1, allow_partial=True)
-    assert torch.equal(got.rstd, rstd) and got.rstd.dtype == torch.float32
-    assert got.rowwise.data.shape == (M, K) and got.rowwise.scale.shape == (M, K // 32)
-    assert got.colwise.data.shape == (K, M) and got.colwise.scale.shape == (K, 4)
-    assert torch.equal(_u8(got.rowwise.data), _u8(row.data)) and torch.equal(got.rowwise.scale, row.scale)
-    assert torch.equal(_u8(got.colwise.data), _u8(col.data)) and torch.equal(got.colwise.scale, col.scale)
-
-
-def test_rms_norm_quantize_flattens_leading_dims_and_floor_scaling():
-    x, w = torch.randn(4, 25, 64), torch.randn(64)
-    a = rms_norm_quantize(x, w, scaling="floor")
-    b = rms_norm_quantize(x.reshape(100, 64), w, scaling="floor")
-    assert a.rowwise.data.shape == (100, 64) and a.rowwise.scaling == "floor"
-    assert torch.equal(_u8(a.colwise.data), _u8(b.colwise.data)) and torch.equal(a.colwise.scale, b.colwise.scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_torch_and_differentiates(dtype):
-    x = torch.randn(3, 5, 96, dtype=dtype, requires_grad=True)
-    w = torch.randn(96, requires_grad=True)
-    y = rms_norm(x, w, 1e-6)
-    assert y.dtype == dtype
-    want = F.rms_norm(x.detach().float(), (96,), w.detach(), 1e-6).to(dtype)
-    torch.testing.assert_close(y, want)
-    y.float().sum().backward()
-    assert x.grad.dtype == dtype and w.grad.shape == (96,)
-    module = RMSNorm(96)
-    assert torch.equal(module(x.detach()), rms_norm(x.detach(), module.weight, 1e-6))
 
 
 # ----------------------------------------------------------------------------- mx_linear
@@ -252,6 +211,20 @@ def test_module_backend_is_passed_through():
     assert layer(torch.randn(3, 32)).shape == (3, 32)
     with pytest.raises(ValueError, match="backend must be one of"):
         MXLinear(32, 32, backend="cuda")
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp32"])
+def test_norm_module_takes_every_backend_its_recipe_has(recipe):
+    """The BF16 / FP32 recipes' norm (`rms_norm(precision="bf16")`) has no Triton kernel: `backend="triton"` (a
+    model's backend, passed to every op) runs torch's norm there, as "reference" and "auto" do on the CPU."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    outs = []
+    for backend in ("reference", "auto", "triton"):
+        torch.manual_seed(1)
+        layer = RMSNormMXLinear(64, 32, recipe=recipe, backend=backend)
+        outs.append(layer(x))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 # ----------------------------------------------------------------------------- errors
