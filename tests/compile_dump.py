@@ -6,10 +6,9 @@ variable is unset, the op's kernels are built here, once per (arch, op) and proc
 process (the CuTe DSL reads its target from the environment at import). When it is set, the dump must hold the arch:
 a missing one is an error, not a silent rebuild.
 
-A dump holds one file per distinct CuTe DSL dump name: builds whose names collide (the DSL truncates them) leave the
-last one's PTX. Tests therefore check properties every matching build must have, and name builds by patterns of
-their file names (`cutlass___call___<module><Class>_object_at__<arguments>.<arch>.ptx`: the class, then the
-arguments' dtypes and static shapes).
+A dump holds one directory per build (`compile_check.build_label`: op, direction, precision, mode) with that build's
+PTX files (`cutlass___call___<module><Class>_object_at__<arguments>.<arch>.ptx`: the class, then the arguments'
+dtypes and static shapes). Tests name builds by patterns of `<build label>/<file name>`.
 """
 from __future__ import annotations
 
@@ -58,8 +57,13 @@ def dump_dir(arch: str, op: str) -> str:
 def ptx_texts(pattern: str, arch: str, op: str) -> dict[str, str]:
     """{file name: PTX text} of `arch`'s builds of `op` whose dump file name matches the regular expression `pattern`
     (searched); an error when none does (the build is missing from compile_check's targets)."""
+    from gem_lp.compile_check import RAW_DIR
+
     path = dump_dir(arch, op)
-    names = sorted(f for f in os.listdir(path) if f.endswith(".ptx") and re.search(pattern, f))
+    names = sorted(f"{build}/{f}" for build in os.listdir(path) if build != RAW_DIR
+                   and os.path.isdir(os.path.join(path, build))
+                   for f in os.listdir(os.path.join(path, build)) if f.endswith(".ptx"))
+    names = [n for n in names if re.search(pattern, n)]
     if not names:
         pytest.fail(f"no {arch} PTX in {path} matches {pattern!r}")
     out = {}
