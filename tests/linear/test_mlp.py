@@ -163,8 +163,9 @@ def _check_mlp_equals_the_layers_composed(M, D, H, bias, backend):
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_mlp_never_stores_the_activation_gradient(route, monkeypatch):
-    """On the GPU routes no `silu_backward` runs: the up-projection's casts compute it, and (cuBLAS route) write the
-    row operand over their input (act's gradient), whose memory then serves again."""
+    """On the GPU routes the up-projection's dY casts compute SiLU's backward (no `silu_backward` runs on the cuBLAS
+    route's Triton kernels; the emulated scaled_mm route's CPU model of the casts runs torch's) and (cuBLAS route) write
+    the row operand over their input (act's gradient), whose memory then serves again."""
     ins, dy = _mlp_inputs(33, 64, 128, torch.bfloat16, True)
     calls = []
     original = lo.casts
@@ -182,7 +183,8 @@ def test_mlp_never_stores_the_activation_gradient(route, monkeypatch):
         assert dispatch.choose("linear", "mxfp8", DEVICE, "triton" if route == "cublas" else "auto") == route
         _run(lambda *a: rms_norm_mx_mlp(*a, 1e-6, backend="triton" if route == "cublas" else "auto"), ins, dy)
     names = {e.name for e in prof.events()}
-    assert not any("silu_backward" in n for n in names), sorted(n for n in names if "silu" in n)
+    if route == "cublas":
+        assert not any("silu_backward" in n for n in names), sorted(n for n in names if "silu" in n)
     assert calls.count(True) == 1  # the up-projection's dY cast (rows, columns and column sums in one pass)
 
 
