@@ -7,8 +7,8 @@
 `--plan` prints one line per op and precision: the implementation the plan takes, or `reference`, and why. Without
 it, on a GPU, every implementation of the plan that has a self-check runs it in this process (odd lengths and an
 outlier case against the reference) and is timed beside its peer in the same process (FA4 BF16 for attention, cuBLAS
-BF16 for the linears, a device copy for casts, torch for the norms); exit status 1 when a check fails. The trainer
-runs the same checks on first use, in a child process, and caches the verdicts (`gem_lp.runtime.selfcheck`).
+BF16 for the linears, a device copy for casts, torch for the norms); exit status 1 when a check fails. The verdicts
+go to the same on-disk cache as the checks the trainer and the ops run on first use (`gem_lp.runtime.selfcheck`).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def _checks(device: torch.device) -> int:
             continue
         key = dispatch.impl_key(choice.op, choice.precision, choice.impl, arch)
         out = selfcheck.run_check(key, device, timed=True)
+        selfcheck.record(device, key, out)  # what later processes on this device find, as a first use's check
         failures += not out["passed"]
         speed = out["details"].get("speed", "")
         print(f"{'PASS' if out['passed'] else 'FAIL'} {key:40s} {out['summary']}" + (f" | {speed}" if speed else ""),

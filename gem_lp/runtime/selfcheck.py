@@ -208,6 +208,14 @@ def run_check(key: str, device: torch.device, timed: bool = False) -> dict:
     return {"passed": bool(details.pop("passed")), "summary": details.pop("summary"), "details": details}
 
 
+def record(device: torch.device, key: str, out: dict) -> None:
+    """Cache the outcome of a check run in this process (`run_check`) as the device's verdict for `key`."""
+    index = _device_index(device)
+    result = Verdict(bool(out["passed"]), out["summary"], {k: v for k, v in out["details"].items() if k != "speed"})
+    _store(index, key, result)
+    _RUN[(index, key)] = result
+
+
 def clear() -> None:
     """Forget the verdicts of this process (the disk cache stays)."""
     _RUN.clear()
