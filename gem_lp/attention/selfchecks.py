@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from gem_lp.runtime.measure import bench_ms, speed_line, worst_sqnr
+from gem_lp.runtime.measure import bench_ms, repeats, speed_line, worst_sqnr
 
 LENGTHS = (0, 1, 31, 33, 127, 128, 129, 300)
 
@@ -54,7 +54,8 @@ def _check(device: torch.device, precision: str, dims, p_quants, floor: float) -
                     cases)).to(device).bfloat16()
                 kw = dict(precision=precision, p_quant=p_quant)
                 got = [_run(q_, k_, v_, q_offs, kv_offs, bq, causal, dy, backend="cute", **kw) for _ in range(2)]
-                repeat_ok &= all(torch.equal(a, b) for a, b in zip(*got))
+                # O, dK, dV bit for bit; dQ is summed over key tiles by atomic adds (FA4's accumulator)
+                repeat_ok &= repeats(*got, exact={0, 2, 3})
                 want = _run(q_, k_, v_, q_offs, kv_offs, bq, causal, dy, backend="reference", **kw)
                 s, which = worst_sqnr((f"D{dim} {name} {p_quant} {t}", a, b)
                                       for t, a, b in zip(("O", "dQ", "dK", "dV"), got[0], want))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gem_lp.runtime.measure import bench_ms, speed_line, worst_sqnr
+from gem_lp.runtime.measure import bench_ms, repeats, speed_line, worst_sqnr
 
 TOKENS = (1, 33, 129, 1000)
 
@@ -50,7 +50,10 @@ def _route(device: torch.device, route: str, timed: bool) -> dict:
             for name, ours, ref, ins in calls:
                 cases += 1
                 got = [_grads(ours, ins, dyd) for _ in range(2)]
-                repeat_ok &= all(torch.equal(a, c) for a, c in zip(*got))
+                # the bias gradients are the dY casts' column sums, added atomically (in varying order)
+                biases = {i + 1 for i, t in enumerate(ins) if t.dim() == 1 and t.shape[0] in (N, H)
+                          and t is not gw}
+                repeat_ok &= repeats(*got, exact=set(range(len(got[0]))) - biases)
                 want = _grads(ref, ins, dyd)
                 s, which = worst_sqnr((f"{name} {dtype} {k}", a, c) for k, a, c in
                                       zip(range(len(want)), got[0], want))
