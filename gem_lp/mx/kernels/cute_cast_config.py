@@ -50,9 +50,9 @@ def launch_for(arch: str, K: int) -> NormLaunch:
 
 
 # Which casts of the MX linears (`gem_lp.linear.operands`) take the CuTe kernel instead of the Triton one, per arch:
-# (K from which the casts with the RMSNorm prologue do, K from which the casts without it do; None: never). Measured
-# on the H200 (docs/PERF.md, the casts table): the norm's casts ran 1.3-2.6x faster on the CuTe kernel at K = 1024 and
-# 4096 and slower at K = 256; the casts without the norm, as fast or slower. Both kernels write the same bytes (GPU
-# tests). sm_100a takes sm_90a's entry, unmeasured; other arches: the Triton kernel. The dispatch table must also
-# give the CuTe RMSNorm + MX cast on the device (`rms_norm_quantize`).
-LINEAR_CASTS_FROM_K: dict[str, tuple[int | None, int | None]] = {"sm_90a": (1024, None), "sm_100a": (1024, None)}
+# (K from which the casts with the RMSNorm prologue do, K from which the casts without it do; None: never). At the
+# trainer's token counts the norm's casts run 1.5-1.9x faster on the CuTe kernel from K = 256 (docs/PERF.md, the casts
+# table); the casts without the norm as fast or slower. Both kernels write the same bytes (GPU tests). sm_100a takes
+# sm_90a's entry, unmeasured; other arches: the Triton kernel. The dispatch table must also give the CuTe RMSNorm + MX
+# cast on the device (`rms_norm_quantize`).
+LINEAR_CASTS_FROM_K: dict[str, tuple[int | None, int | None]] = {"sm_90a": (256, None), "sm_100a": (256, None)}
