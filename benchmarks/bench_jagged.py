@@ -11,8 +11,7 @@ Rows per workload:
   "<W> hdim only": ours hdim only, and the peer that needs no padding: the compiled dense cast of the
       packed [T*H, D].
   "<W> host overhead": hdim+seq through the public `quantize_jagged` (direct relaunch of the compiled
-      kernel), the public call with `DIRECT_RELAUNCH` off (Triton's JIT on every call), the bare kernel
-      through the JIT, the custom op's dispatcher, a `launch` into preallocated outputs, and replayed from a
+      kernel), the bare kernel through the JIT, the custom op's dispatcher, a `launch` into preallocated outputs, and replayed from a
       CUDA graph (GPU time alone); each row holds the host time per call (host_us) and its ms above the
       replay's (ms_over_replay_us).
   "<W> tuning <set>": every launch of `CANDIDATE_LAUNCHES` and `PERSISTENT_LAUNCHES` (default first;
@@ -46,8 +45,8 @@ import torch
 from benchmarks.common import Bench, host_us_per_call, lognormal_lengths, offsets_of
 from gem_lp.jagged import JaggedLayout, quantize_jagged, quantize_jagged_reference
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.kernels.triton_quantize import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
-                                         default_launch, launch)
+from gem_lp.jagged.kernels.triton_quantize import LAUNCH_SETS, LaunchOptions, default_launch, launch
+from benchmarks.launch_candidates import CANDIDATE_LAUNCHES, PERSISTENT_LAUNCHES
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE
 from gem_lp.mx.layout import from_blocked
 from gem_lp.mx.reference import quantize_reference
@@ -235,8 +234,8 @@ def run_workload(bench: Bench, name: str, cfg: dict, sets: tuple[str, ...] = tup
 
 def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedLayout, nbytes: int,
                   padding_ratio: float) -> dict | None:
-    """hdim+seq six ways, in group "<W> host overhead": the public `quantize_jagged` call with and without
-    `DIRECT_RELAUNCH`, the bare kernel through Triton's JIT, the custom op through the dispatcher (what
+    """hdim+seq five ways, in group "<W> host overhead": the public `quantize_jagged` call (its kernel relaunched
+    directly after the first call), the bare kernel through Triton's JIT, the custom op through the dispatcher (what
     compiled graphs call), the kernel launched into preallocated outputs (`launch`: the Triton launch only)
     and the CUDA-graph replay of the public call (GPU time alone). Each
     row holds `host_us`, the host time per call; ms above the replay's is host time the GPU waited for.
@@ -251,18 +250,8 @@ def host_overhead(bench: Bench, name: str, values: torch.Tensor, layout: JaggedL
     grid, jit_args, jit_kwargs = launch_args(values, layout.offsets, layout.scale_offsets, layout.tile_seq,
                                              layout.padded_total, payloads, scales, True,
                                              tile_tokens=layout.tile_tokens)
-    import gem_lp.runtime.triton_launch as tl_launch
-
-    def jit_call():
-        saved, tl_launch.DIRECT_RELAUNCH = tl_launch.DIRECT_RELAUNCH, False
-        try:
-            return quantize_jagged(values, layout, orients, backend="triton")
-        finally:
-            tl_launch.DIRECT_RELAUNCH = saved
-
     ways = [
         ("quantize_jagged (public call)", lambda: quantize_jagged(values, layout, orients, backend="triton")),
-        ("quantize_jagged without DIRECT_RELAUNCH (the JIT every call)", jit_call),
         ("Triton JIT launch every call (no direct relaunch)",
          lambda: _jagged_mx_kernel[grid](*jit_args, **jit_kwargs)),
         ("torch.ops.gem_lp.jagged_mx_quantize (custom-op dispatch)",

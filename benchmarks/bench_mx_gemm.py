@@ -64,7 +64,8 @@ def operands(M: int, K: int, N: int):
 
 def gemm_group(bench: Bench, M: int, K: int, N: int, candidates: bool) -> None:
     from gem_lp.linear.kernels.cute_gemm import mx_gemm_sm90
-    from gem_lp.linear.kernels.cute_gemm import LAUNCH_CANDIDATES, launch_for
+    from gem_lp.linear.kernels.cute_gemm import launch_for
+    from benchmarks.launch_candidates import GEMM_LAUNCH_CANDIDATES as LAUNCH_CANDIDATES
     from gem_lp.runtime.device import build_arch
     from gem_lp.mx import MXTensor
     from gem_lp.mx.kernels.triton_dequantize import mx_dequantize_operand

@@ -10,7 +10,6 @@ from launch_fakes import FakeDriver, FakeJit
 @pytest.fixture
 def jit(monkeypatch):
     monkeypatch.setattr(triton_launch, "_driver", FakeDriver)
-    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
     return FakeJit(["a", "n", "b", "BLOCK", "FLAG"], defaults=dict(FLAG=True))  # k(a, n, b, BLOCK, FLAG=True)
 
 
@@ -60,10 +59,7 @@ def test_the_jit_every_time_off_the_gpu_in_debug_mode_or_when_switched_off(jit, 
     monkeypatch.setattr(triton_launch._knobs.runtime, "debug", True)
     launch(args, True)
     monkeypatch.setattr(triton_launch._knobs.runtime, "debug", False)
-    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", False)
-    launch(args, True)
-    assert len(jit.launches) == 5 and not any(c.runs for c in jit.compiled)
-    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
+    assert len(jit.launches) == 4 and not any(c.runs for c in jit.compiled)
     launch(args, True)
     assert len(jit.compiled[2].runs) == 1
 

@@ -22,10 +22,6 @@ import torch
 from triton import knobs as _knobs
 from triton.runtime import driver as _driver
 
-# False sends every launch through the JIT (kept for measuring what direct relaunch saves).
-DIRECT_RELAUNCH = True
-
-
 def constexpr_values(kernel, n_args: int, kwargs: dict) -> tuple:
     """The values of `kernel`'s parameters after the first `n_args` (passed by keyword, else their defaults), in
     parameter order: what a compiled kernel's launcher takes after the positional arguments."""
@@ -75,7 +71,7 @@ def relaunch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, constexpr
     there is one for the build these arguments select (see the module's docs). `constexprs`: `constexpr_values` of
     `kwargs`; `compiled`: the cache of the launches of `kernel` with these `kwargs`, keyed here; `by_value`:
     `positional_constexprs` of the kernel (their values select builds)."""
-    if (not DIRECT_RELAUNCH or not on_gpu or _knobs.runtime.debug or _knobs.compilation.instrumentation_mode
+    if (not on_gpu or _knobs.runtime.debug or _knobs.compilation.instrumentation_mode
             or getattr(kernel, "debug", False)):  # the JIT's business
         kernel[grid](*args, **kwargs)
         return

@@ -9,7 +9,8 @@ import torch
 
 from gem_lp.jagged import JaggedLayout, dequantize_jagged, quantize_jagged
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.kernels.triton_quantize import CANDIDATE_LAUNCHES, LaunchOptions, launch
+from gem_lp.jagged.kernels.triton_quantize import LaunchOptions, launch
+from benchmarks.launch_candidates import CANDIDATE_LAUNCHES
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 
 pytestmark = pytest.mark.gpu
@@ -135,13 +136,10 @@ def test_host_syncs(mixed_batch):
 
 
 def test_repeated_calls_launch_the_compiled_kernel_directly(mixed_batch, monkeypatch):
-    """With `DIRECT_RELAUNCH`, after the first call of a plan, calls go to the compiled kernel's launcher
+    """After the first call of a plan, calls go to the compiled kernel's launcher
     (skipping the JIT): the same bytes on every call, for values 2 bytes off 16-byte alignment (another
     specialization, through the JIT again), with another dtype, on a side stream and replayed from a CUDA graph."""
     import gem_lp.jagged.kernels.triton_quantize as tk
-    import gem_lp.runtime.triton_launch as triton_launch
-
-    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
 
     values, offsets = mixed_batch(4, 128, torch.bfloat16)
     values, offsets = values.cuda(), offsets.cuda()

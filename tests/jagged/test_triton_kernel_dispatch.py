@@ -110,10 +110,9 @@ def _compiled_launch_setup(mixed_batch, monkeypatch):
 
 
 def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
-    """With a compiled kernel (CUDA) and `DIRECT_RELAUNCH`, the first launch of a plan and pointer specialization
+    """With a compiled kernel (CUDA), the first launch of a plan and pointer specialization
     goes through the JIT and later ones straight to that kernel's launcher with the same arguments plus the
     constexprs in parameter order; other dtypes or a pointer off 16-byte alignment go through the JIT again."""
-    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", True)
     values, layout, jit, payloads, scales = _compiled_launch_setup(mixed_batch, monkeypatch)
 
     def go(v):
@@ -152,14 +151,3 @@ def test_repeated_launches_skip_the_jit(mixed_batch, monkeypatch):
     go(values)
     assert len(jit.launches) == 5 and len(compiled.runs) == 3
     tk._launch_plan.cache_clear()
-
-
-
-def test_launches_go_through_the_jit_without_direct_relaunch(mixed_batch, monkeypatch):
-    """With `DIRECT_RELAUNCH` off every launch of a compiled kernel goes through Triton's JIT."""
-    monkeypatch.setattr(triton_launch, "DIRECT_RELAUNCH", False)
-    values, layout, jit, payloads, scales = _compiled_launch_setup(mixed_batch, monkeypatch)
-    for _ in range(3):
-        tk.launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads,
-                  scales, True)
-    assert len(jit.launches) == 3 and not jit.compiled[0].runs

@@ -6,8 +6,8 @@ import torch
 
 from gem_lp.jagged import JaggedLayout
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.kernels.triton_quantize import (CANDIDATE_LAUNCHES, DEFAULT_LAUNCH, LAUNCH_SETS, PERSISTENT_LAUNCHES,
-                                         LaunchOptions)
+from gem_lp.jagged.kernels.triton_quantize import DEFAULT_LAUNCH, LAUNCH_SETS, LaunchOptions
+from benchmarks.launch_candidates import CANDIDATE_LAUNCHES, PERSISTENT_LAUNCHES
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from jagged_launch_check import check_launch
 
@@ -76,8 +76,8 @@ def test_max_registers_option(mixed_batch):
 _HOPPER_CANDIDATES = """
 import json, torch
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.kernels.triton_quantize import (CANDIDATE_LAUNCHES, LAUNCH_SETS, PERSISTENT_LAUNCHES, LaunchOptions,
-                                         _jagged_mx_kernel, launch_args)
+from gem_lp.jagged.kernels.triton_quantize import LAUNCH_SETS, LaunchOptions, _jagged_mx_kernel, launch_args
+from benchmarks.launch_candidates import CANDIDATE_LAUNCHES, PERSISTENT_LAUNCHES
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from gem_lp.mx.kernels.triton_quantize import compile_for_target, ptxas_usage
 heads, dim, t, tp = 4, 128, 1000, 1280

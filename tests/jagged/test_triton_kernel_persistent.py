@@ -7,7 +7,8 @@ import torch
 
 from gem_lp.jagged import JaggedLayout
 from gem_lp.jagged.tensor import scale_sizes
-from gem_lp.jagged.kernels.triton_quantize import LAUNCH_SETS, PERSISTENT_LAUNCHES, launch, launch_args
+from gem_lp.jagged.kernels.triton_quantize import LAUNCH_SETS, launch, launch_args
+from benchmarks.launch_candidates import PERSISTENT_LAUNCHES
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from jagged_launch_check import check_launch
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 require_cute_gpu(9)
 
 from gem_lp.linear.kernels.cute_gemm import mx_gemm_sm90  # noqa: E402
-from gem_lp.linear.kernels.cute_gemm import LAUNCH_CANDIDATES  # noqa: E402
+from benchmarks.launch_candidates import GEMM_LAUNCH_CANDIDATES as LAUNCH_CANDIDATES  # noqa: E402
 
 DEV = "cuda"
 MS = (0, 1, 31, 33, 127, 128, 129, 4097, 32767)

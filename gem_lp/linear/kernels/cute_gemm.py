@@ -42,8 +42,6 @@ SM90: dict[tuple[int, int], GemmLaunch] = {
     (1536, 512): GemmLaunch(128, 192, 1),
     (768, 256): GemmLaunch(128, 256, 1),
 }
-LAUNCH_CANDIDATES = (GemmLaunch(128, 128, 1), GemmLaunch(128, 256, 1), GemmLaunch(128, 192, 1),
-                     GemmLaunch(128, 128, 2))
 TABLES = {"sm_90a": (SM90, SM90_DEFAULT)}
 
 _COMPILED: dict[tuple, object] = register_cache("linear.gemm", {})
