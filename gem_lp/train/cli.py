@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from gem_lp.data import DataError, ParquetDataConfig, make_source
+from gem_lp.data import DataError, ParquetDataConfig
 from gem_lp.models import GemRanker
 
 from .checkpoint import CheckpointError

@@ -279,7 +279,7 @@ class Trainer:
         refused = [k for k in changed if k not in RESUME_MAY_CHANGE]
         if refused and not force:
             raise ConfigError(
-                f"resume=true: trainer settings differ from the checkpoint's ("
+                "resume=true: trainer settings differ from the checkpoint's ("
                 + "; ".join(f"trainer.{k}: {changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now" for k in refused)
                 + f"); drop those overrides to continue as the run started, or pass resume=force to continue with "
                   f"the new values (recorded in {METRICS_FILE}). May change with resume=true: "

@@ -19,7 +19,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from flash_attn.cute import utils
 from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierBwd
 from quack import copy_utils, layout_utils

@@ -13,7 +13,6 @@ subnormal floor 2^-133 (a block scale byte below 3; such blocks hold values belo
 """
 from __future__ import annotations
 
-import cutlass
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op

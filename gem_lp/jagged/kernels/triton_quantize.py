@@ -75,15 +75,14 @@ class LaunchOptions(NamedTuple):
 # Launch options by the orientations requested (chunk_d = chunk_width(D)), chosen from the sm_90 builds
 # (instructions per element, registers without spills); `benchmarks/bench_jagged.py` times them against
 # alternatives on the GPU.
-# Defaults: the fastest of the candidates for both workloads of `benchmarks/bench_jagged.py`.
+# Defaults: the fastest of the candidates for both workloads of `benchmarks/bench_jagged.py` (docs/PERF.md).
 DEFAULT_LAUNCH = {
-    "hdim": LaunchOptions(32, 8, False, 2),  # A 84% / B 90% of copy (row blocks per thread: 46% / 54%)
+    "hdim": LaunchOptions(32, 8, False, 2),
     # square: 8-token strips with direct_inverse, tile_table, const_strides, shift_offsets and float_max at 96
-    # registers: A 83.4% / B 93.5% of copy, against 83.3% / 85.4% without them (16-token strips: 75% / 74%)
+    # registers
     "square": LaunchOptions(32, 8, False, 2, 96, 0, True, True, False, True, True, True),
     # any set with seq: 4-token strips, 56 registers (9 programs per SM), with the byte-neutral options
-    # direct_inverse, tile_table, const_strides, shift_offsets and float_max (566 sm_90 instructions against
-    # 637): hdim+seq A 85.9% / B 90.5% of copy, against 82.8% / 81.4% without them
+    # direct_inverse, tile_table, const_strides, shift_offsets and float_max (fewer sm_90 instructions per element)
     "seq": LaunchOptions(32, 4, False, 4, 56, 0, True, True, False, True, True, True),
 }
 # The orientation set of each launch group of the tuning space (`benchmarks/launch_candidates.py`).

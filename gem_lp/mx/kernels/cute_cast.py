@@ -23,8 +23,8 @@ rows wider than one CTA holds, and shares the rows' partial sums of squares thro
    norm also x's column sums, atomically per 32-row block, and y = SiLU(x) computed on the fly).
 5. Scales: plain matrices straight from the lanes; the 128x4 blocked layout (zero padding included: the grid rounds
    the row blocks up to 128 rows, CTAs past M cast zero rows) through shared memory, so that a row's 4 scales of a
-   128-column group leave as one 4-byte word: single-byte stores were a third of the kernel's L2 requests, and the
-   words took it from 61% to 73% of copy bandwidth at K = 1024 (docs/PERF.md). No output needs a fill launch.
+   128-column group leave as one 4-byte word: single-byte stores were a third of the kernel's L2 requests. No output
+   needs a fill launch.
 
 The bytes equal `gem_lp.mx.reference`'s for the same FP32 y; rstd equals the reference's whenever the FP32 sum of
 squares is exact (the summation order differs from torch's otherwise).
@@ -37,8 +37,6 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 import quack.copy_utils as copy_utils
 import quack.utils as quack_utils
@@ -255,7 +253,7 @@ class NormMXCast(ReductionBase):
             # over the strip's 8 rows, then the 4 strips of the block (mq; every lane ends with the sums of its
             # 8 columns); the lanes of strip mq add columns 2 mq, 2 mq + 1 with one vector reduction, so a warp's
             # single instruction adds 64 contiguous columns (one scalar reduction per column from the lanes of one
-            # strip was 8 instructions of 8 lanes each, and 3-6x slower in the dY casts)
+            # strip would be 8 instructions of 8 lanes each)
             sums = cute.make_rmem_tensor(cute.make_layout(STRIP_COLS), Float32)
             for v in cutlass.range_constexpr(STRIP_COLS):
                 c = y[v, 0]

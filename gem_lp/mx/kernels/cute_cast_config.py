@@ -21,10 +21,9 @@ PORTABLE_CLUSTER = 8
 MAX_CLUSTER = 16
 # Columns per CTA the generic rule aims at (see SM90).
 TARGET_TILE_K = 256
-# Measured on the H200 (docs/PERF.md, `benchmarks/bench_norm.py` times the other candidates): 32-row tiles of 256
-# columns (4 warps, 16 KiB of shared memory, 96 registers: 5 CTAs an SM) split K over a cluster, 16 CTAs at K = 4096
-# (against 8 of 512 columns: 0.172 against 0.196 ms); 128 or 512 columns were slower at every K. sm_100a takes the same
-# table, unmeasured (no Blackwell GPU here).
+# The fastest candidates of `benchmarks/bench_norm.py` on Hopper (docs/PERF.md): 32-row tiles of 256 columns
+# (4 warps, 16 KiB of shared memory, 96 registers: 5 CTAs an SM) split K over a cluster, 16 CTAs at K = 4096;
+# 128 or 512 columns per CTA were slower at every K. sm_100a takes the same table, untimed (no Blackwell GPU here).
 SM90 = {256: NormLaunch(256, 1), 512: NormLaunch(256, 2), 1024: NormLaunch(256, 4), 4096: NormLaunch(256, 16)}
 TABLES = {"sm_90a": SM90, "sm_100a": dict(SM90)}
 
@@ -51,8 +50,8 @@ def launch_for(arch: str, K: int) -> NormLaunch:
 
 # Which casts of the MX linears (`gem_lp.linear.operands`) take the CuTe kernel instead of the Triton one, per arch:
 # (K from which the casts with the RMSNorm prologue do, K from which the casts without it do; None: never). At the
-# trainer's token counts the norm's casts run 1.5-1.9x faster on the CuTe kernel from K = 256 (docs/PERF.md, the casts
-# table); the casts without the norm as fast or slower. Both kernels write the same bytes (GPU tests). sm_100a takes
+# trainer's token counts the norm's casts are faster on the CuTe kernel from K = 256, the casts without the norm as
+# fast or slower (docs/PERF.md). Both kernels write the same bytes (GPU tests). sm_100a takes
 # sm_90a's entry, unmeasured; other arches: the Triton kernel. The dispatch table must also give the CuTe RMSNorm + MX
 # cast on the device (`rms_norm_quantize`).
 LINEAR_CASTS_FROM_K: dict[str, tuple[int | None, int | None]] = {"sm_90a": (256, None), "sm_100a": (256, None)}

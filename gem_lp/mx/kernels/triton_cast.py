@@ -323,7 +323,7 @@ def _load_strips(x_rows, k0, k, in_bounds, EVEN: tl.constexpr):
 # integer maximum of `abs_bits(y)` that `triton_quantize` takes (|y| orders like its bits, NaN beats Inf and
 # gives 255), without a second array of the tile's bits: on sm_90, 5-100 fewer registers a thread (the tile's
 # `|y|` is never materialized) and ~0.5 fewer instructions per element. Compiled kernels only: the interpreter
-# runs a custom reduction element by element in Python (7x slower tests), so there the integer maxima stay;
+# runs a custom reduction element by element in Python, so there the integer maxima stay;
 # the GPU tests check the float maxima against the reference, NaN and Inf in x included.
 _FLOAT_BLOCK_MAXIMA = tl.constexpr(not interpreter_enabled())
 
@@ -694,10 +694,9 @@ def default_config(K: int, aligned_m: bool = True, operands: bool = False, hw_ca
 def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast: bool = True) -> NormConfig:
     """The thread-strip launch for rows of K elements with the fewest sm_90 instructions per element.
 
-    `aligned_m`: M is a multiple of 32 (whole row blocks); for other M the light 1-warp launch, which the H200
-    timed at 0.136-0.145 ms for K = 1024 and M = 32767 / 32766 / 32784 (aligned M with the measured launch:
-    0.139). With the padded colwise rows (`colwise_payload_buffer`) the unaligned builds keep their vector
-    stores, and at K = 4096 the measured launch is faster there (`MEASURED_UNALIGNED_KS`). `operands`:
+    `aligned_m`: M is a multiple of 32 (whole row blocks); for other M the light 1-warp launch, as fast there as
+    the aligned launch is at aligned M. With the padded colwise rows (`colwise_payload_buffer`) the unaligned
+    builds keep their vector stores, and at K = 4096 the tuned launch is faster there (`MEASURED_UNALIGNED_KS`). `operands`:
     dequantized operands are written; `hw_cast=False`: the integer E4M3 rounding.
     """
     if interpreter_enabled():
@@ -777,7 +776,7 @@ def forward_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rst
 # Token counts that reach every build an M of the same class (a multiple of 32 or not, as `default_config`
 # chooses launches) can select (`_compile_token_count_variants`): whole row blocks or not (EVEN_M, block_m 64 or
 # 128), divisible by 16 or not (Triton's integer specialization), blocked-scale padding past M or not
-# (M_PADDING). (M's parity no longer selects a build: the colwise payload's padded rows take pairs for any M.)
+# (M_PADDING). M's parity selects none: the colwise payload's padded rows take pairs for any M.
 _VARIANT_TOKEN_COUNTS = ((4112, 4098, 4080, 4082, 4097, 4065), (4096, 4128, 4160))
 _M_ARG, _ROW_OP_ARG, _COL_OP_ARG = 3, 12, 13  # in `forward_launch`'s args
 _VARIANTS_COMPILED: set = set()
@@ -1113,8 +1112,8 @@ class _NormPlan(NamedTuple):
 
 # Plans of recent `rms_norm_mx` calls with the default launch (`_NormPlan`): a call whose shapes, strides, dtypes
 # and options were met before skips the checks, the choice of launch and Triton's JIT (`KernelLaunch`). A
-# training step calls it with one token count from every layer; on the H200 the call's host time was a large
-# part of a small layer's time.
+# training step calls it with one token count from every layer, and a small layer's time is mostly the call's
+# host time.
 _NORM_PLANS: dict = {}
 _MAX_NORM_PLANS = 256
 
