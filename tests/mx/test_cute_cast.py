@@ -8,11 +8,13 @@ scales: always every byte of the reference quantization of `y = (fp32(x) * rstd)
 the large shapes: it is elementwise IEEE arithmetic, integer maxima and torch's software E4M3 rounding, the same
 bits on both devices (the CPU reference is used for the small shapes and for rstd).
 """
+import functools
 import math
 
 import pytest
 import torch
 from byte_checks import assert_same_bytes
+import norm_inputs
 
 from gem_lp.mx import dequantize, quantize_dual, quantize_reference, to_blocked
 from gem_lp.norm import rms_norm_quantize
@@ -27,6 +29,8 @@ from gem_lp.mx.kernels.cute_cast_config import NormLaunch  # noqa: E402
 from gem_lp.mx.kernels.cute_cast_launch import norm_mx_cast  # noqa: E402
 
 DEV = "cuda"
+generic_input = functools.partial(norm_inputs.generic_input, device=DEV)
+norm_weight = functools.partial(norm_inputs.norm_weight, device=DEV)
 MS = (1, 31, 33, 127, 129, 32767, 32768)
 KS = (256, 512, 1024, 4096)
 GARBAGE_BYTE = 0xA5
@@ -52,16 +56,6 @@ def exact_sum_input(M, K, dtype, seed):
     return (ints * torch.exp2(e)).to(dtype).to(DEV)
 
 
-def generic_input(M, K, dtype, seed):
-    """randn rows at magnitudes 2^-20..2^20 (fp16: 2^-6..2^6) with a few large outliers."""
-    g = torch.Generator().manual_seed(seed)
-    span = 6 if dtype == torch.float16 else 20
-    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-span, span + 1, (M, 1), generator=g).float())
-    idx = torch.randint(0, M * K, (max(1, M * K // 200),), generator=g)
-    x.view(-1)[idx] *= 50.0
-    return x.to(dtype).to(DEV)
-
-
 def special_rows(x):
     """NaN, Inf, -Inf and all-zero rows and a zero 32-column block where the rows exist."""
     M, K = x.shape
@@ -74,12 +68,6 @@ def special_rows(x):
     if M > 30:
         x[30, 32:64] = 0.0
     return x
-
-
-def norm_weight(K, dtype, seed):
-    g = torch.Generator().manual_seed(seed + 1)
-    w = (torch.rand(K, generator=g) + 0.5) * torch.where(torch.rand(K, generator=g) < 0.1, -1.0, 1.0)
-    return w.to(dtype).to(DEV)
 
 
 def cpu_rstd(x, eps):

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from byte_checks import assert_same_bytes, u8
+import norm_inputs
 
 from benchmarks.cast_candidates import CANDIDATE_CONFIGS, OPERAND_CAST_CANDIDATE_CONFIGS
 from gem_lp.mx import dequantize, quantize_reference, to_blocked
@@ -34,6 +35,8 @@ from gem_lp.norm import rms_norm_quantize
 from gem_lp.norm.reference import rms_norm_quantize_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+generic_input = functools.partial(norm_inputs.generic_input, device=DEVICE)
+norm_weight = functools.partial(norm_inputs.norm_weight, device=DEVICE)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MS = (1, 31, 33, 100, 129)
 KS = (32, 64, 96)
@@ -68,23 +71,6 @@ def exact_sum_input(M, K, dtype, seed):
     ints = torch.randint(-15, 16, (M, K), generator=g).double()
     e = torch.randint(-8, 9, (M, 1), generator=g).double()
     return (ints * torch.exp2(e)).to(dtype).to(DEVICE)
-
-
-def generic_input(M, K, dtype, seed):
-    """randn rows at magnitudes 2^-20..2^20 (fp16: 2^-6..2^6) with a few large outliers."""
-    g = _gen(seed)
-    span = 6 if dtype == torch.float16 else 20
-    x = torch.randn(M, K, generator=g, dtype=torch.float64)
-    x = x * torch.exp2(torch.randint(-span, span + 1, (M, 1), generator=g).double())
-    idx = torch.randint(0, M * K, (max(1, M * K // 200),), generator=g)
-    x.view(-1)[idx] *= 50.0
-    return x.to(dtype).to(DEVICE)
-
-
-def norm_weight(K, dtype, seed):
-    g = _gen(seed + 1)
-    return ((torch.rand(K, generator=g) + 0.5) * torch.where(torch.rand(K, generator=g) < 0.1, -1.0, 1.0)).to(
-        dtype).to(DEVICE)
 
 
 def cpu_reference(x, w, eps, scaling):

@@ -5,8 +5,12 @@ dispatch table gives it) against autograd of the FP32 reference, and the dispatc
 On CPU the kernel runs in Triton's interpreter (tests/conftest.py) on tiny shapes; on a CUDA machine the compiled
 kernel, and the `gpu` test adds a large shape.
 """
+import functools
+
 import pytest
 import torch
+
+import norm_inputs
 
 from gem_lp.mx.reference import rms_norm_fp32
 from gem_lp.norm.kernels import rms_norm_backward as rms_norm_backward_by_impl
@@ -14,27 +18,12 @@ from gem_lp.norm.kernels.triton_backward import rms_norm_backward
 from gem_lp.norm.reference import rms_norm_backward_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+generic_input = functools.partial(norm_inputs.generic_input, device=DEVICE)
+norm_weight = functools.partial(norm_inputs.norm_weight, device=DEVICE)
 
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def generic_input(M, K, dtype, seed):
-    """randn rows at magnitudes 2^-20..2^20 (fp16: 2^-6..2^6) with a few large outliers."""
-    g = _gen(seed)
-    span = 6 if dtype == torch.float16 else 20
-    x = torch.randn(M, K, generator=g, dtype=torch.float64)
-    x = x * torch.exp2(torch.randint(-span, span + 1, (M, 1), generator=g).double())
-    idx = torch.randint(0, M * K, (max(1, M * K // 200),), generator=g)
-    x.view(-1)[idx] *= 50.0
-    return x.to(dtype).to(DEVICE)
-
-
-def norm_weight(K, dtype, seed):
-    g = _gen(seed + 1)
-    return ((torch.rand(K, generator=g) + 0.5) * torch.where(torch.rand(K, generator=g) < 0.1, -1.0, 1.0)).to(
-        dtype).to(DEVICE)
 
 
 def reference_backward(x, w, eps, dy):
