@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gem_lp.mx.selfchecks import special_values
-from gem_lp.runtime.measure import bench_ms, copy_ms, same_bytes, speed_line
+from gem_lp.runtime.measure import bench_ms, case_verdict, copy_ms, same_bytes, speed_line
 
 LENGTHS = (0, 1, 31, 32, 33, 127, 128, 129, 255, 300)
 
@@ -28,11 +28,8 @@ def quantize_jagged(device: torch.device, timed: bool = False) -> dict:
             if bad:
                 failures.append(f"H{heads} D{dim}: {', '.join(bad)}")
                 break
-    if failures:
-        out = {"passed": False, "summary": f"{len(failures)} of {cases} cases differ: " + "; ".join(failures)}
-    else:
-        out = {"passed": True, "summary": f"{cases} batches of odd lengths, every byte of hdim, seq and square equal "
-                                          "to the reference, repeatable"}
+    out = case_verdict(failures, cases, f"{cases} batches of odd lengths, every byte of hdim, seq and square equal "
+                                        "to the reference, repeatable")
     if timed:
         lengths = torch.full((32,), 1024)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(device)

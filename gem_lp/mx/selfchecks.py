@@ -6,7 +6,7 @@ import torch
 
 from gem_lp.mx.layout import to_blocked
 from gem_lp.mx.reference import quantize_reference
-from gem_lp.runtime.measure import bench_ms, copy_ms, same_bytes, speed_line
+from gem_lp.runtime.measure import bench_ms, case_verdict, copy_ms, same_bytes, speed_line
 
 # token counts around the 32-row blocks and 128-row scale tiles; feature widths the kernels tile differently
 ROWS = (1, 31, 33, 127, 129, 300)
@@ -33,10 +33,7 @@ def _inputs(device, rows, cols, dtype, seed):
 
 
 def _verdict(failures: list[str], cases: int, what: str) -> dict:
-    if failures:
-        return {"passed": False, "summary": f"{len(failures)} of {cases} cases differ from the reference: "
-                                            + "; ".join(failures[:3])}
-    return {"passed": True, "summary": f"{cases} cases, every byte equal to the reference ({what}), repeatable"}
+    return case_verdict(failures, cases, f"{cases} cases, every byte equal to the reference ({what}), repeatable")
 
 
 def quantize(device: torch.device, timed: bool = False) -> dict:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_lp.mx.selfchecks import COLS as CAST_COLS, ROWS as CAST_ROWS, _inputs as _cast_inputs
-from gem_lp.runtime.measure import bench_ms, copy_ms, same_bytes, speed_line, worst_sqnr
+from gem_lp.runtime.measure import bench_ms, case_verdict, copy_ms, same_bytes, speed_line, worst_sqnr
 
 ROWS = (1, 31, 33, 129, 300)
 COLS = (256, 1024)
@@ -124,11 +124,7 @@ def _norm_cast(device: torch.device, backend: str, timed: bool) -> dict:
                 elif not (same_bytes(got.rowwise.data, first.rowwise.data)
                           and same_bytes(got.colwise.data, first.colwise.data)):
                     failures.append(f"{rows}x{cols}: not repeatable")
-    if failures:
-        out = {"passed": False, "summary": f"{len(failures)} of {cases} cases off the reference: "
-                                           + "; ".join(failures[:3])}
-    else:
-        out = {"passed": True, "summary": f"{cases} cases, {worst:.1f} dB worst against the reference, repeatable"}
+    out = case_verdict(failures, cases, f"{cases} cases, {worst:.1f} dB worst against the reference, repeatable")
     if timed:
         x = torch.randn(32767, 1024, dtype=torch.bfloat16, device=device)
         w = torch.ones(1024, device=device)

@@ -21,6 +21,14 @@ def copy_ms(nbytes: int, device: torch.device) -> float:
     return bench_ms(lambda: dst.copy_(src))
 
 
+def case_verdict(failures: list[str], cases: int, passed_summary: str) -> dict:
+    """The verdict of a check over `cases` cases: failed with the first three `failures`, else `passed_summary`."""
+    if failures:
+        return {"passed": False, "summary": f"{len(failures)} of {cases} cases off the reference: "
+                                            + "; ".join(failures[:3])}
+    return {"passed": True, "summary": passed_summary}
+
+
 def speed_line(ours_ms: float, peer_ms: float, peer: str, work: str) -> str:
     return f"{work}: ours {ours_ms:.3f} ms, {peer} {peer_ms:.3f} ms, {peer_ms / ours_ms:.2f}x"
 

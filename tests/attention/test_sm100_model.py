@@ -199,6 +199,28 @@ def test_scale_buffers_of_ceil_t_over_128_tiles_are_too_short():
         check_sm100_operands(jq.payload_hdim, jk.payload_hdim, jv.payload_seq, scales, cu, cu)
 
 
+def test_scale_buffers_at_the_bound_pass_without_reading_the_offsets(monkeypatch):
+    """Buffers of ceil(T / 128) + B tiles (what `JaggedLayout.bounded` allots) hold any offsets' tiles: the check
+    passes without reading `tiles[-1]` (no host sync on the producer's path)."""
+    from gem_lp.attention.cute import sm100_operands
+
+    q, k, v, _, _, offs, _ = _batch((3,) * 40, dim=64, seed=11)
+    jq, jk, jv = quantize_jagged(q, offs, ("hdim",)), quantize_jagged(k, offs, ("hdim",)), \
+        quantize_jagged(v, offs, ("seq",))
+    bound = math.ceil(q.shape[0] / 128) + 40
+    assert jq.scale_hdim.shape[1] // 512 <= bound
+    pad = [torch.nn.functional.pad(t, (0, 512 * bound - t.shape[1])) for t in (jq.scale_hdim, jk.scale_hdim,
+                                                                             jv.scale_seq)]
+    scales = _scales(q=pad[0], k=pad[1], v=pad[2], q_tiles=_tiles(jq), k_tiles=_tiles(jk))
+
+    def no_read(tiles):
+        raise AssertionError("read the offsets")
+
+    monkeypatch.setattr(sm100_operands, "_needed_tiles", no_read)
+    cu = offs.to(torch.int32)
+    check_sm100_operands(jq.payload_hdim, jk.payload_hdim, jv.payload_seq, scales, cu, cu)
+
+
 def test_empty_batch():
     q, k, v, do, dlse, offs, _ = _batch((), dim=64)
     out, lse = sm100_model.forward(*(quantize_jagged(t, offs, (o,)).payload(o) for t, o in

@@ -23,15 +23,44 @@ def _needed_tiles(tiles: torch.Tensor) -> int | None:
     return cached_plan(tiles, ("needed scale tiles",), lambda: int(tiles[-1]))
 
 
-def _check_tiles(names, scales, tiles: torch.Tensor) -> None:
-    need = _needed_tiles(tiles)
+def _check_tiles(names, scales, tiles: torch.Tensor, tokens: int) -> None:
+    """Each named scale buffer holds the scale tiles the offsets need. Per-sequence 128-padding needs at most
+    ceil(T/128) + B tiles (what `JaggedLayout.bounded` allots): buffers that large pass without reading the offsets,
+    so the producer's path never waits for the GPU; smaller ones are checked against `tiles[-1]`."""
+    bound = (tokens + 127) // 128 + max(tiles.numel() - 1, 0)
+    short = [name for name in names if getattr(scales, name).shape[1] // SF_TILE_BYTES < bound]
+    need = _needed_tiles(tiles) if short else None
     if need is None:
         return
-    for name in names:
+    for name in short:
         have = getattr(scales, name).shape[1] // SF_TILE_BYTES
         if have < need:
             raise ValueError(f"scales.{name} holds {have} scale tiles per head, fewer than the {need} its offsets "
                              "need (each sequence's scale rows padded to 128: gem_lp.jagged.JaggedLayout)")
+
+
+def _check_payloads(named: dict[str, torch.Tensor]) -> None:
+    for name, t in named.items():
+        if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
+            raise ValueError(f"{name} must be a [T, H, D] float8_e4m3fn payload, got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_scales(scales, heads: int, tokens_of: dict[str, int], cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
+    """Each named scale buffer `[H, n * 512]` uint8, contiguous, large enough for its tokens; the tile offsets int32
+    `[B+1]` like the sequence offsets."""
+    for name, tokens in tokens_of.items():
+        sf = getattr(scales, name)
+        if sf.dtype != torch.uint8 or sf.dim() != 2 or sf.shape[0] != heads or sf.shape[1] % SF_TILE_BYTES:
+            raise ValueError(f"scales.{name} must be [H={heads}, n * 512] uint8 (blocked), got {sf.dtype} "
+                             f"{tuple(sf.shape)}")
+        if sf.shape[1] < (tokens + 127) // 128 * SF_TILE_BYTES:
+            raise ValueError(f"scales.{name} has {sf.shape[1]} bytes per head, fewer than {tokens} tokens need")
+        if not sf.is_contiguous():
+            raise ValueError(f"scales.{name} must be contiguous")
+    for name, tiles, cu in (("q_tiles", scales.q_tiles, cu_q), ("k_tiles", scales.k_tiles, cu_k)):
+        if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
+            raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
+                             f"{tuple(tiles.shape)}")
 
 
 @dataclass(frozen=True)
@@ -53,28 +82,15 @@ def check_sm100_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     """Shapes and dtypes of the sm_100a forward's operands (raises ValueError)."""
     if scales is None:
         raise ValueError("the sm_100a MXFP8 forward takes E4M3 payloads and their block scales: pass scales=MXScales")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
-            raise ValueError(f"{name} must be a [T, H, D] float8_e4m3fn payload, got {t.dtype} {tuple(t.shape)}")
+    _check_payloads({"q": q, "k": k, "v": v})
     heads, dim = q.shape[1], q.shape[2]
     if dim not in SM100_FWD:
         raise ValueError(f"the sm_100a MXFP8 forward takes head dims {tuple(SM100_FWD)}, got {dim}")
     if k.shape[1:] != q.shape[1:] or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: heads and head dims differ")
-    for name, sf, tokens in (("q", scales.q, q.shape[0]), ("k", scales.k, k.shape[0]), ("v", scales.v, k.shape[0])):
-        if sf.dtype != torch.uint8 or sf.dim() != 2 or sf.shape[0] != heads or sf.shape[1] % 512:
-            raise ValueError(f"scales.{name} must be [H={heads}, n * 512] uint8 (blocked), got {sf.dtype} "
-                             f"{tuple(sf.shape)}")
-        if sf.shape[1] < (tokens + 127) // 128 * 512:
-            raise ValueError(f"scales.{name} has {sf.shape[1]} bytes per head, fewer than {tokens} tokens need")
-        if not sf.is_contiguous():
-            raise ValueError(f"scales.{name} must be contiguous")
-    for name, tiles, cu in (("q_tiles", scales.q_tiles, cu_q), ("k_tiles", scales.k_tiles, cu_k)):
-        if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
-            raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
-                             f"{tuple(tiles.shape)}")
-    _check_tiles(("q",), scales, scales.q_tiles)
-    _check_tiles(("k", "v"), scales, scales.k_tiles)
+    _check_scales(scales, heads, {"q": q.shape[0], "k": k.shape[0], "v": k.shape[0]}, cu_q, cu_k)
+    _check_tiles(("q",), scales, scales.q_tiles, q.shape[0])
+    _check_tiles(("k", "v"), scales, scales.k_tiles, k.shape[0])
 
 
 @dataclass(frozen=True)
@@ -103,9 +119,7 @@ def check_sm100_bwd_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if scales is None:
         raise ValueError("the sm_100a MXFP8 backward takes E4M3 payloads and their block scales: pass "
                          "scales=MXBwdScales")
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
-        if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
-            raise ValueError(f"{name} must be a [T, H, D] float8_e4m3fn payload, got {t.dtype} {tuple(t.shape)}")
+    _check_payloads({"q": q, "k": k, "v": v, "do": do})
     heads, dim = q.shape[1], q.shape[2]
     if dim not in SM100_BWD:
         raise ValueError(f"the sm_100a MXFP8 backward takes head dims {tuple(SM100_BWD)}, got {dim}")
@@ -117,19 +131,7 @@ def check_sm100_bwd_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"do_values must be the BF16 values of do's payload and scales, {tuple(do.shape)} (for "
                          f"Δ = rowsum(dO O)), got {got}")
     tq, tk = q.shape[0], k.shape[0]
-    for name, tokens in (("q", tq), ("q_seq", tq), ("k", tk), ("k_seq", tk), ("v", tk), ("do", tq),
-                         ("do_seq", tq)):
-        sf = getattr(scales, name)
-        if sf.dtype != torch.uint8 or sf.dim() != 2 or sf.shape[0] != heads or sf.shape[1] % 512:
-            raise ValueError(f"scales.{name} must be [H={heads}, n * 512] uint8 (blocked), got {sf.dtype} "
-                             f"{tuple(sf.shape)}")
-        if sf.shape[1] < (tokens + 127) // 128 * 512:
-            raise ValueError(f"scales.{name} has {sf.shape[1]} bytes per head, fewer than {tokens} tokens need")
-        if not sf.is_contiguous():
-            raise ValueError(f"scales.{name} must be contiguous")
-    for name, tiles, cu in (("q_tiles", scales.q_tiles, cu_q), ("k_tiles", scales.k_tiles, cu_k)):
-        if tiles.dtype != torch.int32 or tiles.shape != cu.shape:
-            raise ValueError(f"scales.{name} must be int32 of shape {tuple(cu.shape)}, got {tiles.dtype} "
-                             f"{tuple(tiles.shape)}")
-    _check_tiles(("q", "q_seq", "do", "do_seq"), scales, scales.q_tiles)
-    _check_tiles(("k", "k_seq", "v"), scales, scales.k_tiles)
+    _check_scales(scales, heads, {"q": tq, "q_seq": tq, "k": tk, "k_seq": tk, "v": tk, "do": tq, "do_seq": tq},
+                  cu_q, cu_k)
+    _check_tiles(("q", "q_seq", "do", "do_seq"), scales, scales.q_tiles, tq)
+    _check_tiles(("k", "k_seq", "v"), scales, scales.k_tiles, tk)
