@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from gem_lp.runtime.measure import bench_ms, repeats, speed_line, worst_sqnr
+from gem_lp.runtime.measure import Agreement, bench_ms, repeats, speed_line
 
 LENGTHS = (0, 1, 31, 33, 127, 128, 129, 300)
 
@@ -43,7 +43,7 @@ def _run(q, k, v, q_offs, kv_offs, broadcast_q, causal, dy, **kw):
 
 
 def _check(device: torch.device, precision: str, dims, p_quants, floor: float) -> dict:
-    worst, cases, repeat_ok = (float("inf"), ""), 0, True
+    worst, cases, repeat_ok = Agreement(), 0, True
     for dim in dims:
         for name, q, k, v, q_offs, kv_offs, bq, causal in _cases(device, dim):
             for p_quant in p_quants:
@@ -57,13 +57,8 @@ def _check(device: torch.device, precision: str, dims, p_quants, floor: float) -
                 # O, dK, dV bit for bit; dQ is summed over key tiles by atomic adds (FA4's accumulator)
                 repeat_ok &= repeats(*got, exact={0, 2, 3})
                 want = _run(q_, k_, v_, q_offs, kv_offs, bq, causal, dy, backend="reference", **kw)
-                s, which = worst_sqnr((f"D{dim} {name} {p_quant} {t}", a, b)
-                                      for t, a, b in zip(("O", "dQ", "dK", "dV"), got[0], want))
-                if s < worst[0]:
-                    worst = (s, which)
-    return {"passed": worst[0] >= floor and repeat_ok,
-            "summary": f"{cases} cases, {worst[0]:.1f} dB worst against the {precision} reference ({worst[1]}; floor "
-                       f"{floor:.0f} dB), " + ("repeatable" if repeat_ok else "NOT repeatable"), "sqnr_db": worst[0]}
+                worst.add((f"D{dim} {name} {p_quant} {t}", a, b) for t, a, b in zip(("O", "dQ", "dK", "dV"), got[0], want))
+    return worst.verdict(cases, floor, repeat_ok, f"the {precision} reference")
 
 
 def _trainer_batch(device):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gem_lp.runtime.measure import bench_ms, repeats, speed_line, worst_sqnr
+from gem_lp.runtime.measure import Agreement, bench_ms, repeats, speed_line
 
 TOKENS = (1, 33, 129, 1000)
 
@@ -23,7 +23,7 @@ def _route(device: torch.device, route: str, timed: bool) -> dict:
     from gem_lp.mx.reference import INPUT_ACTIVATIONS
 
     K, N, H = 256, 96, 128
-    worst, cases, repeat_ok = (float("inf"), ""), 0, True
+    worst, cases, repeat_ok = Agreement(), 0, True
     for i, M in enumerate(TOKENS):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(M, K, generator=g)
@@ -55,14 +55,9 @@ def _route(device: torch.device, route: str, timed: bool) -> dict:
                           and t is not gw}
                 repeat_ok &= repeats(*got, exact=set(range(len(got[0]))) - biases)
                 want = _grads(ref, ins, dyd)
-                s, which = worst_sqnr((f"{name} {dtype} {k}", a, c) for k, a, c in
-                                      zip(range(len(want)), got[0], want))
-                if s < worst[0]:
-                    worst = (s, which)
+                worst.add((f"{name} {dtype} {k}", a, c) for k, a, c in zip(range(len(want)), got[0], want))
     floor = 40.0  # BF16 outputs round once (~50 dB); the GEMMs differ from the reference in FP32 summation order
-    out = {"passed": worst[0] >= floor and repeat_ok,
-           "summary": f"{cases} cases, {worst[0]:.1f} dB worst ({worst[1]}; floor {floor:.0f} dB), "
-                      + ("repeatable" if repeat_ok else "NOT repeatable"), "sqnr_db": worst[0]}
+    out = worst.verdict(cases, floor, repeat_ok, "the MX reference")
     if timed:
         M, K, N = 32767, 1024, 3072
         x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)

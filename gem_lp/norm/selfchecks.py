@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_lp.mx.selfchecks import COLS as CAST_COLS, ROWS as CAST_ROWS, _inputs as _cast_inputs
-from gem_lp.runtime.measure import bench_ms, case_verdict, copy_ms, same_bytes, speed_line, worst_sqnr
+from gem_lp.runtime.measure import Agreement, bench_ms, case_verdict, copy_ms, same_bytes, speed_line
 
 ROWS = (1, 31, 33, 129, 300)
 COLS = (256, 1024)
@@ -20,18 +20,11 @@ def _inputs(device, rows, cols, seed):
     return x.to(device), w.to(device), dy.to(device)
 
 
-def _summary(floor: float, worst: float, what: str, cases: int, repeat_ok: bool) -> dict:
-    passed = worst >= floor and repeat_ok
-    tail = "repeatable" if repeat_ok else "NOT repeatable"
-    return {"passed": passed, "summary": f"{cases} cases, {worst:.1f} dB worst ({what}; floor {floor:.0f} dB), "
-                                         f"{tail}", "sqnr_db": worst}
-
-
 def rms_norm_cute(device: torch.device, timed: bool = False) -> dict:
     """The BF16 recipe's norm (quack's forward and backward) against torch's `F.rms_norm` in FP32."""
     from gem_lp.norm.kernels.cute_forward import RMSNormCute
 
-    worst, cases, repeat_ok = float("inf"), 0, True
+    worst, cases, repeat_ok = Agreement(), 0, True
     for i, rows in enumerate(ROWS):
         for cols in COLS:
             cases += 1
@@ -45,9 +38,8 @@ def rms_norm_cute(device: torch.device, timed: bool = False) -> dict:
             x32, w32 = x.clone().requires_grad_(), w.clone().requires_grad_()
             y32 = F.rms_norm(x32, (cols,), w32, 1e-6)
             ref = (y32, *torch.autograd.grad(y32, (x32, w32), dy))
-            s, _ = worst_sqnr(zip(("y", "dx", "dw"), outs[0], ref))
-            worst = min(worst, s)
-    out = _summary(40.0, worst, "BF16 y, dx, dw against FP32", cases, repeat_ok)
+            worst.add(zip(("y", "dx", "dw"), outs[0], ref))
+    out = worst.verdict(cases, 40.0, repeat_ok, "FP32 (BF16 y, dx, dw)")
     if timed:
         x = torch.randn(32767, 1024, dtype=torch.bfloat16, device=device)
         w = torch.ones(1024, dtype=torch.bfloat16, device=device)
@@ -62,7 +54,7 @@ def _backward(device: torch.device, impl: str, timed: bool) -> dict:
     from gem_lp.norm.kernels import rms_norm_backward
     from gem_lp.norm.reference import rms_norm_backward_reference
 
-    worst, cases, repeat_ok = float("inf"), 0, True
+    worst, cases, repeat_ok = Agreement(), 0, True
     for i, rows in enumerate(ROWS):
         for cols in COLS:
             cases += 1
@@ -72,9 +64,8 @@ def _backward(device: torch.device, impl: str, timed: bool) -> dict:
             got = [rms_norm_backward(x, w, rstd, dy, impl) for _ in range(2)]
             repeat_ok &= all(torch.equal(a, b) for a, b in zip(*got))
             want = rms_norm_backward_reference(x, w, rstd, dy)
-            s, _ = worst_sqnr(zip(("dx", "dw"), got[0], want))
-            worst = min(worst, s)
-    out = _summary(40.0, worst, "dx in x's dtype, dw FP32, against the FP32 reference", cases, repeat_ok)
+            worst.add(zip(("dx", "dw"), got[0], want))
+    out = worst.verdict(cases, 40.0, repeat_ok, "the FP32 reference (dx in x's dtype, dw FP32)")
     if timed:
         x = torch.randn(32767, 1024, dtype=torch.bfloat16, device=device)
         w, dy = torch.ones(1024, device=device), torch.randn(32767, 1024, dtype=torch.bfloat16, device=device)

@@ -33,20 +33,30 @@ def speed_line(ours_ms: float, peer_ms: float, peer: str, work: str) -> str:
     return f"{work}: ours {ours_ms:.3f} ms, {peer} {peer_ms:.3f} ms, {peer_ms / ours_ms:.2f}x"
 
 
-def worst_sqnr(pairs) -> tuple[float, str]:
-    """The lowest SQNR (dB) over `(name, got, want)` and the name it belongs to."""
-    worst = (float("inf"), "")
-    for name, got, want in pairs:
-        s = sqnr_db(got.float(), want.float())
-        if s < worst[0]:
-            worst = (s, name)
-    return worst
+class Agreement:
+    """The worst agreement with the reference over a check's outputs: the lowest SQNR (dB), the output it belongs to
+    and that output's largest absolute error."""
 
+    def __init__(self):
+        self.db, self.name, self.max_err = float("inf"), "", 0.0
 
-def max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    d = (got.float() - want.float()).abs()
-    d = d[torch.isfinite(d)]
-    return float(d.max()) if d.numel() else 0.0
+    def add(self, pairs) -> None:
+        """Take `(name, got, want)` triples into account."""
+        for name, got, want in pairs:
+            got, want = got.detach().float(), want.detach().float()
+            s = sqnr_db(got, want)
+            if s < self.db:
+                d = (got - want).abs()
+                d = d[torch.isfinite(d)]
+                self.db, self.name, self.max_err = s, name, float(d.max()) if d.numel() else 0.0
+
+    def verdict(self, cases: int, floor: float, repeat_ok: bool, against: str) -> dict:
+        """Passed when the worst SQNR reaches `floor` and two runs agreed (`repeats`)."""
+        return {"passed": self.db >= floor and repeat_ok,
+                "summary": f"{cases} cases, {self.db:.1f} dB worst against {against} ({self.name}, max error "
+                           f"{self.max_err:.3g}; floor {floor:.0f} dB), "
+                           + ("repeatable" if repeat_ok else "NOT repeatable"),
+                "sqnr_db": self.db, "max_abs_err": self.max_err}
 
 
 def repeats(first, second, exact, close_db: float = 90.0) -> bool:
