@@ -45,3 +45,11 @@ def test_jagged_self_check_fails_on_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(ops, "quantize_jagged", wrong)
     out = dispatch.entry("gem_lp.jagged.selfchecks:quantize_jagged")(CPU)
     assert not out["passed"] and "scale_seq" in out["summary"]
+
+
+def test_sm100_attention_self_check_passes_on_the_kernels_cpu_model():
+    """The check a Blackwell GPU runs first, here on the emulated plan (the kernels' CPU model)."""
+    with dispatch.emulate("sm_100"):
+        out = dispatch.entry("gem_lp.attention.selfchecks:mxfp8_sm100")(CPU)
+    assert out["passed"], out["summary"]
+    assert "NOT" not in out["summary"]
