@@ -3,9 +3,9 @@
 Run from the project root: `python -m benchmarks.profile_linear [--sections kernels,cublas_host,calls]`
 (JSON `profile_linear.json` under $OUT, else ./.bench_out). Diagnostics behind docs/PERF.md's MXLinear notes:
 
-* kernels: GPU time per kernel of one MX linear fwd+bwd (1024 -> 3072, cuBLAS route) at M = 32768, 32767
-  (odd) and 32760 (a multiple of 8, not of 16), from torch.profiler, and the three backward pieces alone (the dY
-  operand cast, the saved colwise operand of X, the dW GEMM).
+* kernels: GPU time per kernel of one MX linear fwd+bwd (cuBLAS route) beside `nn.Linear` BF16's, from
+  torch.profiler, at the GPU trainer's token count (1024 -> 256, 256 -> 256) and 32768 x 1024 -> 3072 (`--shapes`),
+  and the backward pieces alone (the dY operand cast, the saved colwise operand of X, the dW GEMM, a copy of X).
 * cublas_host: host microseconds per cuBLAS call as the layer issues them (mm, mm with an FP32 output, addmm with
   a bias, F.linear) with the same M on every call and with a new M on every call (cuBLAS plans once per shape).
 * calls: host and wall milliseconds per fwd+bwd call of the MX linear / RMSNorm + MX linear (cuBLAS route, the
@@ -39,30 +39,43 @@ def _bench(fn) -> float:
     return do_bench(fn, warmup=50, rep=300)
 
 
-def kernels(out: dict) -> None:
+def _per_kernel_ms(step, reps: int = 5) -> dict[str, float]:
+    """GPU milliseconds per call of `step` by kernel name (torch.profiler), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    K, N = 1024, 3072
-    for M in (32768, 32767, 32760):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    rows = {e.key: e.device_time_total / reps / 1e3 for e in p.key_averages() if e.device_time_total > 0}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
+def kernels(out: dict, shapes: list[tuple[int, int, int]]) -> None:
+    for M, K, N in shapes:
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(N, K, device=DEV) / K**0.5).requires_grad_()
         b = torch.randn(N, device=DEV).requires_grad_()
         dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+        w16, b16 = (t.detach().bfloat16().requires_grad_() for t in (w, b))
 
         def step():
             return torch.autograd.grad(MXLinearFunction.apply(x, w, b, "rceil", "cublas", None), (x, w, b), dy)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-        rows = {e.key: e.device_time_total / 5 / 1e3 for e in p.key_averages() if e.device_time_total > 0}
-        print(f"=== M={M} {K}->{N}: GPU ms per fwd+bwd by kernel")
-        for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:8]:
-            print(f"  {name[:90]:90s} {ms:8.3f}")
+        def peer():
+            return torch.autograd.grad(F.linear(x, w16, b16), (x, w16, b16), dy)
+
+        res = {}
+        for name, fn in (("ours", step), ("nn.Linear bf16", peer)):
+            rows = _per_kernel_ms(fn)
+            res[name] = dict(per_kernel_ms=rows, gpu_ms=sum(rows.values()), ms=_bench(fn))
+            print(f"=== M={M} {K}->{N} {name}: {res[name]['ms']:.3f} ms per fwd+bwd (GPU {res[name]['gpu_ms']:.3f});"
+                  " by kernel:")
+            for kname, ms in list(rows.items())[:10]:
+                print(f"  {kname[:90]:90s} {ms:8.3f}")
         cast = rms_norm_mx(dy, None, rowwise=False, colwise=False, row_operand=True, col_operand=True,
                            column_sums=True)
         col = rms_norm_mx(x.detach(), None, rowwise=False, colwise=True).colwise
@@ -73,12 +86,14 @@ def kernels(out: dict) -> None:
             "saved colwise operand of X": lambda: saved_col_operand(col.data, col.scale, "rceil", "cublas",
                                                                     torch.bfloat16),
             "dW GEMM": lambda: torch.mm(cast.col_operand.t(), x_op.t(), out_dtype=torch.float32),
+            "copy of X": lambda: x.detach().clone(),
         }
         alone = {name: _bench(fn) for name, fn in pieces.items()}
         for name, ms in alone.items():
             print(f"  {name} alone: {ms:.3f} ms")
-        out[f"kernels M={M}"] = dict(per_kernel_ms=rows, alone_ms=alone)
-        del x, w, b, dy, cast, col, x_op
+        res["alone_ms"] = alone
+        res["ours / bf16"] = res["nn.Linear bf16"]["ms"] / res["ours"]["ms"]
+        out[f"kernels {M}x{K}->{N}"] = res
 
 
 def cublas_host(out: dict) -> None:
@@ -144,13 +159,12 @@ def calls(out: dict) -> None:
         key = f"{M}x{K}->{N}{' with RMSNorm' if norm else ''}"
         res[key] = row
         print(f"  {key:28s} {json.dumps(row)}", flush=True)
-        del x, w, b, dy
     out["fwd_bwd_calls"] = res
 
 
-def main(sections: tuple[str, ...]) -> None:
+def main(sections: tuple[str, ...], shapes: list[tuple[int, int, int]]) -> None:
     out: dict = dict(env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name()))
-    for name, fn in (("kernels", kernels), ("cublas_host", cublas_host), ("calls", calls)):
+    for name, fn in (("kernels", lambda o: kernels(o, shapes)), ("cublas_host", cublas_host), ("calls", calls)):
         if name in sections:
             print(f"--- {name}", flush=True)
             fn(out)
@@ -166,10 +180,18 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of "
                         + ",".join(SECTIONS))
+    parser.add_argument("--shapes", default=None, help="kernels section: MxKxN, comma-separated (default: the GPU "
+                        "trainer's first token count with 1024x256 and 256x256, then 32768x1024x3072)")
     args = parser.parse_args()
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"--sections: unknown {sorted(unknown)}; expected a subset of {','.join(SECTIONS)}")
     if not torch.cuda.is_available():
         sys.exit("profile_linear needs a CUDA device")
-    main(tuple(args.sections.split(",")))
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        from benchmarks.common import trainer_token_counts
+        m = trainer_token_counts(1)[0]
+        shapes = [(m, 1024, 256), (m, 256, 256), (32768, 1024, 3072)]
+    main(tuple(args.sections.split(",")), shapes)
