@@ -740,6 +740,8 @@ def _summary(opts: BuildOptions, builder: Builder, side: list[SideFeature], coun
         "num_users": len(builder.users),
         "num_items": len(builder.items),
         "label": opts.label or f"{opts.rating} >= {opts.threshold}",
+        "rating": opts.rating,  # with the threshold: the label's rule in parts (None with --label)
+        "threshold": opts.threshold,
         "max_history": opts.max_history,
         "histories_capped": counts["capped"],
         "history_events": counts["history_events"],

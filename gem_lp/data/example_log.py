@@ -6,10 +6,17 @@ over seven months; every user with at least 20 ratings, a few with hundreds): on
 them, picks most items there and rates those higher, so a user's history says what they will like. With
 `--side-tables` it also writes a user table (`user_id`, `age`, `occupation`) and an item table (`item_id`, `genre`).
 Written in chunks of events (row groups), so a log of any size needs little memory.
+
+A rating is `clip(rint(teacher_score + noise), 1, 5)`, noise ~ N(0, 0.9), where `teacher_score` (also a column of
+the log) is `3.0 + 1.2 * likes - 0.4 * (not likes) + generosity[user]` and `likes` says the item's genre is one of the
+user's two favourites. P(rating >= X) rises with `teacher_score`, so no model ranks the events better: its AUC is the
+best achievable. `python -m gem_lp.data.example_log --teacher-auc LOG BUILT_DIR` gives it on the eval split that
+`build_sequences` wrote to BUILT_DIR (`--rating rating --threshold X`, a global time split).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -46,7 +53,7 @@ def generate_log(path: str | Path, events: int = 100_000, users: int = 943, item
     genre_popularity = [popularity[ids] / popularity[ids].sum() for ids in by_genre]
     start, period = 1_700_000_000, days * 86400
     schema = pa.schema([("user_id", pa.int64()), ("item_id", pa.int64()), ("timestamp", pa.int64()),
-                        ("rating", pa.int8())])
+                        ("rating", pa.int8()), ("teacher_score", pa.float64())])
     chunks = -(-events // chunk)
     with pq.ParquetWriter(path, schema) as writer:
         for k in range(chunks):  # chunk k: its share of the events, in its share of the period, in time order
@@ -59,11 +66,11 @@ def generate_log(path: str | Path, events: int = 100_000, users: int = 943, item
                 picks = liked & (fav == g)
                 item[picks] = rng.choice(by_genre[g], int(picks.sum()), p=genre_popularity[g])
             likes = (favourites[user] == genre[item][:, None]).any(axis=1)
-            score = 3.0 + 1.2 * likes - 0.4 * ~likes + generosity[user] + rng.normal(0.0, 0.9, n)
-            rating = np.clip(np.rint(score), 1, 5).astype(np.int8)
+            teacher = 3.0 + 1.2 * likes - 0.4 * ~likes + generosity[user]  # the noise-free expected score
+            rating = np.clip(np.rint(teacher + rng.normal(0.0, 0.9, n)), 1, 5).astype(np.int8)
             times = start + np.sort(rng.uniform(k * period / chunks, (k + 1) * period / chunks, n)).astype(np.int64)
             writer.write_table(pa.table({"user_id": user + 1, "item_id": item + 1, "timestamp": times,
-                                         "rating": rating}, schema=schema))
+                                         "rating": rating, "teacher_score": teacher}, schema=schema))
     if side_tables:
         stem = path.with_suffix("")
         pq.write_table(pa.table({"user_id": np.arange(1, users + 1), "age": rng.integers(16, 75, users),
@@ -73,16 +80,70 @@ def generate_log(path: str | Path, events: int = 100_000, users: int = 943, item
     return path
 
 
+def auc(scores, labels) -> float:
+    """ROC AUC by the rank-sum (Mann-Whitney) formula: tied scores get their average rank, so a tie counts 1/2."""
+    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels).astype(bool)
+    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError(f"AUC needs both classes, got {n_pos} positive and {n_neg} negative labels")
+    _, group, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    ranks = (ends - (counts - 1) / 2.0)[group]  # 1-based ranks, averaged over each tie group
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def teacher_eval(log_path: str | Path, built_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(teacher scores, 0/1 labels) of the log's events that `build_sequences` made eval samples in `built_dir`: the
+    events at or after the global cut its `dataset.json` records, labelled rating >= its threshold."""
+    import pyarrow.parquet as pq
+
+    summary = json.loads((Path(built_dir) / "dataset.json").read_text())
+    split = summary["split"]
+    if "threshold" not in summary:
+        raise ValueError(f"{built_dir}: its dataset.json records no threshold (an older build_sequences): build again")
+    if split["mode"] != "global" or summary.get("rating") != "rating" or summary.get("threshold") is None:
+        raise ValueError(f"{built_dir}: expected a build with --rating rating --threshold X and a global split, got "
+                         f"label {summary['label']!r}, split {split['mode']!r}")
+    log = pq.read_table(log_path, columns=["timestamp", "rating", "teacher_score"])
+    is_eval = log.column("timestamp").to_numpy() >= split["cut"]
+    # the same log as the build's: the same events, the same eval count
+    if (log.num_rows, int(is_eval.sum())) != (summary["rows"]["events"], summary["rows"]["eval"]):
+        raise ValueError(f"{log_path} has {log.num_rows:,} events, {int(is_eval.sum()):,} of them at or after the cut; "
+                         f"{built_dir} was built from {summary['rows']['events']:,} with {summary['rows']['eval']:,} "
+                         f"eval samples: not the log it was built from")
+    labels = (log.column("rating").to_numpy()[is_eval] >= summary["threshold"]).astype(np.int8)
+    return log.column("teacher_score").to_numpy()[is_eval], labels
+
+
+def teacher_auc(log_path: str | Path, built_dir: str | Path) -> float:
+    """The planted teacher's AUC on the eval split of `built_dir` (the best AUC any model can reach there)."""
+    return auc(*teacher_eval(log_path, built_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gem_lp.data.example_log", description=__doc__.splitlines()[0])
-    p.add_argument("out", help="the log's path (.parquet)")
+    p.add_argument("out", nargs="?", help="the log's path (.parquet)")
     p.add_argument("--events", type=int, default=100_000)
     p.add_argument("--users", type=int, default=943)
     p.add_argument("--items", type=int, default=1682)
     p.add_argument("--days", type=int, default=215)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--side-tables", action="store_true", help="also write <stem>_users.parquet and _items.parquet")
+    p.add_argument("--teacher-auc", nargs=2, metavar=("LOG", "BUILT_DIR"),
+                   help="instead: print the planted teacher's AUC on the eval split build_sequences wrote to BUILT_DIR")
     a = p.parse_args(argv)
+    if a.teacher_auc:
+        if a.out is not None:
+            p.error("--teacher-auc LOG BUILT_DIR writes nothing: give no OUT with it")
+        try:
+            scores, labels = teacher_eval(*a.teacher_auc)
+        except (ValueError, KeyError, FileNotFoundError) as err:
+            p.error(str(err))
+        print(f"teacher AUC {auc(scores, labels):.4f} on {labels.shape[0]:,} eval events ({int(labels.sum()):,} "
+              f"positive)")
+        return 0
+    if a.out is None:
+        p.error("give the log's path OUT (or --teacher-auc LOG BUILT_DIR)")
     try:
         path = generate_log(a.out, a.events, a.users, a.items, a.days, a.seed, a.side_tables)
     except ValueError as err:

@@ -141,6 +141,7 @@ def test_ids_are_dense_and_the_output_trains_as_configured(tmp_path, log_rows):
     assert max(train.column("cand_item").to_pylist()) < summary["num_items"] == len(log_rows)
     assert summary["num_users"] == 30 and summary["rows"]["events"] == len(log_rows)
     assert summary["rows"]["train"] + summary["rows"]["eval"] == len(log_rows)
+    assert (summary["label"], summary["rating"], summary["threshold"]) == ("rating >= 4", "rating", 4)
     devices = pq.read_table(out / "maps" / "device.parquet").to_pylist()
     assert devices == [{"id": 1, "value": "android"}, {"id": 2, "value": "ios"}, {"id": 3, "value": "web"}]
     assert {"column": "hist_device", "num_embeddings": 4} in summary["data"]["event_features"]  # 0: missing

@@ -1,0 +1,81 @@
+"""example_log's planted teacher: its score is a column of the log that build_sequences leaves out, and its AUC is
+taken on exactly the events build_sequences made eval samples; the AUC's tie handling against a pairwise count."""
+import collections
+import itertools
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from gem_lp.data.build_sequences import BuildOptions, build_sequences  # noqa: E402
+from gem_lp.data.example_log import auc, generate_log, main, teacher_auc, teacher_eval  # noqa: E402
+
+
+def pairwise_auc(scores, labels):
+    """P(a positive scores above a negative), ties one half, over every pair."""
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg))
+    return wins / (len(pos) * len(neg))
+
+
+def test_auc_counts_ties_as_one_half():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 7, 40):
+        for _ in range(20):
+            labels = rng.integers(0, 2, n)
+            labels[:2] = (0, 1)  # both classes
+            scores = rng.integers(0, 4, n).astype(float)  # few values: many ties
+            assert auc(scores, labels) == pytest.approx(pairwise_auc(scores, labels), abs=1e-12)
+    assert auc([1.0, 1.0, 1.0], [0, 1, 1]) == 0.5
+    assert auc([0.1, 0.9], [0, 1]) == 1.0 and auc([0.9, 0.1], [0, 1]) == 0.0
+    with pytest.raises(ValueError, match="both classes"):
+        auc([0.1, 0.2], [1, 1])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("log")
+    log = generate_log(tmp / "ratings.parquet", events=4000, users=80, items=200, seed=1)
+    build_sequences(BuildOptions(log=str(log), out=str(tmp / "built"), rating="rating", threshold=4,
+                                 event_columns=("rating",), max_history=20), log=lambda _: None)
+    return log, tmp / "built"
+
+
+def test_the_teacher_is_scored_on_the_eval_samples(built):
+    log, out = built
+    assert "teacher_score" in pq.read_schema(log).names
+    eval_table = pq.read_table(out / "eval.parquet")
+    assert not any("teacher" in name for name in eval_table.column_names)  # build_sequences reads named columns only
+    assert not any("teacher" in name for name in pq.read_schema(out / "train.parquet").names)
+
+    scores, labels = teacher_eval(log, out)
+    assert labels.shape == scores.shape == (eval_table.num_rows,)
+    assert sorted(labels.tolist()) == sorted(eval_table.column("label").to_pylist())
+    # the same events: (user, item, time, label) in original ids, as multisets
+    users = pq.read_table(out / "maps" / "user.parquet").column("value").to_pylist()
+    items = pq.read_table(out / "maps" / "item.parquet").column("value").to_pylist()
+    samples = collections.Counter((users[r["user"]], items[r["cand_item"]], r["timestamp"], r["label"])
+                                  for r in eval_table.to_pylist())
+    rows = pq.read_table(log).to_pylist()
+    cut = min(r["timestamp"] for r in eval_table.to_pylist())
+    events = collections.Counter((r["user_id"], r["item_id"], r["timestamp"], int(r["rating"] >= 4))
+                                 for r in rows if r["timestamp"] >= cut)
+    assert samples == events
+
+    best = teacher_auc(log, out)
+    assert best > 0.75  # the planted signal is strong
+    assert auc(np.zeros_like(scores), labels) == 0.5  # a useless score: all tied
+    noise = np.random.default_rng(0).normal(size=scores.shape)
+    assert abs(auc(noise, labels) - 0.5) < 0.05
+
+
+def test_another_log_is_refused_and_the_command_line(built, tmp_path, capsys):
+    log, out = built
+    pq.write_table(pq.read_table(log).slice(0, 3000), tmp_path / "short.parquet")
+    with pytest.raises(ValueError, match="not the log it was built from"):
+        teacher_auc(tmp_path / "short.parquet", out)
+    assert main(["--teacher-auc", str(log), str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"teacher AUC {teacher_auc(log, out):.4f} on ")
