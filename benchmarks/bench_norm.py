@@ -25,7 +25,7 @@ of our rows is checked byte for byte (`exact` in the JSON): payloads and scales 
 y computed with the kernel's rstd, rstd within 4 ulp of the FP64 value.
 
 Run on the GPU host from the repository root: `python -m benchmarks.bench_norm [--ms 32767,262143] [--ks 1024]
-[--no-candidates]`. Prints the timing table last; JSON under $OUT. `--dry-run` (no GPU) prints the shapes.
+[--no-candidates] [--cuda-graphs]`. Prints the timing table last; JSON under $OUT. `--dry-run` (no GPU) prints the shapes.
 """
 from __future__ import annotations
 
@@ -302,6 +302,8 @@ def main() -> None:
     ap.add_argument("--casts", action="store_true", help="also the MX linears' casts, CuTe against Triton")
     ap.add_argument("--backward", action="store_true", help="also the norm backward, ours against quack's")
     ap.add_argument("--only", choices=("casts", "backward"), help="only these groups (no norm or dual groups)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="time every row by replaying a CUDA graph (GPU time "
+                    "without the host's launch work, as the trainer's captured sequence part runs)")
     ap.add_argument("--dry-run", action="store_true", help="print the shapes and exit (no GPU needed)")
     args = ap.parse_args()
     ms = default_ms() if args.ms is None else _ints(args.ms, "--ms", ap)
@@ -313,7 +315,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    bench = Bench("bench_norm")
+    bench = Bench("bench_norm", cuda_graphs=args.cuda_graphs)
     bench.copy_bandwidth()
     for K in ks:
         for M in ms:

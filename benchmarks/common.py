@@ -77,8 +77,12 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
 
 
 class Bench:
-    def __init__(self, name: str, *, finish_on_sigterm: bool = True):
+    def __init__(self, name: str, *, finish_on_sigterm: bool = True, cuda_graphs: bool = False):
+        """`cuda_graphs`: time each row by replaying a CUDA graph of its calls (`do_bench_cudagraph`): the GPU's time
+        without the host's launch work, as the trainer's captured sequence part runs; a row that cannot be captured
+        is timed eagerly and says so (`eager` in its info)."""
         self.name = name
+        self.cuda_graphs = cuda_graphs
         self.rows: list[dict] = []
         self.extra: dict = {}
         self.env = self._env()
@@ -106,16 +110,31 @@ class Bench:
         return env
 
     def measure(self, fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
-        """Median milliseconds of `fn` (triton.testing.do_bench, CUDA events)."""
-        from triton.testing import do_bench
+        """Median milliseconds of `fn` (triton.testing.do_bench, CUDA events; replayed from a CUDA graph with
+        `cuda_graphs`)."""
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if self.cuda_graphs:
+            return do_bench_cudagraph(fn, rep=rep, return_mode="median")
         return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
     def time(self, group: str, name: str, fn: Callable[[], object], *, flop: float | None = None,
              nbytes: float | None = None, peer: bool = False, **info) -> float | None:
         """Time `fn` and record a row; a failure is recorded (and printed) instead of raised."""
         try:
-            ms = self.measure(fn)
+            try:
+                ms = self.measure(fn)
+            except Exception as e:
+                if not self.cuda_graphs:
+                    raise
+                print(f"  [{group}] {name}: not capturable ({type(e).__name__}), timed eagerly", flush=True)
+                torch.cuda.synchronize()
+                graphs, self.cuda_graphs = self.cuda_graphs, False
+                try:
+                    ms = self.measure(fn)
+                finally:
+                    self.cuda_graphs = graphs
+                info = dict(info, eager=True)
         except Exception as e:  # one failing variant must not hide the others
             msg = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  [{group}] {name}: FAILED {msg}", flush=True)

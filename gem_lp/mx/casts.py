@@ -25,7 +25,7 @@ class NormMXOutputs:
         rowwise: `y [M, K]` in MXFP8, 1x32 blocks along K (scales `[M, K/32]`, plain or blocked).
         colwise: `y^T [K, M]` in MXFP8, 1x32 blocks along M (scales `[K, ceil(M/32)]`, plain or blocked). From the
             kernels the payload is a view with a contiguous last dim and rows `colwise_row_stride(M)` bytes apart (M
-            rounded up to 16): not contiguous unless M is a multiple of 16; the padding columns hold no data.
+            rounded up to 32): not contiguous unless M is a multiple of 32; the padding columns hold no data.
         rstd: `[M]` float32 (None without the norm).
         row_operand: `deq(rowwise)`, `[M, K]` in `operand_dtype`: the forward GEMM operand (`[operand_rows, K]`
             with zero rows past M when `operand_rows` is given; so is `col_operand`).

@@ -93,3 +93,17 @@ class MXTensor:
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel()
+
+
+# The casts' colwise payload `y^T [K, M]` is the `[:, :M]` view of a `[K, colwise_row_stride(M)]` buffer whatever M
+# is. The kernels need rows a multiple of COLWISE_ROW_ALIGN bytes apart (vector stores; a GEMM's TMA strides); the
+# buffers round M up to COLWISE_ROW_PAD, one L2 sector, so that the 32 bytes a 32-row block writes into a column fill
+# one sector: with rows 16 (mod 32) bytes apart every other column's bytes straddle two sectors, each half-written by
+# two CTAs. The padding columns M .. stride - 1 hold no data.
+COLWISE_ROW_ALIGN = 16
+COLWISE_ROW_PAD = 32
+
+
+def colwise_row_stride(M: int) -> int:
+    """Row stride (elements = bytes) of a colwise payload buffer for M tokens: M rounded up to COLWISE_ROW_PAD."""
+    return max(1, ceil_div(M, COLWISE_ROW_PAD)) * COLWISE_ROW_PAD

@@ -139,8 +139,8 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
         quantized along its last dim (a last partial block of M takes its max over the real rows
         only), and the blocked layout of its `[K, ceil(M/32)]` scales. Both have
         `scale_layout="blocked"` and `axis=1`. The colwise payload is contiguous from the reference; from
-        the kernels it is a view whose rows are 16-byte aligned (M rounded up to 16 bytes apart:
-        contiguous when M is a multiple of 16), as a GEMM's TMA loads want it.
+        the kernels it is a view whose rows are `formats.colwise_row_stride(M)` bytes apart (M rounded up to 32:
+        contiguous when M is a multiple of 32), as the kernels' stores and a GEMM's TMA loads want it.
     """
     check_input(x)
     check_scaling(scaling)
@@ -177,7 +177,7 @@ def quantize_dual(x: torch.Tensor, *, scaling: str = "rceil", backend: str = "au
 
 def _dual_cast_triton(x: torch.Tensor, rceil: bool) -> list[torch.Tensor]:
     """`quantize_dual`'s Triton implementation: the MX cast kernel without its prologue (blocked scales; the colwise
-    payload a `[K, M]` view with 16-byte aligned rows)."""
+    payload a `[K, M]` view, rows `colwise_row_stride(M)` bytes apart)."""
     from gem_lp.mx.kernels.triton_cast import rms_norm_mx
 
     out = rms_norm_mx(x, None, scaling="rceil" if rceil else "floor", blocked_scales=True)
@@ -191,7 +191,7 @@ _dual_cast_triton_op = torch.library.custom_op("gem_lp::mx_dual_cast", _dual_cas
 
 @_dual_cast_triton_op.register_fake
 def _(x: torch.Tensor, rceil: bool) -> list[torch.Tensor]:
-    from gem_lp.mx.kernels.triton_cast import colwise_row_stride
+    from gem_lp.mx.formats import colwise_row_stride
 
     M, K = x.shape
     stride = colwise_row_stride(M)

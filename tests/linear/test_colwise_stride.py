@@ -1,6 +1,6 @@
-"""The colwise payload of `rms_norm_mx` (`y^T [K, M]`) as a view with rows a multiple of 16 bytes apart.
+"""The colwise payload of `rms_norm_mx` (`y^T [K, M]`) as a view with rows a multiple of 32 bytes apart.
 
-Whatever M is, the payload is the `[:, :M]` view of a `[K, M rounded up to 16]` buffer, so that the kernel's
+Whatever M is, the payload is the `[:, :M]` view of a `[K, M rounded up to 32]` buffer, so that the kernel's
 colwise stores stay vectors (see `triton_norm.colwise_payload_buffer`). Checked here: the bytes and scales
 equal the reference for odd and unaligned M under several launches, the view's layout, that the kernel
 writes nothing outside the buffer's rows, and that every consumer (the dequantize pass, the dW GEMM of each route:
@@ -17,7 +17,8 @@ from gem_lp.linear.functions import MXLinearFunction, RMSNormMXLinearFunction
 from gem_lp.linear.reference import MXLinearReference, RMSNormMXLinearReference
 from gem_lp.mx import MXTensor, dequantize, quantize_reference, to_blocked
 from gem_lp.mx.kernels import triton_cast as triton_norm
-from gem_lp.mx.kernels.triton_cast import (COLWISE_ROW_ALIGN, NormConfig, colwise_payload_buffer, colwise_row_stride,
+from gem_lp.mx.formats import COLWISE_ROW_ALIGN, COLWISE_ROW_PAD
+from gem_lp.mx.kernels.triton_cast import (NormConfig, colwise_payload_buffer, colwise_row_stride,
                                            forward_launch, rms_norm_mx)
 from gem_lp.mx.kernels.triton_dequantize import mx_dequantize_operand
 from gem_lp.norm import rms_norm_quantize
@@ -40,12 +41,12 @@ def _gen(seed):
 
 
 def assert_padded_view(data, K, M):
-    """`data` is the `[K, M]` view of a buffer with rows a multiple of 16 bytes apart (contiguous when M is)."""
+    """`data` is the `[K, M]` view of a buffer with rows a multiple of 32 bytes apart (contiguous when M is)."""
     assert data.shape == (K, M) and data.dtype == torch.float8_e4m3fn
     assert data.stride(0) % COLWISE_ROW_ALIGN == 0 and data.stride(0) == colwise_row_stride(M), data.stride()
     assert data.stride(1) == 1 or M <= 1, data.stride()
-    assert data.stride(0) - M < COLWISE_ROW_ALIGN
-    assert data.is_contiguous() == (M % COLWISE_ROW_ALIGN == 0 or K == 1)
+    assert data.stride(0) - M < COLWISE_ROW_PAD
+    assert data.is_contiguous() == (M % COLWISE_ROW_PAD == 0 or K == 1)
 
 
 @pytest.fixture(autouse=True)
@@ -59,11 +60,11 @@ def garbage_output_buffers(monkeypatch):
     monkeypatch.setattr(triton_norm, "_new_buffer", garbage)
 
 
-def test_row_stride_rounds_up_to_16():
-    assert [colwise_row_stride(m) for m in (0, 1, 15, 16, 17, 32766, 32767, 32768)] == [
-        0, 16, 16, 16, 32, 32768, 32768, 32768]
+def test_row_stride_rounds_up_to_32():
+    assert [colwise_row_stride(m) for m in (0, 1, 15, 16, 17, 32, 33, 32766, 32767, 32768, 300001)] == [
+        32, 32, 32, 32, 32, 32, 64, 32768, 32768, 32768, 300032]
     buf = colwise_payload_buffer(3, 33, torch.device("cpu"))
-    assert buf.shape == (3, 33) and buf.stride() == (48, 1) and buf.untyped_storage().nbytes() == 3 * 48
+    assert buf.shape == (3, 33) and buf.stride() == (64, 1) and buf.untyped_storage().nbytes() == 3 * 64
 
 
 @pytest.mark.parametrize("M", MS)

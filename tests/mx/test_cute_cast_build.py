@@ -77,11 +77,11 @@ def host_side(monkeypatch):
 
 @needs_builds
 def test_the_outputs_are_laid_out_for_the_gemms(host_side):
-    """y^T's payload rows 16-byte aligned; scales blocked or plain; the operands laid out as y with their padding
+    """y^T's payload rows 32 bytes apart; scales blocked or plain; the operands laid out as y with their padding
     rows; the MX casts not asked for absent; one build per kind of call, with the launch table's launch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gem_lp.mx.kernels.cute_cast_launch import colwise_row_stride
+    from gem_lp.mx.formats import colwise_row_stride
 
     norm_mx_cast, builds = host_side
     with FakeTensorMode():
@@ -92,7 +92,7 @@ def test_the_outputs_are_laid_out_for_the_gemms(host_side):
             w = torch.empty(K, dtype=torch.bfloat16, device="cuda") if norm else None
             out = norm_mx_cast(x, w, 1e-6, scaling=scaling, blocked_scales=blocked, arch="sm_90a")
             assert out.row_data.shape == (1000, K) and out.col_data.shape == (K, 1000)
-            assert out.col_data.stride() == (1008, 1) == (colwise_row_stride(1000), 1)  # y^T rows 16-byte aligned
+            assert out.col_data.stride() == (1024, 1) == (colwise_row_stride(1000), 1)  # y^T rows 32 bytes apart
             assert out.row_scale.shape == ((blocked_size(1000, K // 32),) if blocked else (1000, K // 32))
             assert (out.rstd is not None) == norm and out.row_operand is None and out.col_operand is None
             assert builds[-1][3] == launch_for("sm_90a", K) and builds[-1][4] == norm

@@ -239,8 +239,8 @@ def test_quantize_dual_matches_reference(M, K, dtype):
         ref_row, ref_col = quantize_dual(x, scaling=scaling, backend="reference")
         _assert_same_mx(row, ref_row, "rowwise")
         _assert_same_mx(col, ref_col, "colwise")
-        # the kernel's colwise payload: a [K, M] view, rows 16-byte aligned (contiguous when M is a multiple of 16)
-        assert col.shape == (K, M) and col.data.stride() == (-(-M // 16) * 16, 1) and col.scale_layout == "blocked"
+        # the kernel's colwise payload: a [K, M] view, rows 32 bytes apart (contiguous when M is a multiple of 32)
+        assert col.shape == (K, M) and col.data.stride() == (-(-M // 32) * 32, 1) and col.scale_layout == "blocked"
         # the colwise cast is the quantization of x^T along its last dim, partial last block included
         torch.testing.assert_close(col.plain_scale(),
                                    quantize_reference(x.t(), axis=1, scaling=scaling, allow_partial=True).scale,

@@ -13,14 +13,10 @@ from quack.cute_dsl_utils import torch2cute_dtype_map
 
 from gem_lp.runtime.builds import register_cache
 from gem_lp.runtime.device import build_arch, fake_mode
-from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div
+from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div, colwise_row_stride
 from gem_lp.mx.layout import blocked_size
 from gem_lp.mx.kernels.cute_cast_config import MAX_CLUSTER, MAX_TILE_K, NormLaunch, launch_for, max_k
 from gem_lp.mx.kernels.cute_cast import NormMXCast
-
-# Rows of the colwise payload `y^T [K, M]` start 16 bytes apart (a GEMM's TMA wants 16-byte strides; the kernel's
-# 8-byte stores stay aligned): the same layout as the Triton kernels' colwise payload.
-COLWISE_ROW_ALIGN = 16
 
 _COMPILED: dict[tuple, object] = register_cache("mx.cast", {})
 # (x dtype, weight dtype or None, K, rceil, blocked, arch or device) -> the build of the launch table's launch
@@ -49,10 +45,6 @@ class NormCastOutputs:
 def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialized output buffer (the kernel writes every byte; tests fill these with garbage to check that)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def colwise_row_stride(M: int) -> int:
-    return max(1, ceil_div(M, COLWISE_ROW_ALIGN)) * COLWISE_ROW_ALIGN
 
 
 def unsupported(x: torch.Tensor) -> str | None:

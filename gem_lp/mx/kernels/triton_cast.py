@@ -9,7 +9,7 @@ Per program `block_m` rows of `x` (`rms_norm_mx`):
 2. a sweep over K (the chunks come back from L2; with one chunk covering K the tile stays in registers):
    `y = (fp32(x) * rstd) * fp32(w)` in the reference's operation order (or `y = act(x)`, or `y = x`), then from
    the FP32 `y` any of: the rowwise MX cast (1x32 along K, payload `[M, K]`), the colwise MX cast (32x1 along M,
-   payload of `y^T`, `[K, M]` with rows padded to a multiple of 16 bytes, see `colwise_payload_buffer`; a last
+   payload of `y^T`, `[K, M]` with rows padded to a multiple of 32 bytes, see `colwise_payload_buffer`; a last
    partial block takes its max over the real rows), scales plain or in the 128x4 blocked layout (its padding bytes
    written too), the MX-exact dequantized operands for a BF16/FP32 GEMM (`deq(rowwise)`, `deq(colwise)`, both in
    x's `[M, K]` layout), and x's FP32 column sums (the bias gradient of a linear layer, from the pass that casts
@@ -38,7 +38,8 @@ from triton.language.extra import libdevice
 
 from gem_lp.runtime.device import interpreter_enabled, sm_count
 from gem_lp.runtime.triton_launch import KernelLaunch
-from gem_lp.mx.formats import BLOCK, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div, check_scaling
+from gem_lp.mx.formats import (BLOCK, COLWISE_ROW_ALIGN, INPUT_DTYPES, PAYLOAD_DTYPE, SCALE_DTYPE, MXTensor, ceil_div,
+                               check_scaling, colwise_row_stride)
 from gem_lp.mx.layout import blocked_size
 from gem_lp.mx.kernels.triton_numerics import abs_bits, exact_f32
 from gem_lp.mx.kernels.triton_quantize import (block_payload, block_scale, float_max_cols_of_blocks, float_max_rows_of_blocks,
@@ -867,19 +868,12 @@ def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# The colwise payload `y^T [K, M]` is the view `[:, :M]` of a `[K, colwise_row_stride(M)]` buffer: rows a multiple
-# of 16 bytes apart whatever M is. Triton specializes an integer argument on divisibility by 16, so the kernel
-# sees the stride aligned and stores each thread's run of consecutive bytes of a column (THREAD_ROWS of them, or
-# their 16-bit pairs) as one vector; with rows M apart, an M that is not a multiple of 16 (most token counts of a
-# jagged batch) turned them into single-byte stores (sm_90: 5-10 more instructions per element). The padding
-# columns M .. stride - 1 are never read as data (the kernel may write zeros or leave them unwritten). For M a
-# multiple of 16 the view is the whole, contiguous buffer.
-COLWISE_ROW_ALIGN = 16
-
-
-def colwise_row_stride(M: int) -> int:
-    """Row stride (elements = bytes) of the colwise payload buffer for M tokens: M rounded up to 16."""
-    return ceil_div(M, COLWISE_ROW_ALIGN) * COLWISE_ROW_ALIGN
+# The colwise payload `y^T [K, M]`: see `formats.colwise_row_stride`. Triton specializes an integer argument on
+# divisibility by 16, so the kernel sees the stride aligned and stores each thread's run of consecutive bytes of a
+# column (THREAD_ROWS of them, or their 16-bit pairs) as one vector; with rows M apart, an M that is not a multiple of
+# 16 (most token counts of a jagged batch) turned them into single-byte stores. The kernel may write zeros into the
+# padding columns or leave them unwritten. For M a multiple of COLWISE_ROW_PAD the view is the whole, contiguous
+# buffer.
 
 
 def colwise_payload_buffer(K: int, M: int, device: torch.device) -> torch.Tensor:

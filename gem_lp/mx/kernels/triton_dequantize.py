@@ -52,7 +52,7 @@ def check_mx_operand(mx: MXTensor, name: str) -> None:
     """`mx` must be a 2-D MXFP8 tensor blocked along dim 1, scales plain or 128x4 blocked.
 
     The payload's last dim must be contiguous; its rows may be padded (row stride >= columns), as the colwise
-    payloads of `rms_norm_mx` are (a `[K, M]` view of a buffer with rows a multiple of 16 bytes apart).
+    payloads of `rms_norm_mx` are (a `[K, M]` view of a buffer with rows a multiple of 32 bytes apart).
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"{name} must be an MXTensor, got {type(mx).__name__}")
