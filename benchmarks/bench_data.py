@@ -93,7 +93,8 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
     """`python train.py <overrides>` in its own process; returns its metrics.json."""
     command = [sys.executable, str(TRAIN_PY), f"hydra.run.dir={run_dir}", *overrides]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=run_dir.parent, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the project, then the caller's
+    done = subprocess.run(command, cwd=run_dir.parent, env={**os.environ, "PYTHONPATH": path},
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n"
