@@ -64,6 +64,11 @@ class ParquetDataConfig:
     eval_fraction: float = 0.1
     batch_size: int = 128
     shuffle: bool = True  # a new order of the training rows every epoch (drawn from the seed and the epoch)
+    # An epoch's last, partial batch is left out: every training step then has the batch shape the kernels were
+    # built and the sequence graphs captured for (a batch of fewer sequences takes other kernel variants, built
+    # mid-run), and a few rows do not weigh as much as a full batch in an update. With `shuffle` each epoch leaves
+    # out other rows. False trains on it.
+    drop_last: bool = True
     label: str = "label"
     history_item: str = "hist_item"
     candidate_item: str = "cand_item"
@@ -466,22 +471,27 @@ class ParquetRecDataset(IterableDataset):
     """Training batches over `rows`, epoch after epoch, forever (use `DataLoader(dataset, batch_size=None)`).
 
     Batch `i` holds rows `order_e[j * B : (j + 1) * B]` with `e, j = divmod(i, batches_per_epoch)`: each
-    epoch visits every row once, the last batch of an epoch holding the remainder (fewer than B rows, not
-    dropped). `order_e` is the file order, or with `shuffle` a permutation drawn from `(seed, e)`. Loader workers
+    epoch visits every row once, the last batch of an epoch holding the remainder (fewer than B rows), or with
+    `drop_last` every row of its full batches (the remainder, `len(rows) % B` rows, left out). `order_e` is the file order, or with `shuffle` a permutation drawn from `(seed, e)`. Loader workers
     split the batches (worker w of n yields `start + w`, `start + w + n`, ...), each holding the rows once (shared
     with the parent process when workers fork).
     """
 
-    def __init__(self, rows: ParquetRows, batch_size: int, seed: int, start: int = 0, shuffle: bool = True):
+    def __init__(self, rows: ParquetRows, batch_size: int, seed: int, start: int = 0, shuffle: bool = True,
+                 drop_last: bool = False):
         super().__init__()
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
+        if drop_last and len(rows) < batch_size:
+            raise DataError(f"data: {len(rows)} training rows make no full batch of data.batch_size={batch_size} "
+                            f"(data.drop_last=true leaves out an epoch's partial batch); lower data.batch_size or "
+                            f"set data.drop_last=false")
         self.rows = rows
         self.batch_size = batch_size
         self.seed = seed
         self.start = start
         self.shuffle = shuffle
-        self.batches_per_epoch = math.ceil(len(rows) / batch_size)
+        self.batches_per_epoch = len(rows) // batch_size if drop_last else math.ceil(len(rows) / batch_size)
         self._order: tuple[int, torch.Tensor] | None = None
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -569,7 +579,8 @@ class ParquetSource:
         return len(self.eval_rows)
 
     def train_dataset(self, start: int) -> ParquetRecDataset:
-        return ParquetRecDataset(self.train_rows, self.cfg.batch_size, self.seed, start, self.cfg.shuffle)
+        return ParquetRecDataset(self.train_rows, self.cfg.batch_size, self.seed, start, self.cfg.shuffle,
+                                 self.cfg.drop_last)
 
     def eval_batches(self, limit: int | None = None) -> Iterator[RecBatch]:
         """The eval rows in file order (time order when sorted), in batches of `batch_size` (the last one may be

@@ -87,6 +87,23 @@ def test_epochs_visit_every_row_once_keeping_the_remainder(logs):
     assert not torch.equal(a.dense_features, b.dense_features[:5])  # a new order each epoch
 
 
+def test_drop_last_gives_full_batches_only(logs):
+    data = read_parquet(config(logs), logs)  # 23 rows
+    dataset = ParquetRecDataset(data, batch_size=5, seed=1, shuffle=True, drop_last=True)
+    assert dataset.batches_per_epoch == 4
+    ages = {float(torch.tensor(a, dtype=torch.float32)) for a in rows()["age"]}  # one distinct age a row
+    left_out = []
+    for epoch in range(3):
+        batches = [dataset.batch(epoch * 4 + j) for j in range(4)]
+        assert [b.batch_size for b in batches] == [5, 5, 5, 5]
+        seen = sum((b.dense_features[:, 0].tolist() for b in batches), [])
+        assert len(set(seen)) == 20 and set(seen) <= ages
+        left_out.append(ages - set(seen))
+    assert len({frozenset(s) for s in left_out}) > 1  # shuffled: other rows left out in other epochs
+    with pytest.raises(DataError, match="make no full batch of data.batch_size=24"):
+        ParquetRecDataset(data, batch_size=24, seed=1, drop_last=True)
+
+
 def test_iteration_resumes_at_any_batch_and_shards_over_workers(logs):
     data = read_parquet(config(logs), logs)
     dataset = ParquetRecDataset(data, batch_size=4, seed=3)
