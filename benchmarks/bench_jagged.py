@@ -1,7 +1,8 @@
 """Jagged MXFP8 quantization on the GPU: our one-launch zero-gather kernel against the padded path.
 
 Workloads (as in `benchmarks.bench_attention`): A = 32 sequences, lognormal mean 1024 (lo 32, hi 4096), H16 D128 (32088 tokens,
-max 3274); B = 4096 sequences, mean 200 (lo 1, hi 4096), H4 D128. bf16 values, rceil.
+max 3274); B = 4096 sequences, mean 200 (lo 1, hi 4096), H4 D128; trainer = the GPU trainer's batch, 1024 sequences,
+mean 256 (lo 1, hi 2048), H2 D128 (the attention producer's input). bf16 values, rceil.
 
 Rows per workload:
   "<W> hdim+seq": ours hdim+seq (one launch), ours square (one payload, scales in both forms), and the
@@ -54,6 +55,7 @@ from gem_lp.mx.reference import quantize_reference
 WORKLOADS = {
     "A": dict(batch=32, mean=1024, lo=32, hi=4096, heads=16, dim=128),
     "B": dict(batch=4096, mean=200, lo=1, hi=4096, heads=4, dim=128),
+    "trainer": dict(batch=1024, mean=256, lo=1, hi=2048, heads=2, dim=128),  # the GPU trainer's batch
 }
 SCALE_FORMS = ("scale_hdim", "scale_seq", "scale_square_hdim", "scale_square_seq")
 START = time.time()
@@ -536,7 +538,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="build every launch for sm_90, no GPU needed")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of A,B")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--sets", default=",".join(LAUNCH_SETS),
                         help="tuning groups to time, a comma-separated subset of " + ",".join(LAUNCH_SETS))
     args = parser.parse_args()

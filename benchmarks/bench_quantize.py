@@ -30,7 +30,7 @@ from benchmarks.common import Bench  # noqa: E402
 from gem_lp.mx import quantize_reference, to_blocked  # noqa: E402
 from gem_lp.mx.kernels.triton_quantize import DEFAULT_CONFIGS, CastConfig, mx_cast_2d  # noqa: E402
 
-SHAPES = ((65536, 2048), (32768, 4096))
+SHAPES = ((65536, 2048), (32768, 4096))  # then the GPU trainer's first token count at K 256 and 1024 (`main`)
 SCALING = "rceil"
 
 
@@ -263,4 +263,6 @@ if __name__ == "__main__":
         sys.exit(compile_only())
     if not torch.cuda.is_available():
         sys.exit("bench_quantize needs a CUDA device (or --compile-only)")
-    main()
+    from benchmarks.common import trainer_token_counts
+    m = trainer_token_counts(1)[0]
+    main(SHAPES + ((m, 256), (m, 1024)))
