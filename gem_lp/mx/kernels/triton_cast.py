@@ -79,7 +79,7 @@ class NormConfig(tuple):
 
     def __repr__(self) -> str:
         bm, bk, nw, tr, rb, per_sm, max_regs, prefetch, tiles = self
-        return (f"{bm}x{bk} w{nw} " + (f"r{tr}" + (" rowblk" if rb else "") if tr else "blocks")
+        return (f"{bm}x{bk} w{nw} r{tr}" + (" rowblk" if rb else "")
                 + (f" {per_sm}/SM" if per_sm else "") + (f" maxreg{max_regs}" if max_regs else "")
                 + (" prefetch" if prefetch else "") + (" tiles" if tiles else ""))
 
