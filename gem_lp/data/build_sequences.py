@@ -11,6 +11,9 @@ becomes one sample: its item is the candidate, its label the label, and its hist
   for the cut that leaves about the last F of the events) or each user's last fraction (`--split user`: the last
   ceil(F * n) of a user's n events, none for a user with one event). Histories hold every earlier event, whichever
   split it is in: an eval sample sees its user's training events, no sample sees a later one.
+* History means (`--history-means rating,label`): per sample, the mean of a numeric per-event column (`label`: the
+  0/1 label) over ALL the user's strictly-earlier events (the history's rule, not its cap), as the dense feature
+  `hist_mean_<column>`, 0.0 for a user's first events, with `hist_log1p_count` = log1p(the number of those events).
 * Ids: users and items become dense `[0, n)` in the sorted order of their original values; categorical columns
   (per-event and side-table) become `[1, n]`, 0 standing for a missing value (a null, or an id absent from its side
   table). Each map is written to `<out>/maps/<name>.parquet` (`id`, `value`).
@@ -22,8 +25,8 @@ group by row group. Memory is bounded by a bucket (`--bucket-rows` events) and t
 
 The output's columns: `label` (0/1), `timestamp` (the log's type), `user` (dense id), `hist_item` (list of item ids),
 `hist_<column>` per event column (lists aligned with `hist_item`), `cand_item`, then the user's and the candidate
-item's side columns (ids, or float32 for `--dense` columns). It prints the `python train.py data=parquet ...` that
-trains on them and writes the same as a config (`<out>/config/data/logs.yaml`).
+item's side columns (ids, or float32 for `--dense` columns), then the history means (float32). It prints the
+`python train.py data=parquet ...` that trains on them and writes the same as a config (`<out>/config/data/logs.yaml`).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from .spec import DataError
 FORMATS = ("parquet", "csv", "tsv")
 SPLITS = ("global", "user")
 MISSING_ID = 0  # the id of a missing categorical value
+HIST_COUNT = "hist_log1p_count"  # with --history-means: log1p(the number of the user's strictly earlier events)
 
 
 @dataclasses.dataclass
@@ -66,6 +70,7 @@ class BuildOptions:
     item_key: str | None = None  # default: `item`
     dense: tuple[str, ...] = ()  # side-table columns taken as numbers
     dense_fill: float | None = None  # the value of a dense side feature for an id its table lacks (None: an error)
+    history_means: tuple[str, ...] = ()  # numeric event columns (or "label") averaged over all earlier events
     max_history: int | None = 50
     split: str = "global"
     eval_fraction: float | None = 0.1
@@ -76,6 +81,7 @@ class BuildOptions:
 
     def __post_init__(self):
         self.event_columns, self.dense = tuple(self.event_columns), tuple(self.dense)
+        self.history_means = tuple(self.history_means)
         problems = []
         if self.format is not None and self.format not in FORMATS:
             problems.append(f"--format must be one of {FORMATS}, got {self.format!r}")
@@ -108,6 +114,12 @@ class BuildOptions:
         if clash or len(set(self.event_columns)) != len(self.event_columns):
             problems.append(f"--event-columns must be distinct columns other than the user, item and time (and not "
                             f"'item': its history list would be hist_item), got {list(self.event_columns)}")
+        means = self.history_means
+        if len(set(means)) != len(means) or set(means) & {self.user, self.item, self.time}:
+            problems.append(f"--history-means must be distinct columns other than the user, item and time, got "
+                            f"{list(means)}")
+        if {f"hist_{c}" for c in self.event_columns} & {*(f"hist_mean_{c}" for c in means), HIST_COUNT}:
+            problems.append("an --event-columns history list would have the name of a --history-means column")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -302,8 +314,10 @@ class Builder:
         self.table = Table(opts.log, opts.format, text_columns=text)
         self.label_column = opts.label or opts.rating
         # a column may be both (the rating as the label and as an event feature): read once
-        self.columns = list(dict.fromkeys([opts.user, opts.item, opts.time, self.label_column, *opts.event_columns]))
-        self.table.require(self.columns, "the user, item, time, label/rating and event columns")
+        self.means = [c for c in opts.history_means if c != "label"]  # "label": the 0/1 label, not a column
+        self.columns = list(dict.fromkeys([opts.user, opts.item, opts.time, self.label_column, *opts.event_columns,
+                                           *self.means]))
+        self.table.require(self.columns, "the user, item, time, label/rating, event and history-means columns")
         self.users = IdMap("user", 0)
         self.items = IdMap("item", 0)
         self.events = {c: IdMap(c, 1) for c in opts.event_columns}
@@ -363,6 +377,22 @@ class Builder:
             raise DataError(f"{where(row)}: column {opts.rating!r} holds NaN; a rating must be a number")
         return (values >= opts.threshold).astype(np.int8)
 
+    def _numbers(self, batch, name: str, where) -> np.ndarray:
+        """A --history-means column of a batch as float64 (numeric or boolean, no null, finite)."""
+        import pyarrow as pa
+
+        column = batch.column(name)
+        if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
+                or pa.types.is_boolean(column.type)):
+            raise DataError(f"{where.file}: column {name!r} (--history-means) must be numeric, got type {column.type}")
+        values = column.to_numpy(zero_copy_only=False).astype(np.float64)
+        bad = column.is_null().to_numpy(zero_copy_only=False) | ~np.isfinite(values)
+        if bad.any():
+            row = int(bad.nonzero()[0][0])
+            raise DataError(f"{where(row)}: column {name!r} (--history-means) holds {column[row].as_py()}; its "
+                            f"values must be finite numbers")
+        return values
+
     # the split
     def eval_cut(self) -> Any:
         """The global cut (events with a time >= it are eval samples), in the time column's int64/float64 terms."""
@@ -386,7 +416,8 @@ class Builder:
         num_buckets = max(1, math.ceil(self.num_rows / opts.bucket_rows))
         paths = [work / f"bucket-{b:05d}.arrow" for b in range(num_buckets)]
         fields = [("user", pa.int64()), ("item", pa.int64()), ("time", _internal_time_type(self.time_type)),
-                  ("row", pa.int64()), ("label", pa.int8()), *((f"e{i}", pa.int64()) for i in range(len(self.events)))]
+                  ("row", pa.int64()), ("label", pa.int8()), *((f"e{i}", pa.int64()) for i in range(len(self.events))),
+                  *((f"m{i}", pa.float64()) for i in range(len(self.means)))]
         schema = pa.schema(fields)
         writers = [pa.ipc.new_file(str(p), schema) for p in paths]
         row = 0
@@ -397,7 +428,8 @@ class Builder:
                 columns = [user, self.items.ids(batch.column(opts.item)),
                            _time_values(batch.column(opts.time), opts.time, where),
                            np.arange(row, row + batch.num_rows, dtype=np.int64), self._labels(batch, where),
-                           *(m.ids(batch.column(c)) for c, m in self.events.items())]
+                           *(m.ids(batch.column(c)) for c, m in self.events.items()),
+                           *(self._numbers(batch, c, where) for c in self.means)]
                 bucket = user % num_buckets
                 order = np.argsort(bucket, kind="stable")
                 bounds = np.searchsorted(bucket[order], np.arange(num_buckets + 1))
@@ -422,7 +454,8 @@ class Builder:
             if path is not None:
                 out += self._side_table(kind, path, key, ids)
         names = [f.name for f in out]
-        taken = {"label", "timestamp", "user", "hist_item", "cand_item", *(f"hist_{c}" for c in opts.event_columns)}
+        taken = {"label", "timestamp", "user", "hist_item", "cand_item", *(f"hist_{c}" for c in opts.event_columns),
+                 *self.mean_features()}
         clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & taken))
         if clash:
             raise DataError(f"side-table columns {clash} clash with each other or with the output's own columns "
@@ -487,6 +520,11 @@ class Builder:
                 out.append(SideFeature(name, kind, values, len(categories)))
         return out
 
+    def mean_features(self) -> list[str]:
+        """The dense columns of --history-means: hist_mean_<column> each, then hist_log1p_count (none without it)."""
+        means = self.opts.history_means
+        return [*(f"hist_mean_{c}" for c in means), HIST_COUNT] if means else []
+
     # pass 3: bucket -> samples
     def write_samples(self, buckets: list[Path], cut, side: list[SideFeature]) -> dict[str, int]:
         import pyarrow as pa
@@ -519,7 +557,8 @@ class Builder:
         fields = [("label", pa.int8()), ("timestamp", self.time_type), ("user", id_type),
                   ("hist_item", pa.list_(id_type)), *((f"hist_{c}", pa.list_(pa.int32())) for c in self.events),
                   ("cand_item", id_type),
-                  *((f.name, pa.float32() if f.num_embeddings is None else pa.int32()) for f in side)]
+                  *((f.name, pa.float32() if f.num_embeddings is None else pa.int32()) for f in side),
+                  *((name, pa.float32()) for name in self.mean_features())]
         return pa.schema(fields)
 
     def _samples(self, bucket, cut, side: list[SideFeature], schema, counts) -> Iterator[tuple[Any, np.ndarray]]:
@@ -532,6 +571,8 @@ class Builder:
         order = np.lexsort((row, times, user))  # by user, then time, then position in the log
         user, item, times, label = user[order], item[order], times[order], label[order]
         events = [e[order] for e in events]
+        means = {c: label.astype(np.float64) if c == "label" else
+                 bucket.column(f"m{self.means.index(c)}").to_numpy()[order] for c in opts.history_means}
         n = user.shape[0]
         index = np.arange(n, dtype=np.int64)
         first_of_user = np.ones(n, dtype=bool)
@@ -553,6 +594,15 @@ class Builder:
         else:
             is_eval = times >= cut
         timestamps = _time_array(times, self.time_type)
+        # history means: over all the strictly earlier events [user_start, hist_stop), uncapped, from prefix sums
+        num_earlier = hist_stop - user_start
+        dense_means = []
+        for values in means.values():
+            prefix = np.concatenate([[0.0], np.cumsum(values)])
+            sums = prefix[hist_stop] - prefix[user_start]
+            dense_means.append(np.where(num_earlier > 0, sums / np.maximum(num_earlier, 1), 0.0))
+        if means:
+            dense_means.append(np.log1p(num_earlier.astype(np.float64)))
         lengths = hist_stop - hist_start
         id_type = schema.field("user").type
         for lo, hi in _chunks(lengths, rows=1 << 18, tokens=1 << 24):
@@ -569,6 +619,8 @@ class Builder:
             for f in side:
                 key = user if f.table == "user" else item
                 columns[f.name] = pa.array(f.values[key[lo:hi]]).cast(schema.field(f.name).type)
+            for name, values in zip(self.mean_features(), dense_means):
+                columns[name] = pa.array(values[lo:hi].astype(np.float32))
             yield pa.Table.from_pydict(columns, schema=schema), is_eval[lo:hi]
 
 
@@ -748,6 +800,10 @@ def _summary(opts: BuildOptions, builder: Builder, side: list[SideFeature], coun
         "history": "the user's events with a strictly earlier time, oldest first (equal times ordered by position in "
                    "the log; events with equal times never see each other), the most recent max_history of them",
         "split": split,
+        "history_means": {"columns": list(opts.history_means), "features": builder.mean_features(),
+                          "rule": "hist_mean_<column>: the mean of the column (label: the 0/1 label) over all the "
+                                  "user's events with a strictly earlier time (not only the capped history), 0.0 "
+                                  "with none; hist_log1p_count: log1p of their number"} if opts.history_means else None,
         "data": {
             "path": str(out / "train.parquet"),
             "eval_path": str(out / "eval.parquet"),
@@ -758,7 +814,7 @@ def _summary(opts: BuildOptions, builder: Builder, side: list[SideFeature], coun
             "num_items": len(builder.items),
             "event_features": event_features,
             "pooled_features": pooled,
-            "dense_features": [f.name for f in side if f.num_embeddings is None],
+            "dense_features": [f.name for f in side if f.num_embeddings is None] + builder.mean_features(),
         },
     }
 
@@ -822,6 +878,10 @@ def parse_args(argv: list[str] | None = None) -> BuildOptions:
                                                "features); the others are categorical ids")
     p.add_argument("--dense-fill", type=float, help="value of a dense side feature for a user/item its table lacks "
                                                     "(default: such a gap is an error)")
+    p.add_argument("--history-means", default="", help="comma-separated numeric per-event columns (or 'label', the "
+                                                       "0/1 label) averaged over each sample's strictly earlier "
+                                                       "events, all of them (not only the capped history): dense "
+                                                       "features hist_mean_<column>, with hist_log1p_count")
     p.add_argument("--max-history", default="50", help="keep the most recent N earlier events, or 'none' "
                                                        "(default: %(default)s)")
     p.add_argument("--split", choices=SPLITS, default="global",
@@ -841,7 +901,8 @@ def parse_args(argv: list[str] | None = None) -> BuildOptions:
                             label=a.label, rating=a.rating, threshold=a.threshold,
                             event_columns=split_list(a.event_columns), user_table=a.user_table, user_key=a.user_key,
                             item_table=a.item_table, item_key=a.item_key, dense=split_list(a.dense),
-                            dense_fill=a.dense_fill, max_history=max_history, split=a.split,
+                            dense_fill=a.dense_fill, history_means=split_list(a.history_means),
+                            max_history=max_history, split=a.split,
                             eval_fraction=None if a.eval_from is not None else a.eval_fraction,
                             eval_from=a.eval_from, bucket_rows=a.bucket_rows, overwrite=a.overwrite)
     except ValueError as err:
