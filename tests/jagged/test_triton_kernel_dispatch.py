@@ -96,6 +96,16 @@ def test_invalid_options_raise_every_time(mixed_batch, bad):
                    scales, True, **bad)
 
 
+def test_an_unknown_launch_keyword_is_refused(mixed_batch):
+    from gem_lp.jagged.kernels.triton_quantize import launch
+
+    values, layout = _batch(mixed_batch)
+    payloads, scales = tk._allocate(values, layout.padded_total, True, False, False)
+    with pytest.raises(TypeError, match=r"unknown launch options \['row'\]"):
+        launch(values, layout.offsets, layout.scale_offsets, layout.tile_seq, layout.padded_total, payloads,
+               scales, True, row=64)
+
+
 def _compiled_launch_setup(mixed_batch, monkeypatch):
     """A batch with the JIT, the compiled-launch check and the driver faked (as on CUDA, no GPU): values, layout,
     the fake JIT and hdim+seq output buffers."""

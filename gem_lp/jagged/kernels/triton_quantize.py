@@ -448,39 +448,36 @@ def chunk_width(head_dim: int) -> int:
 
 def launch_args(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
                 tile_seq: torch.Tensor, padded_total: int, payloads: dict[str, torch.Tensor],
-                scales: dict[str, torch.Tensor], rceil: bool, *,
-                chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
-                row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
-                max_registers: int | None = None, programs_per_sm: int | None = None,
-                direct_inverse: bool | None = None, tile_table: bool | None = None,
-                unmasked_full: bool | None = None, const_strides: bool | None = None,
-                shift_offsets: bool | None = None, float_max: bool | None = None,
-                tile_tokens: torch.Tensor | None = None, hw_cast: bool | None = None):
+                scales: dict[str, torch.Tensor], rceil: bool, *, tile_tokens: torch.Tensor | None = None,
+                hw_cast: bool | None = None, **tuning):
     """(grid, args, kwargs) of the kernel launch of `launch` (same arguments; `hw_cast` None: on CUDA).
 
     `kwargs` may be shared between calls: do not modify it.
     """
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
-                                      rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-                                      max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      const_strides, shift_offsets, float_max, tile_tokens, hw_cast)
+                                      rceil, tile_tokens, hw_cast, **tuning)
     return grid, args, plan.launch.kwargs
 
 
-def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, chunk_d=None,
-                   rows=None, thread_rows=None, row_blocks_in_thread=None, num_warps=None, max_registers=None,
-                   programs_per_sm=None, direct_inverse=None, tile_table=None, unmasked_full=None,
-                   const_strides=None, shift_offsets=None, float_max=None, tile_tokens=None, hw_cast=None):
-    """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch_args`)."""
+def _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales, rceil, tile_tokens=None,
+                   hw_cast=None, chunk_d=None, **options):
+    """(grid, positional arguments, `_LaunchPlan`) of a launch (see `launch`); `options`: fields of
+    `LaunchOptions`."""
+    unknown = sorted(set(options) - set(LaunchOptions._fields))
+    if unknown:
+        raise TypeError(f"unknown launch options {unknown}: expected chunk_d or fields of LaunchOptions "
+                        f"{list(LaunchOptions._fields)}")
     t, heads, d = values.shape
     on_cuda = values.is_cuda
     interpreter = not on_cuda and interpreter_enabled()  # only CPU tensors run in the interpreter
+    opt = options.get
+    programs_per_sm = opt("programs_per_sm")
     plan = _launch_plan(
         heads, d, values.stride(), padded_total, "hdim" in payloads, "seq" in payloads, "square" in payloads,
-        rceil, on_cuda, interpreter, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-        max_registers, on_cuda if hw_cast is None else hw_cast, _INT32_SPAN, programs_per_sm,
-        sm_count(values.device, off_gpu=1) if programs_per_sm else 1, direct_inverse, tile_table, unmasked_full,
-        const_strides, shift_offsets, float_max)
+        rceil, on_cuda, interpreter, chunk_d, opt("rows"), opt("thread_rows"), opt("row_blocks_in_thread"),
+        opt("num_warps"), opt("max_registers"), on_cuda if hw_cast is None else hw_cast, _INT32_SPAN,
+        programs_per_sm, sm_count(values.device, off_gpu=1) if programs_per_sm else 1, opt("direct_inverse"),
+        opt("tile_table"), opt("unmasked_full"), opt("const_strides"), opt("shift_offsets"), opt("float_max"))
     if tile_tokens is None:
         if plan.launch.kwargs["TILE_TABLE"]:
             raise ValueError("tile_table launches need tile_tokens ([Tp/128, 2] int64, JaggedLayout.tile_tokens)")
@@ -560,14 +557,8 @@ def _launch_plan(heads: int, d: int, strides: tuple[int, int, int], padded_total
 
 def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Tensor,
            tile_seq: torch.Tensor, padded_total: int, payloads: dict[str, torch.Tensor],
-           scales: dict[str, torch.Tensor], rceil: bool, *,
-           chunk_d: int | None = None, rows: int | None = None, thread_rows: int | None = None,
-           row_blocks_in_thread: bool | None = None, num_warps: int | None = None,
-           max_registers: int | None = None, programs_per_sm: int | None = None,
-           direct_inverse: bool | None = None, tile_table: bool | None = None,
-           unmasked_full: bool | None = None, const_strides: bool | None = None,
-           shift_offsets: bool | None = None, float_max: bool | None = None,
-           tile_tokens: torch.Tensor | None = None) -> None:
+           scales: dict[str, torch.Tensor], rceil: bool, *, tile_tokens: torch.Tensor | None = None,
+           **tuning) -> None:
     """Run the kernel once into preallocated outputs (any contents: every byte is written).
 
     Args:
@@ -577,23 +568,16 @@ def launch(values: torch.Tensor, offsets: torch.Tensor, scale_offsets: torch.Ten
         payloads: orientation -> `[T, H, D]` float8_e4m3fn (contiguous) for each requested orientation.
         scales: `"hdim"`, `"seq"`, `"square_hdim"`, `"square_seq"` -> `[H, bytes]` uint8 (contiguous),
             present for each requested orientation (square needs both of its forms).
-        chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps, max_registers, programs_per_sm,
-            direct_inverse, tile_table, unmasked_full, const_strides, shift_offsets, float_max: launch tuning:
-            features per inner step (a power-of-two multiple of 32 dividing D; default the largest of
-            128/64/32 dividing D), then the fields of `LaunchOptions` (padded rows per program, tokens per
-            thread strip, whole 32-feature blocks per thread, warps per program, register limit per thread,
-            0 for none, programs per SM of a persistent grid, 0 for one program per chunk, inverse scales
-            straight from the amax, one-lookup prologue, mask-free full chunks, compile-time strides of
-            contiguous values, scale offsets by shifts, FP32 block maxima); each None takes
-            `default_launch`'s value. The bytes written do not depend on them.
+        tuning: launch keywords, each absent or None taking `default_launch`'s value: `chunk_d`, features per
+            inner step (a power-of-two multiple of 32 dividing D; default the largest of 128/64/32 dividing D),
+            and the fields of `LaunchOptions`. The bytes written do not depend on them; an unknown keyword is a
+            TypeError.
         tile_tokens: `[Tp/128, 2]` int64 (`JaggedLayout.tile_tokens`), needed by tile_table launches.
     """
     if padded_total == 0:
         return
     grid, args, plan = _plan_and_args(values, offsets, scale_offsets, tile_seq, padded_total, payloads, scales,
-                                      rceil, chunk_d, rows, thread_rows, row_blocks_in_thread, num_warps,
-                                      max_registers, programs_per_sm, direct_inverse, tile_table, unmasked_full,
-                                      const_strides, shift_offsets, float_max, tile_tokens)
+                                      rceil, tile_tokens, **tuning)
     _run(args, plan)
 
 
