@@ -79,8 +79,9 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
 class Bench:
     def __init__(self, name: str, *, finish_on_sigterm: bool = True, cuda_graphs: bool = False):
         """`cuda_graphs`: time each row by replaying a CUDA graph of its calls (`do_bench_cudagraph`): the GPU's time
-        without the host's launch work, as the trainer's captured sequence part runs; a row that cannot be captured
-        is timed eagerly and says so (`eager` in its info)."""
+        without the host's launch work, as the trainer's captured sequence part runs; L2 is not flushed between calls
+        (an input smaller than L2 may stay cached); a row that cannot be captured is timed eagerly and says so
+        (`eager` in its info)."""
         self.name = name
         self.cuda_graphs = cuda_graphs
         self.rows: list[dict] = []
