@@ -226,3 +226,86 @@ def test_the_command_line(tmp_path, capsys):
     assert summary["max_history"] is None and 0 < summary["rows"]["eval"] < 61
     assert main([str(log), str(tmp_path / "out"), "--rating", "rating", "--threshold", "4"]) == 1
     assert "is not empty" in capsys.readouterr().err
+
+
+def history_means_of(out):
+    """{(user, item): {dense column: value}} of a build's history-means columns, in original ids."""
+    users = pq.read_table(out / "maps" / "user.parquet").column("value").to_pylist()
+    items = pq.read_table(out / "maps" / "item.parquet").column("value").to_pylist()
+    names = json.loads((out / "dataset.json").read_text())["history_means"]["features"]
+    got = {}
+    for split in ("train", "eval"):
+        for r in pq.read_table(out / f"{split}.parquet").to_pylist():
+            got[(int(users[r["user"]]), int(items[r["cand_item"]]))] = {n: r[n] for n in names}
+    return got
+
+
+@pytest.mark.parametrize("extra", [{}, dict(bucket_rows=37, batch_rows=50)])
+def test_history_means_average_all_strictly_earlier_events(tmp_path, log_rows, extra):
+    log = write_parquet(log_rows, tmp_path / "log.parquet")
+    summary = build_sequences(options(log, tmp_path / "out", history_means=("rating", "label"), max_history=5,
+                                      **extra), log=lambda _: None)
+    got = history_means_of(tmp_path / "out")
+    assert len(got) == len(log_rows)
+    longer = 0
+    for e in log_rows:
+        earlier = [o for o in log_rows if o["user_id"] == e["user_id"] and o["timestamp"] < e["timestamp"]]
+        longer += len(earlier) > 5  # the means take every earlier event, not only the capped history's 5
+        n = len(earlier)
+        want = {"hist_mean_rating": sum(o["rating"] for o in earlier) / n if n else 0.0,
+                "hist_mean_label": sum(o["rating"] >= 4 for o in earlier) / n if n else 0.0,
+                "hist_log1p_count": math.log1p(n)}
+        assert got[(e["user_id"], e["item_id"])] == pytest.approx(want, rel=1e-6), e
+    assert longer > 100
+    assert got[(1000, 50_400)] == {"hist_mean_rating": 0.0, "hist_mean_label": 0.0, "hist_log1p_count": 0.0}
+    assert summary["data"]["dense_features"] == ["hist_mean_rating", "hist_mean_label", "hist_log1p_count"]
+
+
+def test_history_means_exclude_events_at_the_same_time(tmp_path):
+    rows = [{"user_id": 1, "item_id": i, "timestamp": t, "rating": r} for i, t, r in
+            [(10, 1, 5), (11, 1, 1), (12, 2, 4), (13, 2, 1), (14, 3, 3), (20, 9, 2)]]
+    rows.append({"user_id": 2, "item_id": 21, "timestamp": 9, "rating": 4})
+    log = write_parquet(rows, tmp_path / "ties.parquet")
+    build_sequences(options(log, tmp_path / "out", event_columns=(), history_means=("rating",), max_history=1,
+                            eval_from="9"), log=lambda _: None)
+    got = {item: (round(v["hist_mean_rating"], 6), round(math.expm1(v["hist_log1p_count"])))
+           for (_, item), v in history_means_of(tmp_path / "out").items()}
+    assert got == {10: (0.0, 0), 11: (0.0, 0), 12: (3.0, 2), 13: (3.0, 2), 14: (2.75, 4), 20: (2.8, 5), 21: (0.0, 0)}
+
+
+def test_history_means_reach_the_config_and_the_trainer(tmp_path, capsys):
+    rows = make_log(n=60)
+    for i, r in enumerate(rows):
+        r["score"] = i / 10
+    log = write_parquet(rows, tmp_path / "log.parquet")
+    users = tmp_path / "users.parquet"
+    ids = sorted({r["user_id"] for r in rows})
+    pq.write_table(pa.table({"user_id": ids, "age": [30.0] * len(ids)}), users)
+    code = main([str(log), str(tmp_path / "out"), "--rating", "rating", "--threshold", "4", "--eval-fraction", "0.2",
+                 "--user-table", str(users), "--dense", "age", "--history-means", "score,label"])
+    out, _ = capsys.readouterr()
+    dense = ["age", "hist_mean_score", "hist_mean_label", "hist_log1p_count"]
+    assert code == 0 and f"'data.dense_features=[{','.join(dense)}]'" in out
+    config = (tmp_path / "out" / "config" / "data" / "logs.yaml").read_text()
+    assert f"dense_features: {json.dumps(dense)}" in config
+    summary = json.loads((tmp_path / "out" / "dataset.json").read_text())
+
+    from gem_lp.data import ParquetDataConfig, ParquetSource
+    source = ParquetSource(ParquetDataConfig(**summary["data"], batch_size=16), seed=0)
+    assert source.features.num_dense == 4
+    assert tuple(next(iter(source.train_dataset(0))).dense_features.shape) == (16, 4)
+
+
+def test_history_means_are_checked(tmp_path, log_rows):
+    log = write_parquet(log_rows, tmp_path / "log.parquet")
+    with pytest.raises(DataError, match=r"column 'device' \(--history-means\) must be numeric"):
+        build_sequences(options(log, tmp_path / "a", history_means=("device",)), log=lambda _: None)
+    rows = make_log(n=20)
+    for r in rows:
+        r["score"] = 1.0
+    rows[4]["score"] = None
+    with pytest.raises(DataError, match=r"row 4: column 'score' \(--history-means\) holds None"):
+        build_sequences(options(write_parquet(rows, tmp_path / "s.parquet"), tmp_path / "b", history_means=("score",)),
+                        log=lambda _: None)
+    with pytest.raises(ValueError, match="--history-means must be distinct columns"):
+        options(log, tmp_path / "c", history_means=("rating", "rating"))
