@@ -54,7 +54,7 @@ class TrainerConfig:
     eval_every: int = 200
     eval_batches: int | None = None  # evaluate the first this many batches of the eval set (None: all of it)
     log_every: int = 10
-    checkpoint_every: int = 200
+    checkpoint_every: int | None = 200  # null: no checkpoint file (nothing to resume, a signal stops without one)
     checkpoint_path: str | None = None  # default: <run dir>/checkpoint.pt
     lr: float = 2e-3  # AdamW, dense parameters
     betas: tuple[float, float] = (0.9, 0.98)
@@ -85,9 +85,15 @@ class TrainerConfig:
         self.betas = tuple(self.betas)
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"trainer.device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
-        for name in ("max_steps", "eval_every", "log_every", "checkpoint_every"):
+        for name in ("max_steps", "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"trainer.checkpoint_every must be null (no checkpoints) or >= 1, got "
+                             f"{self.checkpoint_every}")
+        if self.checkpoint_every is None and self.stop_after is not None:
+            raise ValueError("trainer.stop_after stops the run with a checkpoint to resume from: it needs "
+                             "trainer.checkpoint_every (not null)")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"trainer.eval_batches must be null (the whole eval set) or >= 1, got {self.eval_batches}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.max_steps:

@@ -9,16 +9,18 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class TrainingInterrupted(Exception):
-    """The run stopped on a signal after writing a checkpoint; `exit_code` is the shell's 128 + signal number
-    (130 for SIGINT, 143 for SIGTERM)."""
+    """The run stopped on a signal after writing a checkpoint (`checkpoint` None: the run writes none,
+    `trainer.checkpoint_every=null`); `exit_code` is the shell's 128 + signal number (130 for SIGINT, 143 for
+    SIGTERM)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str):
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
         self.signum = signum
         self.step = step
         self.checkpoint = checkpoint
         self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint: {checkpoint} "
-                         f"(continue with resume=true)")
+        saved = (f"checkpoint: {checkpoint} (continue with resume=true)" if checkpoint is not None else
+                 "no checkpoint (trainer.checkpoint_every=null): the run cannot be continued")
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {saved}")
 
 
 class StopRequests:
@@ -26,7 +28,8 @@ class StopRequests:
     stopping the process; the trainer checks it between steps. A second SIGINT stops at once
     (KeyboardInterrupt). Outside the main thread, where Python cannot install handlers, it does nothing."""
 
-    def __init__(self):
+    def __init__(self, checkpoint: bool = True):
+        self.checkpoint = checkpoint  # whether the stop writes one (the message says)
         self.requested: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -38,8 +41,9 @@ class StopRequests:
         # and a buffered stream refuses the reentrant write ("--- Logging error ---"). One unbuffered write to
         # stderr instead; the stop itself is logged at the step boundary.
         try:
-            os.write(2, f"{signal.Signals(signum).name} received: stopping after the current step, with a checkpoint "
-                        f"(Ctrl-C again to stop at once, without one)\n".encode())
+            how = "with a checkpoint" if self.checkpoint else "without a checkpoint (trainer.checkpoint_every=null)"
+            os.write(2, f"{signal.Signals(signum).name} received: stopping after the current step, {how} "
+                        f"(Ctrl-C again to stop at once)\n".encode())
         except OSError:  # no stderr to write to
             pass
 

@@ -661,15 +661,17 @@ class Trainer:
         started = time.perf_counter()
         builds = KernelBuilds().start()
         try:
-            with StopRequests() as stop_requests:
+            with StopRequests(checkpoint=self.tcfg.checkpoint_every is not None) as stop_requests:
                 self._stop_requests = stop_requests
                 loader = iter(self._train_loader())
                 while self.step < stop:
                     requested = stop_requests.requested if self.group is None else self._agreed_stop
                     if requested is not None:
                         self._complete_queued(scalars)
-                        self.save_checkpoint()
-                        raise TrainingInterrupted(requested, self.step, str(self.checkpoint_path))
+                        saved = self.tcfg.checkpoint_every is not None
+                        if saved:
+                            self.save_checkpoint()
+                        raise TrainingInterrupted(requested, self.step, str(self.checkpoint_path) if saved else None)
                     self._one_step(loader, stop, progress, scalars, builds)
         finally:
             self._stop_requests = None
@@ -722,7 +724,7 @@ class Trainer:
             scalars.add("train/lr", lr, self.step)
             scalars.add("train/samples_per_s", self.stopwatch.rate, self.step)
         evaluate = self.step % t.eval_every == 0 or self.step == stop
-        checkpoint = self.step % t.checkpoint_every == 0 or self.step == stop
+        checkpoint = t.checkpoint_every is not None and (self.step % t.checkpoint_every == 0 or self.step == stop)
         if evaluate or checkpoint:
             self._complete_queued(scalars)
         if evaluate:

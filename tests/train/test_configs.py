@@ -109,6 +109,8 @@ def test_types_are_checked_when_the_config_is_composed(composed, override):
     (["data=parquet", "data.path=x", "data.num_items=5", "data.pooled_features=[]"],
      "data.pooled_features must list at least one"),
     (["trainer.eval_batches=0"], "trainer.eval_batches must be null (the whole eval set) or >= 1, got 0"),
+    (["trainer.checkpoint_every=0"], "trainer.checkpoint_every must be null (no checkpoints) or >= 1, got 0"),
+    (["trainer.checkpoint_every=null", "trainer.stop_after=2"], "trainer.stop_after stops the run with a checkpoint"),
 ])
 def test_ranges_are_checked_with_one_line_errors(composed, overrides, message):
     with pytest.raises(ConfigError) as info:

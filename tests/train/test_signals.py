@@ -42,6 +42,20 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(tiny_confi
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_without_checkpoints_no_file_is_written_and_a_signal_says_so(tiny_config, tmp_path):
+    """`trainer.checkpoint_every=null`: the run writes no checkpoint, at its end or on a signal."""
+    plain = ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.checkpoint_every=null"]
+    metrics = Trainer(tiny_config(*plain), tmp_path / "done").fit()
+    assert metrics["steps"] == 4 and not (tmp_path / "done" / "checkpoint.pt").exists()
+    trainer = Trainer(tiny_config(*plain), tmp_path / "stopped")
+    hook = trainer.model.dense_input.register_forward_pre_hook(lambda *_: signal.raise_signal(signal.SIGTERM))
+    with pytest.raises(TrainingInterrupted, match="no checkpoint") as info:
+        trainer.fit()
+    hook.remove()
+    assert info.value.checkpoint is None and info.value.step == 1
+    assert not (tmp_path / "stopped" / "checkpoint.pt").exists()
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_the_command_line_exits_with_128_plus_the_signal(tmp_path, signum, code):
     run_dir = tmp_path / "run"
