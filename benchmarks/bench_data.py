@@ -75,7 +75,7 @@ def write_synthetic_parquet(cfg, rows: int, path: Path, seed: int = 0) -> dict:
             "event_features": [{"column": HIST_ACTION, "num_embeddings": cfg.num_actions},
                                {"column": HIST_GAP, "num_embeddings": cfg.num_time_buckets}],
             "pooled_features": [{"column": f.name, "num_embeddings": f.num_embeddings} for f in cfg.sparse_features],
-            "dense_features": dense_names}
+            "dense_features": dense_names, "dense_standardize": False}  # the synthetic batches' values as they are
 
 
 def parquet_overrides(data: dict) -> list[str]:

@@ -114,6 +114,19 @@ def test_iteration_resumes_at_any_batch_and_shards_over_workers(logs):
     assert all(torch.equal(x, y) for x, y in zip(got, expect))
 
 
+def test_dense_features_are_standardized_by_the_training_rows(logs):
+    raw = torch.tensor([[a, v] for a, v in zip(rows()["age"], rows()["visits"])], dtype=torch.float64)
+    n_train = N - math.ceil(N * 0.2)
+    mean, std = raw[:n_train].mean(0), raw[:n_train].std(0, unbiased=False)
+    source = ParquetSource(config(logs), seed=0)
+    torch.testing.assert_close(source.train_rows.dense, ((raw[:n_train] - mean) / std).float())
+    torch.testing.assert_close(source.eval_rows.dense, ((raw[n_train:] - mean) / std).float())  # the train numbers
+    scaling = source.fingerprint()["dense_standardized"]
+    assert scaling["age"] == {"mean": pytest.approx(float(mean[0])), "std": pytest.approx(float(std[0]))}
+    plain = ParquetSource(config(logs, dense_standardize=False), seed=0)
+    assert torch.equal(plain.eval_rows.dense, raw[n_train:].float()) and plain.fingerprint()["dense_standardized"] is None
+
+
 def test_the_last_rows_are_held_out_for_eval(logs, tmp_path):
     source = ParquetSource(config(logs), seed=0)
     n_eval = math.ceil(N * 0.2)
