@@ -60,6 +60,7 @@ class TrainerConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     weight_decay: float = 0.01
     embedding_lr: float = 0.05  # row-wise Adagrad, embedding tables
+    embedding_weight_decay: float = 0.0  # its L2 term on the rows a step touches (0: none)
     warmup_steps: int = 50
     decay: str = "cosine"
     min_lr_ratio: float = 0.1
@@ -114,8 +115,9 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be a finite number > 0, got {getattr(self, name)}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must be [beta1, beta2] with each in [0, 1), got {list(self.betas)}")
-        if not 0 <= self.weight_decay < float("inf"):
-            raise ValueError(f"trainer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        for name in ("weight_decay", "embedding_weight_decay"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"trainer.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"trainer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

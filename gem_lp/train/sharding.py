@@ -61,10 +61,11 @@ def fbgemm_has_kernels_for(device_type: str) -> bool:
         return False
 
 
-def _sharders(embedding_lr: float | None) -> dict[str, Any]:
+def _sharders(embedding_lr: float | None, weight_decay: float = 0.0) -> dict[str, Any]:
     """TorchRec's sharders of the model's two embedding modules, with the fused optimizer's settings: exact
-    row-wise Adagrad with the trainer's embedding LR and `RowWiseAdagrad`'s epsilon (no weight decay). Without
-    `embedding_lr`, sharders only to ask which sharding types they offer."""
+    row-wise Adagrad with the trainer's embedding LR, its L2 weight decay (`RowWiseAdagrad`'s rule: added to the
+    touched rows' gradients) and `RowWiseAdagrad`'s epsilon. Without `embedding_lr`, sharders only to ask which
+    sharding types they offer."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -73,6 +74,10 @@ def _sharders(embedding_lr: float | None) -> dict[str, Any]:
     if embedding_lr is not None:
         fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": embedding_lr,
                  "eps": ROWWISE_ADAGRAD_EPS}
+        if weight_decay:
+            from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+            fused.update(weight_decay=weight_decay, weight_decay_mode=WeightDecayMode.L2)
     return {"sequence_embeddings": EmbeddingCollectionSharder(fused_params=fused),
             "pooled_embeddings": EmbeddingBagCollectionSharder(fused_params=fused)}
 
@@ -160,7 +165,7 @@ def shard_model(model: nn.Module, tables: dict[str, list[str]], tcfg: TrainerCon
 
     initial = {name: value.detach().clone() for name, value in model.state_dict().items()
                if name.split(".")[0] in tables}
-    sharders = _sharders(tcfg.embedding_lr)
+    sharders = _sharders(tcfg.embedding_lr, tcfg.embedding_weight_decay)
     constraints = {table: ParameterConstraints(sharding_types=types, compute_kernels=["fused"])
                    for table, types in choices.items()}
     with warnings.catch_warnings():

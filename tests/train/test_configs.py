@@ -109,6 +109,7 @@ def test_types_are_checked_when_the_config_is_composed(composed, override):
     (["data=parquet", "data.path=x", "data.num_items=5", "data.pooled_features=[]"],
      "data.pooled_features must list at least one"),
     (["trainer.eval_batches=0"], "trainer.eval_batches must be null (the whole eval set) or >= 1, got 0"),
+    (["trainer.embedding_weight_decay=-1"], "trainer.embedding_weight_decay must be a finite number >= 0, got -1"),
     (["trainer.checkpoint_every=0"], "trainer.checkpoint_every must be null (no checkpoints) or >= 1, got 0"),
     (["trainer.checkpoint_every=null", "trainer.stop_after=2"], "trainer.stop_after stops the run with a checkpoint"),
 ])

@@ -71,6 +71,21 @@ def test_rowwise_adagrad_matches_its_formula():
     assert torch.equal(opt2.state_dict()["state"][0]["sum"], state.float())
 
 
+def test_rowwise_adagrad_weight_decay_on_touched_rows_only():
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(4, 3, generator=g)
+    w = torch.nn.Parameter(w0.clone())
+    opt = RowWiseAdagrad([w], lr=0.1, eps=1e-8, weight_decay=0.5)
+    grad = torch.randn(4, 3, generator=g)
+    grad[2] = 0.0
+    w.grad = grad.clone()
+    opt.step()
+    decayed = grad + 0.5 * w0
+    step = 0.1 * decayed / (decayed.square().mean(1).sqrt() + 1e-8)[:, None]
+    touched = torch.tensor([True, True, False, True])
+    torch.testing.assert_close(w.detach(), torch.where(touched[:, None], w0 - step, w0), rtol=1e-6, atol=1e-6)
+
+
 def test_rowwise_adagrad_sparse_grad_and_errors():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     dense = torch.nn.Embedding(10, 4)
