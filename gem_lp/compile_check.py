@@ -29,7 +29,8 @@ import traceback
 from typing import Callable
 
 ARCHES = ("sm_90a", "sm_100a")
-# SM count the builds are specialized for (H100 / H200: 132, B200: 148); FA4's schedulers read it from the driver otherwise.
+# SM count the builds are specialized for (H100 / H200: 132, B200: 148); FA4's schedulers read it from the driver
+# otherwise.
 NUM_SMS = {"sm_90a": 132, "sm_100a": 148}
 TARGET_MODULES = ("gem_lp.mx.kernels.cute_targets", "gem_lp.norm.kernels.cute_targets", "gem_lp.linear.kernels.cute_targets",
                   "gem_lp.attention.cute.targets")

@@ -57,7 +57,8 @@ def _check(device: torch.device, precision: str, dims, p_quants, floor: float) -
                 # O, dK, dV bit for bit; dQ is summed over key tiles by atomic adds (FA4's accumulator)
                 repeat_ok &= repeats(*got, exact={0, 2, 3})
                 want = _run(q_, k_, v_, q_offs, kv_offs, bq, causal, dy, backend="reference", **kw)
-                worst.add((f"D{dim} {name} {p_quant} {t}", a, b) for t, a, b in zip(("O", "dQ", "dK", "dV"), got[0], want))
+                worst.add((f"D{dim} {name} {p_quant} {t}", a, b)
+                          for t, a, b in zip(("O", "dQ", "dK", "dV"), got[0], want))
     return worst.verdict(cases, floor, repeat_ok, f"the {precision} reference")
 
 

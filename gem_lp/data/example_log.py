@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 NUM_GENRES = 20
 OCCUPATIONS = ("artist", "doctor", "educator", "engineer", "homemaker", "lawyer", "programmer", "retired", "student",
@@ -80,18 +81,6 @@ def generate_log(path: str | Path, events: int = 100_000, users: int = 943, item
     return path
 
 
-def auc(scores, labels) -> float:
-    """ROC AUC by the rank-sum (Mann-Whitney) formula: tied scores get their average rank, so a tie counts 1/2."""
-    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels).astype(bool)
-    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError(f"AUC needs both classes, got {n_pos} positive and {n_neg} negative labels")
-    _, group, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    ranks = (ends - (counts - 1) / 2.0)[group]  # 1-based ranks, averaged over each tie group
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
 def teacher_eval(log_path: str | Path, built_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(teacher scores, 0/1 labels) of the log's events that `build_sequences` made eval samples in `built_dir`: the
     events at or after the global cut its `dataset.json` records, labelled rating >= its threshold."""
@@ -117,7 +106,14 @@ def teacher_eval(log_path: str | Path, built_dir: str | Path) -> tuple[np.ndarra
 
 def teacher_auc(log_path: str | Path, built_dir: str | Path) -> float:
     """The planted teacher's AUC on the eval split of `built_dir` (the best AUC any model can reach there)."""
-    return auc(*teacher_eval(log_path, built_dir))
+    return _auc(*teacher_eval(log_path, built_dir))
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The trainer's `roc_auc` (ties count one half) of numpy scores and 0/1 labels."""
+    from gem_lp.train.metrics import roc_auc
+
+    return roc_auc(torch.from_numpy(scores), torch.from_numpy(labels))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             scores, labels = teacher_eval(*a.teacher_auc)
         except (ValueError, KeyError, FileNotFoundError) as err:
             p.error(str(err))
-        print(f"teacher AUC {auc(scores, labels):.4f} on {labels.shape[0]:,} eval events ({int(labels.sum()):,} "
-              f"positive)")
+        print(f"teacher AUC {_auc(scores, labels):.4f} on {labels.shape[0]:,} eval events ({int(labels.sum()):,} positive)")
         return 0
     if a.out is None:
         p.error("give the log's path OUT (or --teacher-auc LOG BUILT_DIR)")

@@ -476,9 +476,10 @@ class ParquetRecDataset(IterableDataset):
 
     Batch `i` holds rows `order_e[j * B : (j + 1) * B]` with `e, j = divmod(i, batches_per_epoch)`: each
     epoch visits every row once, the last batch of an epoch holding the remainder (fewer than B rows), or with
-    `drop_last` every row of its full batches (the remainder, `len(rows) % B` rows, left out). `order_e` is the file order, or with `shuffle` a permutation drawn from `(seed, e)`. Loader workers
-    split the batches (worker w of n yields `start + w`, `start + w + n`, ...), each holding the rows once (shared
-    with the parent process when workers fork).
+    `drop_last` every row of its full batches (the remainder, `len(rows) % B` rows, left out). `order_e` is the
+    file order, or with `shuffle` a permutation drawn from `(seed, e)`. Loader workers split the batches (worker w
+    of n yields `start + w`, `start + w + n`, ...), each holding the rows once (shared with the parent process when
+    workers fork).
     """
 
     def __init__(self, rows: ParquetRows, batch_size: int, seed: int, start: int = 0, shuffle: bool = True,

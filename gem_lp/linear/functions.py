@@ -74,7 +74,8 @@ def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
 
 
 # The cuBLAS route casts the whole input into a BF16 operand as large as the input before the forward GEMM. At a long
-# history that transient sets the step's peak (the MLP down-projection's operand is as large as its input). An operand above FORWARD_OPERAND_MAX_BYTES is cast and multiplied in row chunks of at most
+# history that transient sets the step's peak (the MLP down-projection's operand is as large as its input). An
+# operand above FORWARD_OPERAND_MAX_BYTES is cast and multiplied in row chunks of at most
 # FORWARD_OPERAND_CHUNK_BYTES (powers of two: the full chunks' GEMMs share one shape and write Y in place), the
 # colwise cast for dW and the norm's rstd made by a pass of their own: one more read of X, the same values.
 FORWARD_OPERAND_MAX_BYTES = 1 << 30

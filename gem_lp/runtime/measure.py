@@ -62,8 +62,6 @@ class Agreement:
 def repeats(first, second, exact, close_db: float = 90.0) -> bool:
     """Two runs agree: bit for bit on the tensors named in `exact` (indices), and to within FP32 summation order on
     the others (at least `close_db` dB), which atomic adds (dQ's accumulator, column sums) may order differently."""
-    from gem_lp.accuracy import sqnr_db
-
     return all(torch.equal(a, b) if i in exact else sqnr_db(a.float(), b.float()) >= close_db
                for i, (a, b) in enumerate(zip(first, second)))
 

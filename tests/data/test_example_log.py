@@ -1,38 +1,18 @@
 """example_log's planted teacher: its score is a column of the log that build_sequences leaves out, and its AUC is
-taken on exactly the events build_sequences made eval samples; the AUC's tie handling against a pairwise count."""
+taken on exactly the events build_sequences made eval samples (the trainer's `roc_auc`, tested against a pairwise
+count in tests/train/test_metrics.py)."""
 import collections
-import itertools
 
 import numpy as np
 import pytest
+import torch
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from gem_lp.data.build_sequences import BuildOptions, build_sequences  # noqa: E402
-from gem_lp.data.example_log import auc, generate_log, main, teacher_auc, teacher_eval  # noqa: E402
-
-
-def pairwise_auc(scores, labels):
-    """P(a positive scores above a negative), ties one half, over every pair."""
-    pos = [s for s, y in zip(scores, labels) if y]
-    neg = [s for s, y in zip(scores, labels) if not y]
-    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg))
-    return wins / (len(pos) * len(neg))
-
-
-def test_auc_counts_ties_as_one_half():
-    rng = np.random.default_rng(0)
-    for n in (2, 3, 7, 40):
-        for _ in range(20):
-            labels = rng.integers(0, 2, n)
-            labels[:2] = (0, 1)  # both classes
-            scores = rng.integers(0, 4, n).astype(float)  # few values: many ties
-            assert auc(scores, labels) == pytest.approx(pairwise_auc(scores, labels), abs=1e-12)
-    assert auc([1.0, 1.0, 1.0], [0, 1, 1]) == 0.5
-    assert auc([0.1, 0.9], [0, 1]) == 1.0 and auc([0.9, 0.1], [0, 1]) == 0.0
-    with pytest.raises(ValueError, match="both classes"):
-        auc([0.1, 0.2], [1, 1])
+from gem_lp.data.example_log import generate_log, main, teacher_auc, teacher_eval  # noqa: E402
+from gem_lp.train.metrics import roc_auc  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +46,11 @@ def test_the_teacher_is_scored_on_the_eval_samples(built):
     assert samples == events
 
     best = teacher_auc(log, out)
-    assert best > 0.75  # the planted signal is strong
-    assert auc(np.zeros_like(scores), labels) == 0.5  # a useless score: all tied
-    noise = np.random.default_rng(0).normal(size=scores.shape)
-    assert abs(auc(noise, labels) - 0.5) < 0.05
+    assert best == roc_auc(torch.from_numpy(scores), torch.from_numpy(labels)) and best > 0.75  # a strong signal
+    labels_t = torch.from_numpy(labels)
+    assert roc_auc(torch.zeros(labels_t.shape), labels_t) == 0.5  # a useless score: all tied
+    noise = torch.from_numpy(np.random.default_rng(0).normal(size=scores.shape))
+    assert abs(roc_auc(noise, labels_t) - 0.5) < 0.05
 
 
 def test_another_log_is_refused_and_the_command_line(built, tmp_path, capsys):

@@ -697,8 +697,8 @@ def strip_config(K: int, aligned_m: bool = True, operands: bool = False, hw_cast
 
     `aligned_m`: M is a multiple of 32 (whole row blocks); for other M the light 1-warp launch, as fast there as
     the aligned launch is at aligned M. With the padded colwise rows (`colwise_payload_buffer`) the unaligned
-    builds keep their vector stores, and at K = 4096 the tuned launch is faster there (`MEASURED_UNALIGNED_KS`). `operands`:
-    dequantized operands are written; `hw_cast=False`: the integer E4M3 rounding.
+    builds keep their vector stores, and at K = 4096 the tuned launch is faster there (`MEASURED_UNALIGNED_KS`).
+    `operands`: dequantized operands are written; `hw_cast=False`: the integer E4M3 rounding.
     """
     if interpreter_enabled():
         return NormConfig(32, min(_pow2_at_least(K, BLOCK), INTERPRETER_MAX_BLOCK_K), 1, 8)
