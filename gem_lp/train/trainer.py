@@ -3,10 +3,12 @@ process, or on several under torchrun (TorchRec model parallelism, see `gem_lp.t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import resource
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -846,5 +848,12 @@ def train(cfg: DictConfig | RunConfig, run_dir: str | Path) -> dict[str, Any]:
     trainer = Trainer(cfg, run_dir)
     try:
         return trainer.fit()
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)  # the finished frames' references to the trainer (see below)
+        raise
     finally:
         trainer.close()
+        # The sharded modules hold the process group's gloo backend after it is destroyed; freed at interpreter
+        # exit instead, its worker threads can still need the interpreter and abort the process (SIGABRT).
+        del trainer
+        gc.collect()
