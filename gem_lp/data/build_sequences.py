@@ -68,6 +68,7 @@ class BuildOptions:
     user_key: str | None = None  # default: `user`
     item_table: str | None = None
     item_key: str | None = None  # default: `item`
+    item_history_columns: tuple[str, ...] = ()  # categorical item-table columns also written per history event
     dense: tuple[str, ...] = ()  # side-table columns taken as numbers
     dense_fill: float | None = None  # the value of a dense side feature for an id its table lacks (None: an error)
     history_means: tuple[str, ...] = ()  # numeric event columns (or "label") averaged over all earlier events
@@ -82,6 +83,7 @@ class BuildOptions:
     def __post_init__(self):
         self.event_columns, self.dense = tuple(self.event_columns), tuple(self.dense)
         self.history_means = tuple(self.history_means)
+        self.item_history_columns = tuple(self.item_history_columns)
         problems = []
         if self.format is not None and self.format not in FORMATS:
             problems.append(f"--format must be one of {FORMATS}, got {self.format!r}")
@@ -103,6 +105,8 @@ class BuildOptions:
             problems.append("--user-key needs --user-table")
         if self.item_key is not None and self.item_table is None:
             problems.append("--item-key needs --item-table")
+        if self.item_history_columns and self.item_table is None:
+            problems.append("--item-history-columns names item-table columns: give --item-table")
         if self.dense and self.user_table is None and self.item_table is None:
             problems.append("--dense names side-table columns: give --user-table or --item-table")
         if self.bucket_rows < 1 or self.batch_rows < 1:
@@ -118,8 +122,13 @@ class BuildOptions:
         if len(set(means)) != len(means) or set(means) & {self.user, self.item, self.time}:
             problems.append(f"--history-means must be distinct columns other than the user, item and time, got "
                             f"{list(means)}")
-        if {f"hist_{c}" for c in self.event_columns} & {*(f"hist_mean_{c}" for c in means), HIST_COUNT}:
-            problems.append("an --event-columns history list would have the name of a --history-means column")
+        lists = [*self.event_columns, *self.item_history_columns]
+        if len(set(lists)) != len(lists):
+            problems.append(f"--event-columns and --item-history-columns would write the same history list twice: "
+                            f"{sorted({c for c in lists if lists.count(c) > 1})}")
+        if {f"hist_{c}" for c in lists} & {*(f"hist_mean_{c}" for c in means), HIST_COUNT}:
+            problems.append("an --event-columns or --item-history-columns history list would have the name of a "
+                            "--history-means column")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -455,7 +464,7 @@ class Builder:
                 out += self._side_table(kind, path, key, ids)
         names = [f.name for f in out]
         taken = {"label", "timestamp", "user", "hist_item", "cand_item", *(f"hist_{c}" for c in opts.event_columns),
-                 *self.mean_features()}
+                 *(f"hist_{c}" for c in opts.item_history_columns), *self.mean_features()}
         clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & taken))
         if clash:
             raise DataError(f"side-table columns {clash} clash with each other or with the output's own columns "
@@ -463,6 +472,11 @@ class Builder:
         unknown = sorted(set(opts.dense) - set(names))
         if unknown:
             raise DataError(f"--dense names {unknown}, which no side table holds (side columns: {names})")
+        categorical = [f.name for f in out if f.table == "item" and f.num_embeddings is not None]
+        unknown = sorted(set(opts.item_history_columns) - set(categorical))
+        if unknown:
+            raise DataError(f"--item-history-columns names {unknown}, which are not categorical columns of the item "
+                            f"table (those are {categorical}; --dense columns are numbers)")
         return out
 
     def _side_table(self, kind: str, path: str, key: str, ids: IdMap) -> list[SideFeature]:
@@ -556,6 +570,7 @@ class Builder:
 
         fields = [("label", pa.int8()), ("timestamp", self.time_type), ("user", id_type),
                   ("hist_item", pa.list_(id_type)), *((f"hist_{c}", pa.list_(pa.int32())) for c in self.events),
+                  *((f"hist_{c}", pa.list_(pa.int32())) for c in self.opts.item_history_columns),
                   ("cand_item", id_type),
                   *((f.name, pa.float32() if f.num_embeddings is None else pa.int32()) for f in side),
                   *((name, pa.float32()) for name in self.mean_features())]
@@ -605,6 +620,7 @@ class Builder:
             dense_means.append(np.log1p(num_earlier.astype(np.float64)))
         lengths = hist_stop - hist_start
         id_type = schema.field("user").type
+        item_lists = [next(f for f in side if f.table == "item" and f.name == c) for c in opts.item_history_columns]
         for lo, hi in _chunks(lengths, rows=1 << 18, tokens=1 << 24):
             positions, offsets = _ranges(hist_start[lo:hi], hist_stop[lo:hi])
             counts["history_events"] += int(offsets[-1])
@@ -614,6 +630,7 @@ class Builder:
                 "user": pa.array(user[lo:hi]).cast(id_type),
                 "hist_item": _lists(offsets, item[positions], id_type),
                 **{f"hist_{c}": _lists(offsets, e[positions], pa.int32()) for c, e in zip(self.events, events)},
+                **{f"hist_{f.name}": _lists(offsets, f.values[item[positions]], pa.int32()) for f in item_lists},
                 "cand_item": pa.array(item[lo:hi]).cast(id_type),
             }
             for f in side:
@@ -776,6 +793,8 @@ def build_sequences(opts: BuildOptions, log=print) -> dict[str, Any]:
 def _summary(opts: BuildOptions, builder: Builder, side: list[SideFeature], counts: dict[str, int], cut) -> dict:
     out = Path(opts.out).resolve()
     event_features = [{"column": f"hist_{c}", "num_embeddings": len(m)} for c, m in builder.events.items()]
+    event_features += [{"column": f"hist_{f.name}", "num_embeddings": f.num_embeddings}
+                       for c in opts.item_history_columns for f in side if f.table == "item" and f.name == c]
     pooled = [{"column": "user", "num_embeddings": len(builder.users)}]
     pooled += [{"column": f.name, "num_embeddings": f.num_embeddings} for f in side if f.num_embeddings is not None]
     split = {"mode": opts.split, "eval_fraction": opts.eval_fraction if opts.eval_from is None else None}
@@ -874,6 +893,9 @@ def parse_args(argv: list[str] | None = None) -> BuildOptions:
     p.add_argument("--user-key", help="its user id column (default: --user)")
     p.add_argument("--item-table", help="item side table, one row per item")
     p.add_argument("--item-key", help="its item id column (default: --item)")
+    p.add_argument("--item-history-columns", default="",
+                   help="comma-separated categorical item-table columns also written per history event, as history "
+                        "lists hist_<column> (e.g. each earlier item's genre beside it)")
     p.add_argument("--dense", default="", help="comma-separated side-table columns taken as numbers (dense "
                                                "features); the others are categorical ids")
     p.add_argument("--dense-fill", type=float, help="value of a dense side feature for a user/item its table lacks "
@@ -900,7 +922,8 @@ def parse_args(argv: list[str] | None = None) -> BuildOptions:
         return BuildOptions(log=a.log, out=a.out, format=a.format, user=a.user, item=a.item, time=a.time,
                             label=a.label, rating=a.rating, threshold=a.threshold,
                             event_columns=split_list(a.event_columns), user_table=a.user_table, user_key=a.user_key,
-                            item_table=a.item_table, item_key=a.item_key, dense=split_list(a.dense),
+                            item_table=a.item_table, item_key=a.item_key,
+                            item_history_columns=split_list(a.item_history_columns), dense=split_list(a.dense),
                             dense_fill=a.dense_fill, history_means=split_list(a.history_means),
                             max_history=max_history, split=a.split,
                             eval_fraction=None if a.eval_from is not None else a.eval_fraction,

@@ -182,6 +182,45 @@ def test_side_tables_with_gaps_and_empty_columns(tmp_path, log_rows):
         assert r["genre"] == (1 + (item - 50_000) % 3 if listed else 0)
 
 
+def test_item_history_columns_give_each_earlier_items_side_value(tmp_path, log_rows):
+    log = write_parquet(log_rows, tmp_path / "log.parquet")
+    items = tmp_path / "items.parquet"  # every other item listed: the rest have genre 0 (missing)
+    pq.write_table(pa.table({"item_id": [50_000 + i for i in range(0, 400, 2)],
+                             "genre": [f"g{i % 3}" for i in range(0, 400, 2)],
+                             "price": [float(i) for i in range(0, 400, 2)]}), items)
+    opts = dict(item_table=str(items), dense=("price",), dense_fill=0.0, item_history_columns=("genre",))
+    summary = build_sequences(options(log, tmp_path / "out", bucket_rows=37, **opts), log=lambda _: None)
+    assert summary["data"]["event_features"] == [{"column": "hist_rating", "num_embeddings": 6},
+                                                 {"column": "hist_genre", "num_embeddings": 4}]
+    out = tmp_path / "out"
+    item_ids = pq.read_table(out / "maps" / "item.parquet").column("value").to_pylist()
+    genre_map = pq.read_table(out / "maps" / "genre.parquet")
+    genre_of_id = dict(zip(genre_map.column("id").to_pylist(), genre_map.column("value").to_pylist()))
+    expected = {50_000 + i: f"g{i % 3}" for i in range(0, 400, 2)}
+    lists = 0
+    for split in ("train", "eval"):
+        for r in pq.read_table(out / f"{split}.parquet").to_pylist():
+            assert len(r["hist_genre"]) == len(r["hist_item"])
+            assert [genre_of_id.get(g) for g in r["hist_genre"]] == [expected.get(item_ids[i]) for i in r["hist_item"]]
+            lists += len(r["hist_genre"]) > 0
+    assert lists > 100
+    assert built(out) == reference(log_rows, 5, lambda i, e: e["timestamp"] >= 30)  # the rest as without it
+
+    from gem_lp.data import ParquetDataConfig, ParquetSource
+    source = ParquetSource(ParquetDataConfig(**summary["data"], batch_size=16), seed=0)
+    assert next(iter(source.train_dataset(0))).batch_size == 16
+
+    with pytest.raises(ValueError, match="--item-history-columns names item-table columns: give --item-table"):
+        options(log, tmp_path / "a", item_history_columns=("genre",))
+    with pytest.raises(ValueError, match=r"would write the same history list twice: \['rating'\]"):
+        options(log, tmp_path / "a", item_table=str(items), item_history_columns=("rating",))
+    for column in ("price", "colour"):
+        with pytest.raises(DataError, match=rf"--item-history-columns names \['{column}'\], which are not categorical "
+                                            rf"columns of the item table \(those are \['genre'\]"):
+            build_sequences(options(log, tmp_path / column, **{**opts, "item_history_columns": (column,)}),
+                            log=lambda _: None)
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda r: r[3].update(user_id=None), "row 3: column 'user_id' is null"),
     (lambda r: r[5].update(timestamp=None), "row 5: column 'timestamp' is null"),
