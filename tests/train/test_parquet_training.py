@@ -216,9 +216,10 @@ def test_a_raw_log_built_into_samples_trains(composed, tmp_path):
     summary = build_sequences(BuildOptions(
         log=str(log), out=str(tmp_path / "built"), rating="rating", threshold=4, event_columns=("rating",),
         user_table=str(tmp_path / "ratings_users.parquet"), item_table=str(tmp_path / "ratings_items.parquet"),
-        dense=("age",), max_history=20), log=lambda _: None)
+        dense=("age",), item_history_columns=("genre",), max_history=20), log=lambda _: None)
     data = summary["data"]
     assert [f["column"] for f in data["pooled_features"]] == ["user", "occupation", "genre"]
+    assert [f["column"] for f in data["event_features"]] == ["hist_rating", "hist_genre"]
     assert data["dense_features"] == ["age"] and summary["rows"]["events"] == 3000
     times = pq.read_table(log).column("timestamp").to_pylist()
     assert times == sorted(times)  # the generated log is in time order
