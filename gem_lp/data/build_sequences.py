@@ -588,19 +588,11 @@ class Builder:
         events = [e[order] for e in events]
         means = {c: label.astype(np.float64) if c == "label" else
                  bucket.column(f"m{self.means.index(c)}").to_numpy()[order] for c in opts.history_means}
-        n = user.shape[0]
-        index = np.arange(n, dtype=np.int64)
-        first_of_user = np.ones(n, dtype=bool)
-        first_of_user[1:] = user[1:] != user[:-1]
-        first_of_time = first_of_user.copy()
-        first_of_time[1:] |= times[1:] != times[:-1]
-        user_start = np.maximum.accumulate(np.where(first_of_user, index, 0))
-        hist_stop = np.maximum.accumulate(np.where(first_of_time, index, 0))  # strictly earlier: before my tie group
-        if opts.max_history is None:
-            hist_start = user_start
-        else:
-            hist_start = np.maximum(user_start, hist_stop - opts.max_history)
+        index = np.arange(user.shape[0], dtype=np.int64)
+        user_start, hist_start, hist_stop = history_bounds(user, times, opts.max_history)
+        if opts.max_history is not None:
             counts["capped"] += int((hist_stop - user_start > opts.max_history).sum())
+        first_of_user = index == user_start
         if opts.split == "user":
             group = np.cumsum(first_of_user) - 1
             events_of_user = np.bincount(group)[group]
@@ -639,6 +631,23 @@ class Builder:
             for name, values in zip(self.mean_features(), dense_means):
                 columns[name] = pa.array(values[lo:hi].astype(np.float32))
             yield pa.Table.from_pydict(columns, schema=schema), is_eval[lo:hi]
+
+
+def history_bounds(user: np.ndarray, times: np.ndarray, max_history: int | None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For events sorted by user, then time, then position in the log: (the index of the user's first event, the
+    history's start, its stop). The history `[start, stop)` is the user's events with a strictly earlier time (it
+    stops before the event's group of equal times), the most recent `max_history` of them (None: all)."""
+    n = user.shape[0]
+    index = np.arange(n, dtype=np.int64)
+    first_of_user = np.ones(n, dtype=bool)
+    first_of_user[1:] = user[1:] != user[:-1]
+    first_of_time = first_of_user.copy()
+    first_of_time[1:] |= times[1:] != times[:-1]
+    user_start = np.maximum.accumulate(np.where(first_of_user, index, 0))
+    hist_stop = np.maximum.accumulate(np.where(first_of_time, index, 0))
+    hist_start = user_start if max_history is None else np.maximum(user_start, hist_stop - max_history)
+    return user_start, hist_start, hist_stop
 
 
 class TimeSample:

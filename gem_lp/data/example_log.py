@@ -11,7 +11,8 @@ A rating is `clip(rint(teacher_score + noise), 1, 5)`, noise ~ N(0, 0.9), where 
 the log) is `3.0 + 1.2 * likes - 0.4 * (not likes) + generosity[user]` and `likes` says the item's genre is one of the
 user's two favourites. P(rating >= X) rises with `teacher_score`, so no model ranks the events better: its AUC is the
 best achievable. `python -m gem_lp.data.example_log --teacher-auc LOG BUILT_DIR` gives it on the eval split that
-`build_sequences` wrote to BUILT_DIR (`--rating rating --threshold X`, a global time split).
+`build_sequences` wrote to BUILT_DIR (`--rating rating --threshold X`, a global time split), and beside it the AUC of
+the teacher's form estimated from each sample's history alone (with the side tables): what the samples hold.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 
 NUM_GENRES = 20
+# the teacher: BASE + LIKED (a favourite genre's item) or BASE + DISLIKED, plus the user's generosity ~ N(0, GENEROSITY_SD)
+BASE, LIKED, DISLIKED, GENEROSITY_SD, NOISE_SD = 3.0, 1.2, -0.4, 0.4, 0.9
 OCCUPATIONS = ("artist", "doctor", "educator", "engineer", "homemaker", "lawyer", "programmer", "retired", "student",
                "writer")
 
@@ -46,7 +49,7 @@ def generate_log(path: str | Path, events: int = 100_000, users: int = 943, item
     activity = rng.lognormal(0.0, 0.8, users)
     activity = (floor + activity / activity.sum() * (events - floor * users)) / events
     favourites = np.stack([rng.choice(NUM_GENRES, 2, replace=False) for _ in range(users)])
-    generosity = rng.normal(0.0, 0.4, users)
+    generosity = rng.normal(0.0, GENEROSITY_SD, users)
     genre = rng.integers(0, NUM_GENRES, items)
     popularity = 1.0 / np.arange(1, items + 1) ** 0.9
     rng.shuffle(popularity)
@@ -67,8 +70,8 @@ def generate_log(path: str | Path, events: int = 100_000, users: int = 943, item
                 picks = liked & (fav == g)
                 item[picks] = rng.choice(by_genre[g], int(picks.sum()), p=genre_popularity[g])
             likes = (favourites[user] == genre[item][:, None]).any(axis=1)
-            teacher = 3.0 + 1.2 * likes - 0.4 * ~likes + generosity[user]  # the noise-free expected score
-            rating = np.clip(np.rint(teacher + rng.normal(0.0, 0.9, n)), 1, 5).astype(np.int8)
+            teacher = BASE + np.where(likes, LIKED, DISLIKED) + generosity[user]  # the noise-free expected score
+            rating = np.clip(np.rint(teacher + rng.normal(0.0, NOISE_SD, n)), 1, 5).astype(np.int8)
             times = start + np.sort(rng.uniform(k * period / chunks, (k + 1) * period / chunks, n)).astype(np.int64)
             writer.write_table(pa.table({"user_id": user + 1, "item_id": item + 1, "timestamp": times,
                                          "rating": rating, "teacher_score": teacher}, schema=schema))
@@ -109,6 +112,52 @@ def teacher_auc(log_path: str | Path, built_dir: str | Path) -> float:
     return _auc(*teacher_eval(log_path, built_dir))
 
 
+def history_estimate_eval(log_path: str | Path, built_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, 0/1 labels) on the eval events of `teacher_eval` of the teacher's form estimated from each event's
+    history alone, as `build_sequences` cut it (the user's strictly earlier events, the most recent max_history):
+    the favourites are the two genres most frequent there (ties: the lower genre), the generosity is the mean of the
+    ratings' residuals there shrunk to its prior, N(0, GENEROSITY_SD). What a model that knows the generator can
+    reach from the samples (rounding and clipping aside); the genres come from the item table beside the log
+    (`--side-tables`)."""
+    import pyarrow.parquet as pq
+
+    from .build_sequences import history_bounds
+
+    summary = json.loads((Path(built_dir) / "dataset.json").read_text())
+    teacher_eval(log_path, built_dir)  # the same checks: the log the build was made from
+    items_path = Path(log_path).with_suffix("").as_posix() + "_items.parquet"
+    if not Path(items_path).exists():
+        raise FileNotFoundError(f"{items_path}: the item table example_log --side-tables writes beside the log (the "
+                                f"items' genres)")
+    items = pq.read_table(items_path).to_pydict()
+    genre_of = dict(zip(items["item_id"], (int(g[len("genre"):]) for g in items["genre"])))
+    log = pq.read_table(log_path, columns=["user_id", "item_id", "timestamp", "rating"]).to_pydict()
+    user, time, rating = (np.asarray(log[c]) for c in ("user_id", "timestamp", "rating"))
+    genre = np.array([genre_of[i] for i in log["item_id"]], dtype=np.int64)
+    order = np.lexsort((np.arange(user.shape[0]), time, user))  # build_sequences' order: user, time, log position
+    user, time, rating, genre = user[order], time[order], rating[order].astype(np.float64), genre[order]
+    n = user.shape[0]
+    _, hist_start, hist_stop = history_bounds(user, time, summary["max_history"])
+    is_eval = np.flatnonzero(time >= summary["split"]["cut"])
+    start, stop = hist_start[is_eval], hist_stop[is_eval]
+    counts = np.zeros((n + 1, NUM_GENRES), dtype=np.int32)  # prefix counts of each genre
+    np.add.at(counts, (np.arange(1, n + 1), genre), 1)
+    counts = np.cumsum(counts, axis=0)
+    window = counts[stop] - counts[start]
+    favourites = np.argsort(-window, axis=1, kind="stable")[:, :2]
+    seen = stop - start
+    liked_seen = np.take_along_axis(window, favourites, axis=1).sum(axis=1)
+    rating_sums = np.r_[0.0, np.cumsum(rating)]
+    residual = (rating_sums[stop] - rating_sums[start] - seen * BASE - liked_seen * LIKED
+                - (seen - liked_seen) * DISLIKED)
+    generosity = residual / (seen + (NOISE_SD / GENEROSITY_SD) ** 2)
+    liked = (favourites == genre[is_eval][:, None]).any(axis=1) & (seen > 0)
+    scores = BASE + np.where(liked, LIKED, DISLIKED) + generosity
+    scores[seen == 0] = BASE
+    labels = (rating[is_eval] >= summary["threshold"]).astype(np.int8)
+    return scores, labels
+
+
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
     """The trainer's `roc_auc` (ties count one half) of numpy scores and 0/1 labels."""
     from gem_lp.train.metrics import roc_auc
@@ -126,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--side-tables", action="store_true", help="also write <stem>_users.parquet and _items.parquet")
     p.add_argument("--teacher-auc", nargs=2, metavar=("LOG", "BUILT_DIR"),
-                   help="instead: print the planted teacher's AUC on the eval split build_sequences wrote to BUILT_DIR")
+                   help="instead: print the planted teacher's AUC on the eval split build_sequences wrote to BUILT_DIR, "
+                        "and its form's estimated from the samples' histories")
     a = p.parse_args(argv)
     if a.teacher_auc:
         if a.out is not None:
@@ -136,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError, FileNotFoundError) as err:
             p.error(str(err))
         print(f"teacher AUC {_auc(scores, labels):.4f} on {labels.shape[0]:,} eval events ({int(labels.sum()):,} positive)")
+        try:
+            estimate = _auc(*history_estimate_eval(*a.teacher_auc))
+        except FileNotFoundError as err:
+            print(f"(no estimate from the histories alone: {err})")
+        else:
+            print(f"the teacher's form estimated from each event's history alone: AUC {estimate:.4f}")
         return 0
     if a.out is None:
         p.error("give the log's path OUT (or --teacher-auc LOG BUILT_DIR)")

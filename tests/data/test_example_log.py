@@ -10,6 +10,7 @@ import torch
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
+pc = pytest.importorskip("pyarrow.compute")
 
 from gem_lp.data.build_sequences import BuildOptions, build_sequences  # noqa: E402
 from gem_lp.data.example_log import generate_log, main, teacher_auc, teacher_eval  # noqa: E402
@@ -82,3 +83,46 @@ def test_train_py_recovers_most_of_the_planted_signal(tmp_path):
     assert metrics["eval_rows"] == metrics["eval_rows_total"] == 2000
     teacher = teacher_auc(log, out)
     assert teacher - 0.05 <= metrics["eval_history"][-1]["eval_auc"] < teacher
+
+
+def test_the_history_estimate_sees_what_the_samples_hold(tmp_path, capsys):
+    """The teacher's form estimated from each eval event's history (its user's strictly earlier events, none at the
+    same time, the most recent 20) equals a plain-Python loop over the events; it ranks below the teacher, far above
+    chance. Times rounded to the hour: a user has events at equal times."""
+    from gem_lp.data.example_log import BASE, DISLIKED, GENEROSITY_SD, LIKED, NOISE_SD, history_estimate_eval
+
+    log = generate_log(tmp_path / "ratings.parquet", events=4000, users=60, items=200, days=10, seed=2,
+                       side_tables=True)
+    table = pq.read_table(log)
+    hours = pc.multiply(pc.divide(table.column("timestamp"), 3600), 3600)
+    pq.write_table(table.set_column(table.schema.get_field_index("timestamp"), "timestamp", hours), log)
+    out = tmp_path / "built"
+    build_sequences(BuildOptions(log=str(log), out=str(out), rating="rating", threshold=4, event_columns=("rating",),
+                                 max_history=20), log=lambda _: None)
+    rows = pq.read_table(log).to_pylist()
+    assert len({(r["user_id"], r["timestamp"]) for r in rows}) < len(rows)  # ties
+    items = pq.read_table(tmp_path / "ratings_items.parquet").to_pylist()
+    genre = {r["item_id"]: int(r["genre"][5:]) for r in items}
+    cut = json.loads((out / "dataset.json").read_text())["split"]["cut"]
+    expected = []
+    for e in rows:
+        if e["timestamp"] < cut:
+            continue
+        history = [o for o in rows if o["user_id"] == e["user_id"] and o["timestamp"] < e["timestamp"]][-20:]
+        if not history:
+            expected.append((BASE, int(e["rating"] >= 4)))
+            continue
+        counts = collections.Counter(genre[o["item_id"]] for o in history)
+        favourites = sorted(counts, key=lambda g: (-counts[g], g))[:2]
+        lift = [LIKED if genre[o["item_id"]] in favourites else DISLIKED for o in history]
+        residual = sum(o["rating"] - BASE - x for o, x in zip(history, lift))
+        generosity = residual / (len(history) + (NOISE_SD / GENEROSITY_SD) ** 2)
+        liked = genre[e["item_id"]] in favourites
+        expected.append((BASE + (LIKED if liked else DISLIKED) + generosity, int(e["rating"] >= 4)))
+    scores, labels = history_estimate_eval(log, out)
+    assert sorted(zip(scores.round(9).tolist(), labels.tolist())) == sorted(
+        (round(s, 9), y) for s, y in expected)
+    estimate = roc_auc(torch.from_numpy(scores), torch.from_numpy(labels))
+    assert 0.65 < estimate < teacher_auc(log, out)
+    assert main(["--teacher-auc", str(log), str(out)]) == 0
+    assert f"from each event's history alone: AUC {estimate:.4f}" in capsys.readouterr().out
