@@ -107,6 +107,8 @@ class BuildOptions:
             problems.append("--item-key needs --item-table")
         if self.item_history_columns and self.item_table is None:
             problems.append("--item-history-columns names item-table columns: give --item-table")
+        if "item" in self.item_history_columns:
+            problems.append("--item-history-columns cannot name 'item': its history list would be hist_item")
         if self.dense and self.user_table is None and self.item_table is None:
             problems.append("--dense names side-table columns: give --user-table or --item-table")
         if self.bucket_rows < 1 or self.batch_rows < 1:

@@ -212,6 +212,8 @@ def test_item_history_columns_give_each_earlier_items_side_value(tmp_path, log_r
 
     with pytest.raises(ValueError, match="--item-history-columns names item-table columns: give --item-table"):
         options(log, tmp_path / "a", item_history_columns=("genre",))
+    with pytest.raises(ValueError, match="cannot name 'item': its history list would be hist_item"):
+        options(log, tmp_path / "a", item_table=str(items), item_history_columns=("item",))
     with pytest.raises(ValueError, match=r"would write the same history list twice: \['rating'\]"):
         options(log, tmp_path / "a", item_table=str(items), item_history_columns=("rating",))
     for column in ("price", "colour"):
