@@ -538,7 +538,8 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="build every launch for sm_90, no GPU needed")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--sets", default=",".join(LAUNCH_SETS),
                         help="tuning groups to time, a comma-separated subset of " + ",".join(LAUNCH_SETS))
     args = parser.parse_args()

@@ -481,6 +481,11 @@ class Builder:
                             f"table (those are {categorical}; --dense columns are numbers)")
         return out
 
+    def item_history_features(self, side: list[SideFeature]) -> list[SideFeature]:
+        """The item side features of --item-history-columns, in its order (each written as hist_<name>)."""
+        items = {f.name: f for f in side if f.table == "item"}
+        return [items[c] for c in self.opts.item_history_columns]
+
     def _side_table(self, kind: str, path: str, key: str, ids: IdMap) -> list[SideFeature]:
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -614,7 +619,7 @@ class Builder:
             dense_means.append(np.log1p(num_earlier.astype(np.float64)))
         lengths = hist_stop - hist_start
         id_type = schema.field("user").type
-        item_lists = [next(f for f in side if f.table == "item" and f.name == c) for c in opts.item_history_columns]
+        item_lists = self.item_history_features(side)
         for lo, hi in _chunks(lengths, rows=1 << 18, tokens=1 << 24):
             positions, offsets = _ranges(hist_start[lo:hi], hist_stop[lo:hi])
             counts["history_events"] += int(offsets[-1])
@@ -805,7 +810,7 @@ def _summary(opts: BuildOptions, builder: Builder, side: list[SideFeature], coun
     out = Path(opts.out).resolve()
     event_features = [{"column": f"hist_{c}", "num_embeddings": len(m)} for c, m in builder.events.items()]
     event_features += [{"column": f"hist_{f.name}", "num_embeddings": f.num_embeddings}
-                       for c in opts.item_history_columns for f in side if f.table == "item" and f.name == c]
+                       for f in builder.item_history_features(side)]
     pooled = [{"column": "user", "num_embeddings": len(builder.users)}]
     pooled += [{"column": f.name, "num_embeddings": f.num_embeddings} for f in side if f.num_embeddings is not None]
     split = {"mode": opts.split, "eval_fraction": opts.eval_fraction if opts.eval_from is None else None}

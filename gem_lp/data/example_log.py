@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 NUM_GENRES = 20
-# the teacher: BASE + LIKED (a favourite genre's item) or BASE + DISLIKED, plus the user's generosity ~ N(0, GENEROSITY_SD)
+# the teacher: BASE + LIKED (an item of a favourite genre) or BASE + DISLIKED, plus the user's generosity
+# ~ N(0, GENEROSITY_SD); a rating adds noise ~ N(0, NOISE_SD)
 BASE, LIKED, DISLIKED, GENEROSITY_SD, NOISE_SD = 3.0, 1.2, -0.4, 0.4, 0.9
 OCCUPATIONS = ("artist", "doctor", "educator", "engineer", "homemaker", "lawyer", "programmer", "retired", "student",
                "writer")
@@ -151,9 +152,9 @@ def history_estimate_eval(log_path: str | Path, built_dir: str | Path) -> tuple[
     residual = (rating_sums[stop] - rating_sums[start] - seen * BASE - liked_seen * LIKED
                 - (seen - liked_seen) * DISLIKED)
     generosity = residual / (seen + (NOISE_SD / GENEROSITY_SD) ** 2)
-    liked = (favourites == genre[is_eval][:, None]).any(axis=1) & (seen > 0)
+    liked = (favourites == genre[is_eval][:, None]).any(axis=1)
     scores = BASE + np.where(liked, LIKED, DISLIKED) + generosity
-    scores[seen == 0] = BASE
+    scores[seen == 0] = BASE  # no history: nothing known of the user
     labels = (rating[is_eval] >= summary["threshold"]).astype(np.int8)
     return scores, labels
 
@@ -175,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--side-tables", action="store_true", help="also write <stem>_users.parquet and _items.parquet")
     p.add_argument("--teacher-auc", nargs=2, metavar=("LOG", "BUILT_DIR"),
-                   help="instead: print the planted teacher's AUC on the eval split build_sequences wrote to BUILT_DIR, "
-                        "and its form's estimated from the samples' histories")
+                   help="instead: print the planted teacher's AUC on the eval split build_sequences wrote to "
+                        "BUILT_DIR, and its form's estimated from the samples' histories")
     a = p.parse_args(argv)
     if a.teacher_auc:
         if a.out is not None:
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             scores, labels = teacher_eval(*a.teacher_auc)
         except (ValueError, KeyError, FileNotFoundError) as err:
             p.error(str(err))
-        print(f"teacher AUC {_auc(scores, labels):.4f} on {labels.shape[0]:,} eval events ({int(labels.sum()):,} positive)")
+        print(f"teacher AUC {_auc(scores, labels):.4f} on {labels.shape[0]:,} eval events "
+              f"({int(labels.sum()):,} positive)")
         try:
             estimate = _auc(*history_estimate_eval(*a.teacher_auc))
         except FileNotFoundError as err:
