@@ -4,7 +4,8 @@ A: MX `[M, K]` (E4M3 payload + blocked E8M0 scales, rceil cast of randn), B: BF1
 BF16. Shapes: the model's linears (K -> N) 1024 -> 3072, 1024 -> 4096, 4096 -> 1024, 256 -> 768, 512 -> 1536 at
 M = 32767 and 32768 (a jagged token count and its round neighbour), and the GPU trainer's thin-K linears (d_model
 256: 256 -> 768, 256 -> 256, 256 -> 1024, and the MLP down projection 1024 -> 256) at the token count of its first
-batch (`common.trainer_token_counts`). Rows per shape (group `gemm MxKxN`):
+batch (`common.trainer_token_counts`); and the weight-gradient GEMM of the trainer's layers that save X's colwise payload
+(group `weight grad MxK->N`: ours, dequantize + cuBLAS, cuBLAS on BF16 operands). Rows per shape (group `gemm MxKxN`):
   ours mx_gemm_sm90         the launch table's launch (then every other of `cute_gemm.LAUNCH_CANDIDATES` unless
                             --no-candidates), A decoded to BF16 in registers
   dequant + cuBLAS          the cuBLAS route's way: `triton_dequantize.mx_dequantize_operand(A)` (memory-bound pass
@@ -105,6 +106,43 @@ def gemm_group(bench: Bench, M: int, K: int, N: int, candidates: bool) -> None:
         bench.rows.append(dict(group=group, name="quack bf16 gemm", error=f"{type(e).__name__}: {e}", peer=True))
 
 
+# the trainer's layers whose backward reads X's saved colwise payload for dW (K_in -> N)
+WEIGHT_GRAD_SHAPES = ((256, 768), (256, 256), (256, 1024), (1024, 256))
+
+
+def weight_grad_group(bench: Bench, M: int, K: int, N: int, splits: bool) -> None:
+    """dW [N, K] from X's colwise payload `[K, M]` and dY's colwise BF16 operand: ours (`mx_weight_grad_sm90`, the
+    payload decoded in registers, the tokens split over CTAs) against the cuBLAS route's way (dequantize the payload,
+    then cuBLAS) and cuBLAS on BF16 operands alone (what `nn.Linear`'s dW GEMM costs)."""
+    from gem_lp.linear.gemm import gemm_nt
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
+    from gem_lp.linear.operands import saved_col_operand
+    from gem_lp.linear.selfchecks import weight_grad_operands
+
+    group = f"weight grad {M}x{K}->{N}"
+    flop = 2.0 * M * N * K
+    data, scale, dy_col_t = weight_grad_operands(M, K, N, DEV, outlier=False)
+    rows = dy_col_t.shape[1]
+    x_col = saved_col_operand(data, scale, "rceil", "cublas", torch.bfloat16, rows)
+    ref = dy_col_t.float() @ x_col.float().t()
+    for split in [None] + ([1, 2, 4, 8, 16, 32] if splits else []):
+        name = "ours mx_weight_grad_sm90 " + ("(default split)" if split is None else f"split {split}")
+        try:
+            acc = accuracy(mx_weight_grad_sm90(data, scale, dy_col_t, split_k=split), ref)
+        except Exception as e:  # a split that fails is recorded; the others still run
+            print(f"  [{group}] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            bench.rows.append(dict(group=group, name=name, error=f"{type(e).__name__}: {e}"))
+            continue
+        bench.time(group, name + f" [SQNR {acc['sqnr_db']} dB]",
+                   lambda split=split: mx_weight_grad_sm90(data, scale, dy_col_t, split_k=split), flop=flop, **acc)
+    acc = accuracy(gemm_nt(dy_col_t, x_col, "cublas", torch.float32), ref)
+    bench.time(group, f"dequant + cuBLAS (the cuBLAS route's way) [SQNR {acc['sqnr_db']} dB]",
+               lambda: gemm_nt(dy_col_t, saved_col_operand(data, scale, "rceil", "cublas", torch.bfloat16, rows),
+                               "cublas", torch.float32), flop=flop, peer=True, **acc)
+    bench.time(group, "cuBLAS bf16 (operands already BF16, FP32 dW)",
+               lambda: gemm_nt(dy_col_t, x_col, "cublas", torch.float32), flop=flop, peer=True)
+
+
 def _shapes(text: str, ap) -> list[tuple[int, int]]:
     try:
         out = [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
@@ -123,6 +161,10 @@ def main() -> None:
                     + ",".join(f"{k}x{n}" for k, n in SHAPES + TRAINER_SHAPES) + ")")
     ap.add_argument("--no-candidates", action="store_true", help="time only the launch table's launch")
     ap.add_argument("--dry-run", action="store_true", help="print the (M, K, N) to time and exit (no GPU needed)")
+    ap.add_argument("--weight-grad", choices=("with", "only", "no"), default="with",
+                    help="the weight-gradient GEMM at the trainer's shapes and first token count (default: with the "
+                    "forward GEMMs)")
+    ap.add_argument("--splits", action="store_true", help="time the weight gradient at every split count too")
     args = ap.parse_args()
     if args.ms is None and args.shapes is None:
         plan = default_plan()
@@ -133,8 +175,12 @@ def main() -> None:
             ap.error(f"--ms must be comma-separated integers, got {args.ms!r}")
         shapes = _shapes(args.shapes, ap) if args.shapes else list(SHAPES + TRAINER_SHAPES)
         plan = [(M, K, N) for K, N in shapes for M in ms]
+    (trainer_m,) = trainer_token_counts(1) if args.weight_grad != "no" else (None,)
+    wgrad = [] if args.weight_grad == "no" else [(trainer_m, K, N) for K, N in WEIGHT_GRAD_SHAPES]
+    if args.weight_grad == "only":
+        plan = []
     if args.dry_run:
-        print("\n".join(f"gemm {M}x{K}x{N}" for M, K, N in plan))
+        print("\n".join([f"gemm {M}x{K}x{N}" for M, K, N in plan] + [f"weight grad {M}x{K}->{N}" for M, K, N in wgrad]))
         return
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -146,6 +192,14 @@ def main() -> None:
             print(f"  [gemm {M}x{K}x{N}] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             traceback.print_exc(limit=3)
             bench.rows.append(dict(group=f"gemm {M}x{K}x{N}", name="(group)", error=f"{type(e).__name__}: {e}"))
+        torch.cuda.empty_cache()
+    for M, K, N in wgrad:
+        try:
+            weight_grad_group(bench, M, K, N, args.splits)
+        except Exception as e:  # a failing group is recorded; the others still run
+            print(f"  [weight grad {M}x{K}->{N}] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            traceback.print_exc(limit=3)
+            bench.rows.append(dict(group=f"weight grad {M}x{K}->{N}", name="(group)", error=f"{type(e).__name__}: {e}"))
         torch.cuda.empty_cache()
     bench.finish()
 

@@ -28,15 +28,31 @@ def _norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     return dispatch.entry("gem_lp.norm.kernels:rms_norm_backward")(x, weight, rstd, dy, impl)
 
 
+def _payload_weight_grad(payload, dy_col_t, route: str, dw_dtype: torch.dtype) -> torch.Tensor | None:
+    """dW from X's saved colwise payload `(data, scale)` by the CuTe MX GEMM, which decodes the payload in registers
+    (no dequantized copy of X), where the plan takes it and the operands fit it; else None (the caller dequantizes)."""
+    if payload is None or route != "cublas" or dy_col_t is None or not dy_col_t.is_cuda:
+        return None
+    if dispatch.choose("linear_weight_grad", "mxfp8", dy_col_t.device) != "cute":
+        return None
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90, weight_grad_unsupported
+
+    data, scale = payload
+    if weight_grad_unsupported(data, scale, dy_col_t, dw_dtype) is not None:
+        return None
+    return mx_weight_grad_sm90(data, scale, dy_col_t, dw_dtype)
+
+
 def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, need_w, need_b, rows=None,
-                     dy_activation=None, dy_row_out=None, padded_d_in=False):
+                     dy_activation=None, dy_row_out=None, padded_d_in=False, payload=None):
     """dIn `[M, K]` (d_in_dtype), dW `[N, K]` (dw_dtype), db `[N]` FP32 of `Y = In W^T + b`. `make_x_col()`: the dW
     GEMM's B operand from what the forward kept (`saved_col_operand`, `col_operand_of`), made when dW is computed
     and released before dIn is allocated. `rows`: the GEMMs' padded M (the operand then has `rows` columns, zeros
     past M); dIn is then a view of its first M rows (with `padded_d_in`, the `[rows, K]` tensor itself).
     `dy_activation`: see `dy_operands` (`dy` is the gradient of an activation whose input is Y). `dy_row_out`: the
     buffer dY's row operand is written into (`dy_operands`' `row_out`; dy's own buffer, whose memory then serves
-    again). db is the column sums the cast of dY makes.
+    again). db is the column sums the cast of dY makes. `payload`: X's saved colwise `(data, scale)` that
+    `make_x_col` dequantizes, for `_payload_weight_grad`.
 
     dW comes first, then dIn: the input's operand (as large as the input on the cuBLAS route) and dIn are never live
     together. A dY whose exact-value operands exceed `FORWARD_OPERAND_MAX_BYTES` is cast in two passes (one more read
@@ -50,7 +66,9 @@ def _linear_backward(ctx, dy, w_ops, make_x_col, d_in_dtype, dw_dtype, need_in, 
                                             row_out=None if separate else dy_row_out)
     d_in = d_w = None
     if need_w:
-        d_w = gemm_nt(dy_col_t, make_x_col(), route, dw_dtype)
+        d_w = _payload_weight_grad(payload, dy_col_t, route, dw_dtype)
+        if d_w is None:
+            d_w = gemm_nt(dy_col_t, make_x_col(), route, dw_dtype)
     del dy_col_t
     if need_in:
         if separate:
@@ -161,7 +179,8 @@ def _mx_linear_backward(ctx, dy, activation_backward: bool = True):
         return saved_col_operand(x_data, x_scale, ctx.scaling, ctx.route, x_dtype, rows)
 
     dx, dw, db = _linear_backward(ctx, dy, w_ops, x_col, x_dtype, w_dtype, need_x, need_w, need_b, rows,
-                                  padded_d_in=not activation_backward)
+                                  padded_d_in=not activation_backward,
+                                  payload=None if x_data is None else (x_data, x_scale))
     if dx is not None and ctx.activation is not None and activation_backward:  # dX is act(X)'s gradient: in place
         dx = ACTIVATION_BACKWARDS[ctx.activation](dx, x, grad_input=dx)
     return dx, dw, _as_dtype(db, b_dtype)
@@ -207,7 +226,8 @@ def _norm_linear_backward(ctx, dy, dy_activation=None, dy_row_out=None):
     rows = route_rows(dy.shape[0], ctx.route)
     dyn, dw, db = _linear_backward(
         ctx, dy, w_ops, lambda: saved_col_operand(yn_data, yn_scale, ctx.scaling, ctx.route, x_dtype, rows),
-        x_dtype, w_dtype, need_dyn, need_w, need_b, rows, dy_activation, dy_row_out)
+        x_dtype, w_dtype, need_dyn, need_w, need_b, rows, dy_activation, dy_row_out,
+        payload=None if yn_data is None else (yn_data, yn_scale))
     dx = dg = None
     if need_dyn:  # RMSNorm backward in FP32 from the saved rstd
         dx, dg = _norm_backward(x, norm_weight, rstd, dyn)

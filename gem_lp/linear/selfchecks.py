@@ -83,3 +83,53 @@ def cublas(device: torch.device, timed: bool = False) -> dict:
 
 def scaled_mm(device: torch.device, timed: bool = False) -> dict:
     return _route(device, "scaled_mm", timed)
+
+
+def weight_grad_operands(M: int, K: int, N: int, device: torch.device, seed: int = 0, outlier: bool = True):
+    """What a linear layer's backward holds for its dW at M tokens: X's colwise MX payload and blocked scales (the
+    cast the forward saves) and dY's colwise operand `[N, rows]` (rows: the cuBLAS route's padded M, rounded up to
+    16; zeros past M), from BF16 X `[M, K]` and dY `[M, N]` (an outlier token with `outlier`)."""
+    from gem_lp.linear.gemm import gemm_rows
+    from gem_lp.linear.operands import casts, dy_operands
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    if outlier and M:
+        x[M // 2] *= 1e3
+    dy = torch.randn(M, N, generator=g)
+    x, dy = x.to(device, torch.bfloat16), dy.to(device, torch.bfloat16)
+    col = casts(x, None, scaling="rceil", rowwise=False, colwise=True).colwise
+    rows = -(-gemm_rows(M) // 16) * 16
+    dy_col_t = dy_operands(dy, "rceil", "cublas", rows=rows, row=False, col=True)[1]
+    return col.data, col.scale, dy_col_t
+
+
+def weight_grad_cute(device: torch.device, timed: bool = False) -> dict:
+    """`mx_weight_grad_sm90` against the dequantize + cuBLAS route on odd token counts (an outlier token each), FP32
+    and BF16 dW, twice (bit-identical: the split-K partials commit in a fixed order)."""
+    from gem_lp.linear.gemm import gemm_nt
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
+    from gem_lp.linear.operands import saved_col_operand
+
+    worst, cases, repeat_ok = Agreement(), 0, True
+    for i, (M, K, N) in enumerate(((1, 128, 64), (33, 256, 96), (129, 384, 256), (1000, 256, 768), (20011, 1024, 256))):
+        data, scale, dy_col_t = weight_grad_operands(M, K, N, device, seed=i)
+        want = gemm_nt(dy_col_t, saved_col_operand(data, scale, "rceil", "cublas", torch.bfloat16,
+                                                   dy_col_t.shape[1]), "cublas", torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            cases += 1
+            got = [mx_weight_grad_sm90(data, scale, dy_col_t, dtype) for _ in range(2)]
+            repeat_ok &= torch.equal(got[0], got[1])
+            worst.add([(f"dW {M}x{K}->{N} {dtype}", got[0], want.to(dtype))])
+    out = worst.verdict(cases, 45.0, repeat_ok, "dequantize + cuBLAS")  # BF16 dW rounds once (~50 dB)
+    if timed:
+        M, K, N = 273044, 1024, 256
+        data, scale, dy_col_t = weight_grad_operands(M, K, N, device)
+
+        def peer():
+            gemm_nt(dy_col_t, saved_col_operand(data, scale, "rceil", "cublas", torch.bfloat16, dy_col_t.shape[1]),
+                    "cublas", torch.float32)
+
+        out["speed"] = speed_line(bench_ms(lambda: mx_weight_grad_sm90(data, scale, dy_col_t)), bench_ms(peer),
+                                  "dequantize + cuBLAS", f"dW {M}x{K}->{N}")
+    return out

@@ -321,8 +321,8 @@ def kernel_ops(precision: str) -> list[tuple[str, str]]:
     """The (op, precision) pairs of the dispatch table the ranker runs at `precision`; the first listed are those of
     its sequence part (captured in CUDA graphs on a GPU), up to and including attention."""
     if precision == "mxfp8":
-        return [("linear", "mxfp8"), ("rms_norm_quantize", "mxfp8"), ("rms_norm_backward", "fp32"),
-                ("attention", "mxfp8")]
+        return [("linear", "mxfp8"), ("linear_weight_grad", "mxfp8"), ("rms_norm_quantize", "mxfp8"),
+                ("rms_norm_backward", "fp32"), ("attention", "mxfp8")]
     if precision == "bf16":
         return [("rms_norm", "bf16"), ("attention", "bf16")]
     return [("attention", precision)]

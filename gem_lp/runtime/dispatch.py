@@ -78,6 +78,11 @@ IMPLS: dict[tuple[str, str], dict[str, Impl]] = {
              check="gem_lp.linear.selfchecks:cublas"),
         Impl("scaled_mm", "triton", "MX payloads + blocked scales into cuBLAS block-scaled GEMMs (torch._scaled_mm)",
              check="gem_lp.linear.selfchecks:scaled_mm")),
+    ("linear_weight_grad", "mxfp8"): _impls(
+        Impl(REFERENCE, None, "cublas route: dequantize pass of the saved payload + cuBLAS BF16 GEMM (scaled_mm "
+             "reads the payload itself)", fit_for_gpu=True),
+        Impl("cute", "cute", "CuTe MX GEMM: the saved payload decoded in registers, tokens split over CTAs",
+             check="gem_lp.linear.selfchecks:weight_grad_cute")),
     ("attention", "fp32"): _impls(_REF_HOST_SYNC),
     ("attention", "bf16"): _impls(
         _REF_HOST_SYNC, Impl("fa4", "cute", "FlashAttention-4 varlen kernels", check="gem_lp.attention.selfchecks:fa4")),
@@ -98,6 +103,7 @@ TABLE: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
     ("rms_norm_quantize", "mxfp8"): {"sm_90": ("cute", "triton"), "sm_100": ("cute", "triton"), "cuda": ("triton",)},
     ("rms_norm_backward", "fp32"): {"sm_90": ("cute", "triton"), "sm_100": ("cute", "triton"), "cuda": ("triton",)},
     ("linear", "mxfp8"): {"sm_90": ("cublas",), "sm_100": ("scaled_mm", "cublas"), "cuda": ("cublas",)},
+    ("linear_weight_grad", "mxfp8"): {"sm_90": ("cute",)},
     ("attention", "fp32"): {},
     ("attention", "bf16"): {"sm_90": ("fa4",), "sm_100": ("fa4",)},
     ("attention", "mxfp8"): {"sm_90": ("cute_sm90",), "sm_100": ("cute_sm100",)},

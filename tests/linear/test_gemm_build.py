@@ -64,10 +64,12 @@ def test_compile_targets_list():
 
     t90 = compile_targets("sm_90a")
     modes = [t.mode for t in t90]
-    assert {(t.op, t.direction, t.precision, t.needs_mma) for t in t90} == {("linear", "fwd", "mxfp8", True)}
+    assert {(t.op, t.direction, t.precision, t.needs_mma) for t in t90} == {("linear", "fwd", "mxfp8", True),
+                                                                             ("linear", "bwd", "mxfp8", True)}
     assert all(f"K{K} N{N} bf16" in modes for K, N in SHAPES)
     assert "K1024 N3072 bf16 bias" in modes and "K1024 N3072 fp32" in modes
-    assert len(modes) == len(set(modes)) == len(SHAPES) + 2
+    assert {"weight grad N256 fp32", "weight grad N768 fp32", "weight grad N256 bf16"} <= set(modes)
+    assert len(modes) == len(set(modes)) == len(SHAPES) + 5
     t100 = compile_targets("sm_100a")
     assert [t.mode.split("mxfp8 ", 1)[1] for t in t100] == [
         "bf16 out (build only)", "mxfp8 out along N (build only)", "mxfp8 out along M (build only)"]
@@ -75,6 +77,47 @@ def test_compile_targets_list():
     from gem_lp import compile_check
 
     assert "gem_lp.linear.kernels.cute_targets" in compile_check.TARGET_MODULES
+
+
+def weight_grad_operands_cpu(K=64, M=40, N=16, rows=48):
+    stride = 64
+    x = torch.zeros(K * stride, dtype=torch.uint8).view(torch.float8_e4m3fn).as_strided((K, M), (stride, 1))
+    s = torch.zeros(blocked_size(K, -(-M // 32)), dtype=torch.uint8)
+    return x, s, torch.zeros(rows, N, dtype=torch.bfloat16).t()
+
+
+@needs_stack
+@pytest.mark.parametrize("change,match", [
+    (lambda x, s, d: (x.to(torch.bfloat16), s, d), r"x_payload must be a 2-D \[K, M\] torch.float8_e4m3fn"),
+    (lambda x, s, d: (x.contiguous(), s, d), r"row stride that is a multiple of 16 and >= 48"),
+    (lambda x, s, d: (x, s[:-1], d), r"x_scale must be the flat blocked E8M0 bytes of \[K=64, M/32\]"),
+    (lambda x, s, d: (x, s, d[:, :40]), r"dy_col must be the \[N, rows\] transposed view .* rows >= 48"),
+    (lambda x, s, d: (x, s, d.t().contiguous()), r"dy_col must be the \[N, rows\] transposed view"),
+    (lambda x, s, d: (x, s, d.float()), r"dy_col must be the \[N, rows\] transposed view of a contiguous bfloat16"),
+    (lambda x, s, d: (x, s, d[:12]), r"dy_col must be the \[N, rows\] transposed view"),
+])
+def test_weight_grad_argument_errors(change, match):
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90, weight_grad_unsupported
+
+    x, s, d = change(*weight_grad_operands_cpu())
+    with pytest.raises(ValueError, match=match):
+        mx_weight_grad_sm90(x, s, d)
+    assert weight_grad_unsupported(x, s, d, torch.float32) is not None
+
+
+@needs_stack
+def test_weight_grad_needs_a_gpu_and_n_a_multiple_of_8():
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90, weight_grad_unsupported
+
+    x, s, d = weight_grad_operands_cpu()
+    assert weight_grad_unsupported(x, s, d, torch.float32) is None
+    with pytest.raises(ValueError, match="runs on a CUDA device"):
+        mx_weight_grad_sm90(x, s, d)
+    x12, s12, d12 = weight_grad_operands_cpu(N=12)
+    with pytest.raises(ValueError, match=r"needs N a positive multiple of 8, got N=12"):
+        mx_weight_grad_sm90(x12, s12, d12)
+    with pytest.raises(ValueError, match="out_dtype must be one of"):
+        mx_weight_grad_sm90(x, s, d, torch.float16)
 
 
 def test_reference_nan_and_zero_scale_semantics():
@@ -116,6 +159,27 @@ def test_kernel_builds_for_sm90():
         assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", text)) >= 1, what
     (k512,) = [t for n, t in builds.items() if "FakeTensorBFloat1615365125121" in n]  # B [N=1536, K=512]
     assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", k512)) == 24
+
+
+# the weight-gradient builds: the payload X^T [K_in, tokens] as (16, K_in, tokens/16), K_in and the tokens dynamic
+_SM90_WGRAD = r"GemmDefaultSm90_object_at__FakeTensorFloat8E4M3FN_16_div1_div1_1_i64_div16_16_"
+
+
+@needs_builds
+def test_weight_grad_builds_for_sm90():
+    """The weight-gradient GEMM's sm_90a builds: the same RS WGMMA with the payload decoded in registers (four E4M3
+    decodes and BF16 scale multiplies per k16 block) as the forward GEMM's, and the serial split-K's partials
+    (FP32 workspace loads and stores, a per-tile flag polled with acquire loads); no subnormal flushed, no local
+    memory."""
+    builds = ptx_texts(_SM90_WGRAD, "sm_90a", "linear")
+    assert len(builds) >= 3, sorted(builds)  # N 256 / 768 FP32, N 256 BF16
+    for name, text in builds.items():
+        what = name[:160]
+        assert ".target sm_90a" in text and ".ftz" not in text and ".local" not in text, what
+        wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16[^;]*;", text)
+        assert wgmma and all(re.search(r"\}\s*,\s*\{", w) for w in wgmma), what
+        assert text.count("cvt.rn.f16x2.e4m3x2") == text.count("mul.rn.bf16x2") == 4 * len(wgmma), what
+        assert re.search(r"ld\.acquire\.gpu\.global", text), what
 
 
 @needs_builds

@@ -37,8 +37,8 @@ def test_the_sm100_plan_matches_the_reference_recipe():
         torch.manual_seed(0)
         model = GemRanker(GemModelConfig(precision="mxfp8", **SMALL), DATA.feature_spec())
         plan = {c["op"]: c["impl"] for c in dispatch.kernel_plan(model.kernel_ops(), torch.device("cpu"))}
-        assert plan == {"linear": "scaled_mm", "rms_norm_quantize": "triton", "rms_norm_backward": "triton",
-                        "attention": "cute_sm100"}
+        assert plan == {"linear": "scaled_mm", "linear_weight_grad": "reference", "rms_norm_quantize": "triton",
+                        "rms_norm_backward": "triton", "attention": "cute_sm100"}
         loss, grads = _loss_and_grads(model, batch)
     # the recipe's rounding: the same MX values everywhere, FP32 sums in other orders (a last-bit difference can
     # move a value across an E4M3 rounding boundary of a later layer)
@@ -54,7 +54,8 @@ def test_trainer_steps_on_the_sm100_plan(tmp_path):
         metrics = Trainer(cfg, tmp_path).fit()
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
     assert {c["op"]: (c["impl"], c["arch"]) for c in on_disk["kernel_plan"]} == {
-        "linear": ("scaled_mm", "sm_100"), "rms_norm_quantize": ("triton", "sm_100"),
+        "linear": ("scaled_mm", "sm_100"), "linear_weight_grad": ("reference", "sm_100"),
+        "rms_norm_quantize": ("triton", "sm_100"),
         "rms_norm_backward": ("triton", "sm_100"), "attention": ("cute_sm100", "sm_100")}
     assert metrics["steps"] == 2 and all(math.isfinite(x) for x in metrics["train_loss_history"])
     assert math.isfinite(metrics["eval_loss"])

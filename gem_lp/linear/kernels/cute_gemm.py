@@ -196,6 +196,176 @@ def mx_gemm_sm90(a_payload: torch.Tensor, a_scale: torch.Tensor, b_bf16: torch.T
     return y
 
 
+# ---- the weight gradient: dW = dY^T deq(X), contracted over the tokens --------------------------------------------
+
+# Rows of A (K_in) and columns of dW per CTA tile; the tokens are split over CTAs (quack's serial split-K: each output
+# tile's splits commit FP32 partials in split order, the last one finishes: the same bits on every run).
+WGRAD_SM90 = GemmLaunch(128, 128, 1)
+WGRAD_MIN_K_TILES = 8  # k-tiles (128 tokens) per split at least
+TOKEN_ALIGN = 16  # the payload crosses as 16-byte runs: the tokens the GEMM contracts are M rounded up to this
+
+_WGRAD: dict[tuple, object] = register_cache("linear.weight_grad", {})
+
+
+def weight_grad_split(tiles: int, k_tiles: int, sms: int) -> int:
+    """Splits of the token range per output tile: enough CTAs for every SM, each split at least
+    `WGRAD_MIN_K_TILES` k-tiles."""
+    return max(1, min(sms // max(tiles, 1), k_tiles // WGRAD_MIN_K_TILES))
+
+
+def _build_weight_grad(N: int, out_dtype: torch.dtype, split_k: int, launch: GemmLaunch):
+    """The compiled weight-gradient kernel: K_in, the token count and the strides dynamic; N, the output dtype, the
+    split count and the launch static."""
+    key = (N, out_dtype, split_k, launch)
+    fn = _WGRAD.get(key)
+    if fn is not None:
+        return fn
+    import cutlass
+    import cutlass.cute as cute
+    from quack.gemm_config import SplitKMode
+    from quack.gemm_default_epi import GemmDefaultSm90
+    from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
+    from quack.operand_transform import TransformAOperand
+
+    from gem_lp.linear.kernels.cute_gemm_transform import A_RUN, SCALE_TILE_K, SCALE_TILE_WORDS, MXTransformA
+
+    k_in, runs, tiles_k = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    fake = cute.runtime.make_fake_tensor
+    # A: the colwise payload X^T [K_in, tokens] (row stride a multiple of 16 bytes) as (16, K_in, tokens / 16)
+    mA = fake(cutlass.Float8E4M3FN, (A_RUN, k_in, runs), stride=(1, cute.sym_int64(divisibility=16), A_RUN),
+              assumed_align=16)
+    mS = fake(cutlass.Int32, (SCALE_TILE_WORDS, cute.sym_int(), tiles_k),
+              stride=(1, cute.sym_int64(divisibility=SCALE_TILE_WORDS), SCALE_TILE_WORDS), assumed_align=16)
+    # B: dY's colwise operand [tokens, N] (row-major) seen as (N, tokens): N-major
+    mB = fake(cutlass.BFloat16, (N, cute.sym_int()), stride=(1, N), assumed_align=16)
+    d_dtype = cutlass.BFloat16 if out_dtype == torch.bfloat16 else cutlass.Float32
+    # D: dW [N, K_in] (row-major) seen as (K_in, N): M-major
+    mD = fake(d_dtype, (k_in, N), stride=(1, cute.sym_int64(divisibility=8)), assumed_align=16)
+    epi = GemmDefaultSm90.EpilogueArguments()
+    if split_k > 1:
+        epi = GemmDefaultSm90.EpilogueArguments(
+            split_k_semaphore=fake(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                                   stride=(cute.sym_int64(), 1, cute.sym_int64()), assumed_align=4),
+            split_k_workspace=fake(cutlass.Float32, (cute.sym_int(),) * 4,
+                                   stride=(1, cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4),
+                                           cute.sym_int64(divisibility=4)), assumed_align=16))
+    fn = _WGRAD[key] = compile_gemm_kernel(
+        GemmDefaultSm90, cutlass.BFloat16, (launch.tile_m, launch.tile_n, SCALE_TILE_K), (1, launch.cluster_n, 1),
+        False, True, False, False, (9, 0), TransformAOperand(mA, mS), mB, mD, None, epi,
+        make_fake_scheduler_args(False, False, 1), None, transform_a=MXTransformA, split_k=split_k,
+        split_k_mode=SplitKMode.SERIAL)
+    return fn
+
+
+def weight_grad_unsupported(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: torch.Tensor,
+                            out_dtype: torch.dtype) -> str | None:
+    """Why `mx_weight_grad_sm90` cannot take these operands (None when it can): the forms its docstring names."""
+    try:
+        check_weight_grad_args(x_payload, x_scale, dy_col, out_dtype)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
+
+
+def check_weight_grad_args(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: torch.Tensor,
+                           out_dtype: torch.dtype) -> None:
+    """ValueError / TypeError naming the argument and the expected form (`mx_weight_grad_sm90`)."""
+    if not isinstance(x_payload, torch.Tensor) or x_payload.dim() != 2 or x_payload.dtype != PAYLOAD_DTYPE:
+        raise ValueError(f"x_payload must be a 2-D [K, M] {PAYLOAD_DTYPE} tensor (X's colwise payload), got "
+                         f"{getattr(x_payload, 'dtype', None)} {tuple(getattr(x_payload, 'shape', ()))}")
+    K, M = x_payload.shape
+    tokens = ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN
+    if K == 0 or (M > 1 and x_payload.stride(1) != 1) or x_payload.stride(0) % 16 or x_payload.stride(0) < tokens:
+        raise ValueError(f"x_payload [K, M={M}] must have K > 0, a contiguous last dim and a row stride that is a "
+                         f"multiple of 16 and >= {tokens} (colwise_payload_buffer), got shape "
+                         f"{tuple(x_payload.shape)} strides {x_payload.stride()}")
+    if x_scale.dtype not in (SCALE_DTYPE, torch.float8_e8m0fnu) or x_scale.dim() != 1 \
+            or x_scale.numel() != blocked_size(K, ceil_div(M, BLOCK)):
+        raise ValueError(f"x_scale must be the flat blocked E8M0 bytes of [K={K}, M/32] (blocked_size(K, "
+                         f"ceil(M / 32)) = {blocked_size(K, ceil_div(M, BLOCK))} bytes), got {x_scale.dtype} "
+                         f"{tuple(x_scale.shape)}")
+    if not isinstance(dy_col, torch.Tensor) or dy_col.dim() != 2 or dy_col.dtype != torch.bfloat16 \
+            or dy_col.shape[1] < tokens or dy_col.stride(0) != 1 or dy_col.stride(1) != dy_col.shape[0]:
+        raise ValueError(f"dy_col must be the [N, rows] transposed view of a contiguous bfloat16 [rows, N] tensor "
+                         f"with rows >= {tokens} (zeros past M={M}), got {getattr(dy_col, 'dtype', None)} "
+                         f"{tuple(getattr(dy_col, 'shape', ()))} strides {getattr(dy_col, 'stride', lambda: ())()}")
+    if dy_col.shape[0] == 0 or dy_col.shape[0] % N_MULTIPLE:
+        raise ValueError(f"dy_col [N, rows] needs N a positive multiple of {N_MULTIPLE}, got N={dy_col.shape[0]}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if x_payload.device != dy_col.device or x_scale.device != dy_col.device:
+        raise ValueError("x_payload, x_scale and dy_col must share a device")
+
+
+def mx_weight_grad_sm90(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: torch.Tensor,
+                        out_dtype: torch.dtype = torch.float32, *, launch: GemmLaunch | None = None,
+                        split_k: int | None = None) -> torch.Tensor:
+    """`dW [N, K] = dY_c^T deq(X_c)`: a linear layer's weight gradient from what its forward saved, X's colwise MX
+    cast (payload + blocked scales along the tokens), and dY's colwise MX-exact BF16 operand; FP32 accumulation, dW
+    rounded once to `out_dtype`. The payload is decoded in registers (the A transform of `mx_gemm_sm90`), so it is
+    never written out as BF16.
+
+    Args:
+        x_payload: `[K, M]` float8_e4m3fn, rows `stride(0)` bytes apart (a multiple of 16, at least M rounded up
+            to 16: `colwise_payload_buffer`). The padding bytes up to M rounded to 16 are read as part of the
+            contraction: this function sets them to zero (they hold no data).
+        x_scale: the flat blocked E8M0 bytes of `[K, ceil(M / 32)]` (padding bytes not 255).
+        dy_col: `[N, rows]`, the transposed view of dY's colwise operand `[rows, N]` (contiguous BF16, rows >= M
+            rounded up to 16, zeros past M), N a multiple of 8.
+        launch, split_k: another tile or split than the defaults (benchmarks compare them).
+    """
+    check_weight_grad_args(x_payload, x_scale, dy_col, out_dtype)
+    (K, M), N = x_payload.shape, dy_col.shape[0]
+    dev = x_payload.device
+    dw = torch.empty(N, K, dtype=out_dtype, device=dev)
+    if M == 0:
+        return dw.zero_()
+    fake = fake_mode()
+    if not fake and dev.type != "cuda":
+        raise ValueError(f"mx_weight_grad_sm90 runs on a CUDA device (sm_90), got tensors on {dev}")
+    from gem_lp.linear.kernels.cute_gemm_transform import A_RUN, SCALE_TILE_K, SCALE_TILE_WORDS
+
+    launch = launch or WGRAD_SM90
+    tokens = ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN
+    tiles = ceil_div(K, launch.tile_m) * ceil_div(N, launch.tile_n)
+    index = 0 if fake else (torch.cuda.current_device() if dev.index is None else dev.index)
+    if split_k is None:
+        split_k = weight_grad_split(tiles, ceil_div(tokens, SCALE_TILE_K), 132 if fake else _sm_count(index))
+    fn = _build_weight_grad(N, out_dtype, split_k, launch)
+    if fake:
+        return dw
+    from quack.gemm_default_epi import GemmDefaultSm90
+    from quack.gemm_tvm_ffi_utils import make_scheduler_args
+    from quack.operand_transform import TransformAOperand
+
+    stride = x_payload.stride(0)
+    if tokens > M:  # the padding bytes the 16-byte runs read: no data, zeros for the contraction
+        x_payload.as_strided((K, tokens - M), (stride, 1), x_payload.storage_offset() + M).view(torch.uint8).zero_()
+    a_view = x_payload.as_strided((A_RUN, K, tokens // A_RUN), (1, stride, A_RUN))
+    col_tiles = ceil_div(ceil_div(M, BLOCK), 4)
+    s_view = x_scale.view(torch.uint8).view(torch.int32).as_strided(
+        (SCALE_TILE_WORDS, ceil_div(K, 128), col_tiles), (1, SCALE_TILE_WORDS * col_tiles, SCALE_TILE_WORDS))
+    b_view = dy_col[:, :tokens]
+    d_view = dw.t()
+    semaphore = workspace = None
+    if split_k > 1:
+        rows_t, cols_t = ceil_div(K, launch.tile_m), ceil_div(ceil_div(N, launch.tile_n), launch.cluster_n) * \
+            launch.cluster_n
+        semaphore = torch.zeros(1, rows_t, cols_t, dtype=torch.int32, device=dev).permute(1, 2, 0)
+        workspace = torch.empty(1, rows_t, cols_t, launch.tile_m * launch.tile_n, dtype=torch.float32,
+                                device=dev).permute(3, 1, 2, 0)
+    epi = GemmDefaultSm90.EpilogueArguments(add_to_output=None, rounding_mode=None, split_k_semaphore=semaphore,
+                                            split_k_workspace=workspace)
+    sched = make_scheduler_args(_max_active_clusters(launch.cluster_n, index), 8, None)
+    fn(TransformAOperand(a_view, s_view), b_view, d_view, None, epi, sched, None, None, None)
+    return dw
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 # ---- sm_100: quack's block-scaled GEMM (compiled, not launched yet) ---------------------------------------------------
 
 # 2-CTA tcgen05 tile 256x256 (cluster 2x1), MXFP8 A and B with E8M0 scales per 32 k in the blocked layout. With the
