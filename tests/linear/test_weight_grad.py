@@ -10,7 +10,8 @@ plan): the same dW within FP32 summation order, every other gradient bit-identic
 import pytest
 import torch
 
-from gem_lp.linear.kernels.cute_gemm_reference import dequantize_a
+from gem_lp.mx.layout import from_blocked
+from gem_lp.mx.reference import scale_f32
 
 from cute_gpu import require_cute_gpu
 
@@ -23,12 +24,14 @@ from gem_lp.runtime import dispatch  # noqa: E402
 
 DEV = torch.device("cuda")
 MS = (1, 31, 33, 127, 128, 129, 1000, 4097, 32767, 273044)
-SHAPES = ((256, 768), (1024, 256), (256, 256), (96, 8))  # (K, N): the trainer's linears, and a thin odd one
+SHAPES = ((256, 768), (1024, 256), (256, 256), (96, 32))  # (K, N): the trainer's linears, and a thin odd one
 
 
 def oracle(data, scale, dy_col_t):
     K, M = data.shape
-    deq = dequantize_a(data.contiguous(), scale, torch.float64)  # [K, M]: blocks of 32 tokens
+    blocks = -(-M // 32)
+    factor = scale_f32(from_blocked(scale.view(torch.uint8), K, blocks)).double().repeat_interleave(32, dim=1)[:, :M]
+    deq = data.float().double() * factor  # [K, M]: blocks of 32 tokens, the last one partial
     dyc = dy_col_t[:, :M].double()
     return dyc @ deq.t(), dyc.abs() @ deq.abs().t()
 
@@ -67,7 +70,7 @@ def test_every_split_gives_the_oracle(split_k):
 def test_layers_backward_with_and_without_the_kernel(layer, M, monkeypatch):
     from gem_lp.linear.functions import MXLinearFunction, RMSNormMXLinearFunction, RMSNormMXMLPFunction
 
-    K, N, H = 256, 256, 1024
+    K, N, H = 256, 256, 512  # dW's N within the table's N tiles: the kernel runs in every layer
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=g).to(DEV, torch.bfloat16)
     gw = (torch.rand(K, generator=g) + 0.5).to(DEV)
@@ -85,17 +88,16 @@ def test_layers_backward_with_and_without_the_kernel(layer, M, monkeypatch):
         leaves = [t.detach().clone().requires_grad_() for t in ins]
         return torch.autograd.grad(call(*leaves), leaves, dy)
 
-    assert dispatch.choose("linear_weight_grad", "mxfp8", DEV, "cute") == "cute"
+    key = ("linear_weight_grad", "mxfp8", x.device, "auto")  # the device the layers ask with (cuda:<index>)
+    assert dispatch.choose("linear_weight_grad", "mxfp8", x.device, "cute") == "cute"
     calls = []
     from gem_lp.linear.kernels import cute_gemm
     real = cute_gemm.mx_weight_grad_sm90
     monkeypatch.setattr(cute_gemm, "mx_weight_grad_sm90", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setitem(dispatch._CHOSEN, ("linear_weight_grad", "mxfp8", DEV, "auto"),
-                        dispatch.Choice("linear_weight_grad", "mxfp8", "sm_90", "cute"))
+    monkeypatch.setitem(dispatch._CHOSEN, key, dispatch.Choice("linear_weight_grad", "mxfp8", "sm_90", "cute"))
     with_kernel = grads()
     assert calls, "the kernel did not run"
-    monkeypatch.setitem(dispatch._CHOSEN, ("linear_weight_grad", "mxfp8", DEV, "auto"),
-                        dispatch.Choice("linear_weight_grad", "mxfp8", "sm_90", "reference"))
+    monkeypatch.setitem(dispatch._CHOSEN, key, dispatch.Choice("linear_weight_grad", "mxfp8", "sm_90", "reference"))
     n = len(calls)
     without = grads()
     assert len(calls) == n

@@ -202,6 +202,9 @@ def mx_gemm_sm90(a_payload: torch.Tensor, a_scale: torch.Tensor, b_bf16: torch.T
 # tile's splits commit FP32 partials in split order, the last one finishes: the same bits on every run).
 WGRAD_SM90 = GemmLaunch(128, 128, 1)
 WGRAD_MIN_K_TILES = 8  # k-tiles (128 tokens) per split at least
+# Each CTA decodes its A tile, so the payload is decoded once per tile of N: past this many N tiles the decodes cost
+# more than the dequantize pass + cuBLAS (docs/PERF.md: 2 tiles 1.18-1.70x faster, 6 even, 8 slower).
+WGRAD_MAX_N_TILES = {"sm_90a": 4}
 TOKEN_ALIGN = 16  # the payload crosses as 16-byte runs: the tokens the GEMM contracts are M rounded up to this
 
 _WGRAD: dict[tuple, object] = register_cache("linear.weight_grad", {})
@@ -246,7 +249,7 @@ def _build_weight_grad(N: int, out_dtype: torch.dtype, split_k: int, launch: Gem
         epi = GemmDefaultSm90.EpilogueArguments(
             split_k_semaphore=fake(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
                                    stride=(cute.sym_int64(), 1, cute.sym_int64()), assumed_align=4),
-            split_k_workspace=fake(cutlass.Float32, (cute.sym_int(),) * 4,
+            split_k_workspace=fake(cutlass.Float32, tuple(cute.sym_int() for _ in range(4)),
                                    stride=(1, cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4),
                                            cute.sym_int64(divisibility=4)), assumed_align=16))
     fn = _WGRAD[key] = compile_gemm_kernel(
@@ -255,6 +258,11 @@ def _build_weight_grad(N: int, out_dtype: torch.dtype, split_k: int, launch: Gem
         make_fake_scheduler_args(False, False, 1), None, transform_a=MXTransformA, split_k=split_k,
         split_k_mode=SplitKMode.SERIAL)
     return fn
+
+
+def weight_grad_faster(arch: str, N: int) -> bool:
+    """Whether the arch's table takes `mx_weight_grad_sm90` over the dequantize pass + cuBLAS for a dW of N rows."""
+    return ceil_div(N, WGRAD_SM90.tile_n) <= WGRAD_MAX_N_TILES.get(arch, 0)
 
 
 def weight_grad_unsupported(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: torch.Tensor,
