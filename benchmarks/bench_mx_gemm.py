@@ -110,12 +110,16 @@ def gemm_group(bench: Bench, M: int, K: int, N: int, candidates: bool) -> None:
 WEIGHT_GRAD_SHAPES = ((256, 768), (256, 256), (256, 1024), (1024, 256))
 
 
-def weight_grad_group(bench: Bench, M: int, K: int, N: int, splits: bool) -> None:
+# tiles of the weight gradient timed with --launches (the default split for each)
+WEIGHT_GRAD_LAUNCHES = ((128, 128, 1), (128, 192, 1), (128, 256, 1), (128, 128, 2))
+
+
+def weight_grad_group(bench: Bench, M: int, K: int, N: int, splits: bool, launches: bool = False) -> None:
     """dW [N, K] from X's colwise payload `[K, M]` and dY's colwise BF16 operand: ours (`mx_weight_grad_sm90`, the
     payload decoded in registers, the tokens split over CTAs) against the cuBLAS route's way (dequantize the payload,
     then cuBLAS) and cuBLAS on BF16 operands alone (what `nn.Linear`'s dW GEMM costs)."""
     from gem_lp.linear.gemm import gemm_nt
-    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
+    from gem_lp.linear.kernels.cute_gemm import WGRAD_SM90, GemmLaunch, mx_weight_grad_sm90
     from gem_lp.linear.operands import saved_col_operand
     from gem_lp.linear.selfchecks import weight_grad_operands
 
@@ -125,16 +129,20 @@ def weight_grad_group(bench: Bench, M: int, K: int, N: int, splits: bool) -> Non
     rows = dy_col_t.shape[1]
     x_col = saved_col_operand(data, scale, "rceil", "cublas", torch.bfloat16, rows)
     ref = dy_col_t.float() @ x_col.float().t()
-    for split in [None] + ([1, 2, 4, 8, 16, 32] if splits else []):
-        name = "ours mx_weight_grad_sm90 " + ("(default split)" if split is None else f"split {split}")
+    variants = [(WGRAD_SM90, None)] + [(WGRAD_SM90, s) for s in ([1, 2, 4, 8, 16, 32] if splits else [])] + \
+        [(GemmLaunch(*t), None) for t in (WEIGHT_GRAD_LAUNCHES[1:] if launches else ())]
+    for launch, split in variants:
+        name = (f"ours mx_weight_grad_sm90 {launch.tile_m}x{launch.tile_n} cluster={launch.cluster_n} "
+                + ("(default split)" if split is None else f"split {split}"))
         try:
-            acc = accuracy(mx_weight_grad_sm90(data, scale, dy_col_t, split_k=split), ref)
-        except Exception as e:  # a split that fails is recorded; the others still run
+            acc = accuracy(mx_weight_grad_sm90(data, scale, dy_col_t, launch=launch, split_k=split), ref)
+        except Exception as e:  # a variant that fails is recorded; the others still run
             print(f"  [{group}] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             bench.rows.append(dict(group=group, name=name, error=f"{type(e).__name__}: {e}"))
             continue
         bench.time(group, name + f" [SQNR {acc['sqnr_db']} dB]",
-                   lambda split=split: mx_weight_grad_sm90(data, scale, dy_col_t, split_k=split), flop=flop, **acc)
+                   lambda launch=launch, split=split: mx_weight_grad_sm90(data, scale, dy_col_t, launch=launch,
+                                                                          split_k=split), flop=flop, **acc)
     acc = accuracy(gemm_nt(dy_col_t, x_col, "cublas", torch.float32), ref)
     bench.time(group, f"dequant + cuBLAS (the cuBLAS route's way) [SQNR {acc['sqnr_db']} dB]",
                lambda: gemm_nt(dy_col_t, saved_col_operand(data, scale, "rceil", "cublas", torch.bfloat16, rows),
@@ -165,6 +173,8 @@ def main() -> None:
                     help="the weight-gradient GEMM at the trainer's shapes and first token count (default: with the "
                     "forward GEMMs)")
     ap.add_argument("--splits", action="store_true", help="time the weight gradient at every split count too")
+    ap.add_argument("--launches", action="store_true", help="time the weight gradient at every tile of "
+                    "WEIGHT_GRAD_LAUNCHES too")
     args = ap.parse_args()
     if args.ms is None and args.shapes is None:
         plan = default_plan()
@@ -195,7 +205,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     for M, K, N in wgrad:
         try:
-            weight_grad_group(bench, M, K, N, args.splits)
+            weight_grad_group(bench, M, K, N, args.splits, args.launches)
         except Exception as e:  # a failing group is recorded; the others still run
             print(f"  [weight grad {M}x{K}->{N}] FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             traceback.print_exc(limit=3)
