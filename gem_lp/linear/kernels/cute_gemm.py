@@ -202,9 +202,9 @@ def mx_gemm_sm90(a_payload: torch.Tensor, a_scale: torch.Tensor, b_bf16: torch.T
 # tile's splits commit FP32 partials in split order, the last one finishes: the same bits on every run).
 WGRAD_SM90 = GemmLaunch(128, 128, 1)
 WGRAD_MIN_K_TILES = 8  # k-tiles (128 tokens) per split at least
-# Each CTA decodes its A tile, so the payload is decoded once per tile of N: past this many N tiles the decodes cost
-# more than the dequantize pass + cuBLAS (docs/PERF.md: 2 tiles 1.18-1.70x faster, 6 even, 8 slower).
-WGRAD_MAX_N_TILES = {"sm_90a": 4}
+# The most tiles of N (WGRAD_SM90.tile_n wide) at which the kernel beat the dequantize pass + cuBLAS (docs/PERF.md:
+# 2 tiles 1.18-1.70x faster, 6 tiles 1.02x, 8 tiles 0.92x; each CTA decodes its A tile, once per tile of N).
+WGRAD_MAX_N_TILES = {"sm_90a": 6}
 TOKEN_ALIGN = 16  # the payload crosses as 16-byte runs: the tokens the GEMM contracts are M rounded up to this
 
 _WGRAD: dict[tuple, object] = register_cache("linear.weight_grad", {})
