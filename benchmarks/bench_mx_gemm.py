@@ -4,8 +4,9 @@ A: MX `[M, K]` (E4M3 payload + blocked E8M0 scales, rceil cast of randn), B: BF1
 BF16. Shapes: the model's linears (K -> N) 1024 -> 3072, 1024 -> 4096, 4096 -> 1024, 256 -> 768, 512 -> 1536 at
 M = 32767 and 32768 (a jagged token count and its round neighbour), and the GPU trainer's thin-K linears (d_model
 256: 256 -> 768, 256 -> 256, 256 -> 1024, and the MLP down projection 1024 -> 256) at the token count of its first
-batch (`common.trainer_token_counts`); and the weight-gradient GEMM of the trainer's layers that save X's colwise payload
-(group `weight grad MxK->N`: ours, dequantize + cuBLAS, cuBLAS on BF16 operands). Rows per shape (group `gemm MxKxN`):
+batch (`common.trainer_token_counts`); and the weight-gradient GEMM of the trainer's layers that save X's colwise
+payload (group `weight grad MxK->N`: ours, dequantize + cuBLAS, cuBLAS on BF16 operands). Rows per shape (group
+`gemm MxKxN`):
   ours mx_gemm_sm90         the launch table's launch (then every other of `cute_gemm.LAUNCH_CANDIDATES` unless
                             --no-candidates), A decoded to BF16 in registers
   dequant + cuBLAS          the cuBLAS route's way: `triton_dequantize.mx_dequantize_operand(A)` (memory-bound pass

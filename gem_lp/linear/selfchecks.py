@@ -104,9 +104,34 @@ def weight_grad_operands(M: int, K: int, N: int, device: torch.device, seed: int
     return col.data, col.scale, dy_col_t
 
 
+def _captured_as_eager(device: torch.device) -> bool:
+    """`mx_weight_grad_sm90` captured in a CUDA graph (as the trainer's sequence graphs take it, after an eager warm-up
+    on a side stream) and replayed twice gives the eager call's bits."""
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
+
+    data, scale, dy_col_t = weight_grad_operands(4097, 256, 256, device, seed=7)
+    eager = mx_weight_grad_sm90(data, scale, dy_col_t)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        mx_weight_grad_sm90(data, scale, dy_col_t)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = mx_weight_grad_sm90(data, scale, dy_col_t)
+    same = True
+    for _ in range(2):
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        same &= torch.equal(replayed, eager)
+    return same
+
+
 def weight_grad_cute(device: torch.device, timed: bool = False) -> dict:
     """`mx_weight_grad_sm90` against the dequantize + cuBLAS route on odd token counts (an outlier token each), FP32
-    and BF16 dW, twice (bit-identical: the split-K partials commit in a fixed order)."""
+    and BF16 dW, twice (bit-identical: the split-K partials commit in a fixed order); and replayed from a CUDA graph
+    (`_captured_as_eager`)."""
     from gem_lp.linear.gemm import gemm_nt
     from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
     from gem_lp.linear.operands import saved_col_operand
@@ -122,6 +147,9 @@ def weight_grad_cute(device: torch.device, timed: bool = False) -> dict:
             repeat_ok &= torch.equal(got[0], got[1])
             worst.add([(f"dW {M}x{K}->{N} {dtype}", got[0], want.to(dtype))])
     out = worst.verdict(cases, 45.0, repeat_ok, "dequantize + cuBLAS")  # BF16 dW rounds once (~50 dB)
+    captured = _captured_as_eager(device)
+    out["passed"] = out["passed"] and captured
+    out["summary"] += "; a CUDA graph's replay " + ("gives the same bits" if captured else "DIFFERS from eager")
     if timed:
         M, K, N = 273044, 1024, 256
         data, scale, dy_col_t = weight_grad_operands(M, K, N, device)

@@ -4,8 +4,9 @@ oracle per element within
     |dW - dW_ref| <= 2^-8 |dW_ref| (BF16 dW; 2^-23 for FP32) + M 2^-23 (|deq X_c| |dY_c|)
 (FP32 accumulation over the M tokens, the output rounding), at odd token counts, and bit-identical from run to run
 (the split-K partials commit in split order); with the payload's padding bytes poisoned (NaN encodings) before the
-call, which must not reach dW. Also the layers' backward with and without the kernel (`linear_weight_grad` in the
-plan): the same dW within FP32 summation order, every other gradient bit-identical.
+call, which must not reach dW; replayed from a CUDA graph with the eager bits. Also the layers' backward with and
+without the kernel (`linear_weight_grad` in the plan): the same dW within FP32 summation order, every other gradient
+bit-identical.
 """
 import pytest
 import torch
@@ -109,3 +110,11 @@ def test_layers_backward_with_and_without_the_kernel(layer, M, monkeypatch):
             torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6 * c.abs().max().item())
         else:
             assert torch.equal(a, c)
+
+
+def test_a_cuda_graph_replays_the_eager_bits():
+    """Captured as the trainer's sequence graphs capture it (after an eager warm-up on a side stream): the split-K
+    semaphore and workspace, the padding's zero fill and the launch replay with the eager call's bits."""
+    from gem_lp.linear.selfchecks import _captured_as_eager
+
+    assert _captured_as_eager(DEV)
