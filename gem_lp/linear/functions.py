@@ -31,17 +31,16 @@ def _norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
 
 def _payload_weight_grad(payload, dy_col_t, route: str, dw_dtype: torch.dtype) -> torch.Tensor | None:
     """dW from X's saved colwise payload `(data, scale)` by the CuTe MX GEMM, which decodes the payload in registers
-    (no dequantized copy of X), where the plan takes it, the arch's table has it faster at this N and the operands
-    fit it; else None (the caller dequantizes)."""
+    (no dequantized copy of X), where the plan takes it and `weight_grad_taken` says so; else None (the caller
+    dequantizes)."""
     if payload is None or route != "cublas" or dy_col_t is None or not dy_col_t.is_cuda:
         return None
     if dispatch.choose("linear_weight_grad", "mxfp8", dy_col_t.device) != "cute":
         return None
-    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90, weight_grad_faster, weight_grad_unsupported
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90, weight_grad_taken
 
     data, scale = payload
-    if not weight_grad_faster(build_arch(data.device), dy_col_t.shape[0]) or \
-            weight_grad_unsupported(data, scale, dy_col_t, dw_dtype) is not None:
+    if not weight_grad_taken(build_arch(data.device), data.shape[1], dy_col_t):
         return None
     return mx_weight_grad_sm90(data, scale, dy_col_t, dw_dtype)
 

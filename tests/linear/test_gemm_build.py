@@ -97,20 +97,18 @@ def weight_grad_operands_cpu(K=64, M=40, N=16, rows=48):
     (lambda x, s, d: (x, s, d[:12]), r"dy_col must be the \[N, rows\] transposed view"),
 ])
 def test_weight_grad_argument_errors(change, match):
-    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90, weight_grad_unsupported
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
 
     x, s, d = change(*weight_grad_operands_cpu())
     with pytest.raises(ValueError, match=match):
         mx_weight_grad_sm90(x, s, d)
-    assert weight_grad_unsupported(x, s, d, torch.float32) is not None
 
 
 @needs_stack
 def test_weight_grad_needs_a_gpu_and_n_a_multiple_of_8():
-    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90, weight_grad_unsupported
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
 
     x, s, d = weight_grad_operands_cpu()
-    assert weight_grad_unsupported(x, s, d, torch.float32) is None
     with pytest.raises(ValueError, match="runs on a CUDA device"):
         mx_weight_grad_sm90(x, s, d)
     x12, s12, d12 = weight_grad_operands_cpu(N=12)
@@ -118,6 +116,33 @@ def test_weight_grad_needs_a_gpu_and_n_a_multiple_of_8():
         mx_weight_grad_sm90(x12, s12, d12)
     with pytest.raises(ValueError, match="out_dtype must be one of"):
         mx_weight_grad_sm90(x, s, d, torch.float16)
+
+
+@needs_stack
+def test_weight_grad_of_no_tokens_is_zero():
+    from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
+
+    x, s, d = weight_grad_operands_cpu(M=0, rows=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        dw = mx_weight_grad_sm90(x, s, d, dtype)
+        assert dw.shape == (16, 64) and dw.dtype == dtype and not dw.any()
+
+
+@needs_stack
+def test_the_layers_take_the_weight_grad_kernel_where_the_table_and_the_operand_allow():
+    from gem_lp.linear.kernels.cute_gemm import weight_grad_taken
+
+    def dy_col(N, rows, dtype=torch.bfloat16):
+        return torch.zeros(rows, N, dtype=dtype).t()
+
+    assert weight_grad_taken("sm_90a", 273044, dy_col(256, 278528))
+    assert weight_grad_taken("sm_90a", 273044, dy_col(768, 278528))
+    assert not weight_grad_taken("sm_90a", 273044, dy_col(1024, 278528))  # measured slower: the dequantize route
+    assert not weight_grad_taken("sm_100a", 273044, dy_col(256, 278528))  # no table: scaled_mm reads payloads
+    assert not weight_grad_taken("sm_90a", 273044, dy_col(256, 278528, torch.float32))  # FP32 layers
+    assert not weight_grad_taken("sm_90a", 1001, dy_col(256, 1002))  # padded rows short of M rounded up to 16
+    assert weight_grad_taken("sm_90a", 1001, dy_col(256, 1008))
+    assert not weight_grad_taken("sm_90a", 1000, dy_col(100, 1008))  # N not a multiple of 8
 
 
 def test_reference_nan_and_zero_scale_semantics():

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from gem_lp.runtime.builds import register_cache
-from gem_lp.runtime.device import build_arch, fake_mode
+from gem_lp.runtime.device import build_arch, fake_mode, sm_count
 from gem_lp.mx.formats import BLOCK, PAYLOAD_DTYPE, SCALE_DTYPE, ceil_div
 from gem_lp.mx.layout import blocked_size, to_blocked
 
@@ -260,19 +260,14 @@ def _build_weight_grad(N: int, out_dtype: torch.dtype, split_k: int, launch: Gem
     return fn
 
 
-def weight_grad_faster(arch: str, N: int) -> bool:
-    """Whether the arch's table takes `mx_weight_grad_sm90` over the dequantize pass + cuBLAS for a dW of N rows."""
-    return ceil_div(N, WGRAD_SM90.tile_n) <= WGRAD_MAX_N_TILES.get(arch, 0)
-
-
-def weight_grad_unsupported(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: torch.Tensor,
-                            out_dtype: torch.dtype) -> str | None:
-    """Why `mx_weight_grad_sm90` cannot take these operands (None when it can): the forms its docstring names."""
-    try:
-        check_weight_grad_args(x_payload, x_scale, dy_col, out_dtype)
-    except (ValueError, TypeError) as exc:
-        return str(exc)
-    return None
+def weight_grad_taken(arch: str, M: int, dy_col: torch.Tensor) -> bool:
+    """Whether a linear layer's backward takes `mx_weight_grad_sm90` for dW at M tokens, given dY's colwise operand
+    `dy_col [N, rows]`: the arch's table has it faster than the dequantize pass + cuBLAS at this N, and the operand
+    is one it reads (BF16, N a multiple of 8, rows covering M rounded up to 16; the cuBLAS route's padded rows do
+    from M = 1024 on). The saved payload is always of its form (`colwise_payload_buffer`)."""
+    N, rows = dy_col.shape
+    return (ceil_div(N, WGRAD_SM90.tile_n) <= WGRAD_MAX_N_TILES.get(arch, 0) and dy_col.dtype == torch.bfloat16
+            and N % N_MULTIPLE == 0 and rows >= ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN)
 
 
 def check_weight_grad_args(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: torch.Tensor,
@@ -337,11 +332,13 @@ def mx_weight_grad_sm90(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: 
     tokens = ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN
     tiles = ceil_div(K, launch.tile_m) * ceil_div(N, launch.tile_n)
     index = 0 if fake else (torch.cuda.current_device() if dev.index is None else dev.index)
-    if split_k is None:
-        split_k = weight_grad_split(tiles, ceil_div(tokens, SCALE_TILE_K), 132 if fake else _sm_count(index))
+    if split_k is None:  # a build without a GPU takes an H100's / H200's 132 SMs
+        split_k = weight_grad_split(tiles, ceil_div(tokens, SCALE_TILE_K), 132 if fake else sm_count(dev, 132))
     fn = _build_weight_grad(N, out_dtype, split_k, launch)
     if fake:
         return dw
+    from quack.gemm import _split_k_buffers
+    from quack.gemm_config import SplitKMode
     from quack.gemm_default_epi import GemmDefaultSm90
     from quack.gemm_tvm_ffi_utils import make_scheduler_args
     from quack.operand_transform import TransformAOperand
@@ -356,22 +353,15 @@ def mx_weight_grad_sm90(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: 
     b_view = dy_col[:, :tokens]
     d_view = dw.t()
     semaphore = workspace = None
-    if split_k > 1:
-        rows_t, cols_t = ceil_div(K, launch.tile_m), ceil_div(ceil_div(N, launch.tile_n), launch.cluster_n) * \
-            launch.cluster_n
-        semaphore = torch.zeros(1, rows_t, cols_t, dtype=torch.int32, device=dev).permute(1, 2, 0)
-        workspace = torch.empty(1, rows_t, cols_t, launch.tile_m * launch.tile_n, dtype=torch.float32,
-                                device=dev).permute(3, 1, 2, 0)
+    if split_k > 1:  # quack's per-tile flags and FP32 partials, laid out as its kernel reads them
+        semaphore, workspace = _split_k_buffers(d_view[None], SplitKMode.SERIAL, launch.tile_m, launch.tile_n, 1,
+                                                launch.cluster_n, False)
+        semaphore, workspace = semaphore.permute(1, 2, 0), workspace.permute(3, 1, 2, 0)
     epi = GemmDefaultSm90.EpilogueArguments(add_to_output=None, rounding_mode=None, split_k_semaphore=semaphore,
                                             split_k_workspace=workspace)
     sched = make_scheduler_args(_max_active_clusters(launch.cluster_n, index), 8, None)
     fn(TransformAOperand(a_view, s_view), b_view, d_view, None, epi, sched, None, None, None)
     return dw
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # ---- sm_100: quack's block-scaled GEMM (compiled, not launched yet) ---------------------------------------------------
