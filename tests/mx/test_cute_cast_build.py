@@ -63,6 +63,21 @@ def test_builds_do_the_mx_arithmetic_without_flushing_subnormals(arch):
     assert any(f["norm"] and launch_for(arch, f["K"]).cluster_n > 1 for f, _ in builds)  # a cluster build
 
 
+@needs_builds
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_row_scales_leave_as_words(arch):
+    """Row scales go through shared memory in both layouts: in the plain one, 4-byte words when K / 32 is a multiple
+    of 4, else a run of bytes (K 96); the only single-byte stores from the lanes are the plain column scales (8 per
+    thread), where a byte per row block is all a CTA has of each column."""
+    plain = ptx_texts(r"rmsnorm-K\d+-\w+-plain[^/]*/.*NormMXCast", arch, "cast")
+    assert len(plain) >= 5, list(plain)
+    for name, text in plain.items():
+        words_expected = "-K96-" not in name
+        u8 = len(re.findall(r"st\.global\.u8", text))
+        assert u8 == (8 if words_expected else 10), (name[:80], u8)
+        assert re.search(r"st\.global\.b32", text), name[:80]
+
+
 @pytest.fixture
 def host_side(monkeypatch):
     """`norm_mx_cast` under FakeTensorMode with the build recorded instead of compiled: the host side of a call

@@ -21,10 +21,11 @@ rows wider than one CTA holds, and shares the rows' partial sums of squares thro
    rounded to BF16; both laid out as y, 16 bytes per row of the strip (the colwise one's 8x8 strip turned by
    `prmt`). Each output is compiled in or out (`rowwise`, `colwise`, `row_operand`, `col_operand`; without the
    norm also x's column sums, atomically per 32-row block, and y = SiLU(x) computed on the fly).
-5. Scales: plain matrices straight from the lanes; the 128x4 blocked layout (zero padding included: the grid rounds
-   the row blocks up to 128 rows, CTAs past M cast zero rows) through shared memory, so that a row's 4 scales of a
-   128-column group leave as one 4-byte word: single-byte stores were a third of the kernel's L2 requests. No output
-   needs a fill launch.
+5. Scales: the row scales through shared memory, so that they leave as 4-byte words (single-byte stores from the
+   lanes were a third of the kernel's L2 requests): in the 128x4 blocked layout a row's 4 scales of a 128-column
+   group (zero padding included: the grid rounds the row blocks up to 128 rows, CTAs past M cast zero rows), in the
+   plain `[M, K/32]` matrix the CTA's run of each row. Column scales are one byte per column of the CTA's row block
+   in either layout (plain: straight from the lanes). No output needs a fill launch.
 
 The bytes equal `gem_lp.mx.reference`'s for the same FP32 y; rstd equals the reference's whenever the FP32 sum of
 squares is exact (the summation order differs from torch's otherwise).
@@ -144,7 +145,7 @@ class NormMXCast(ReductionBase):
                 mbar = smem.allocate_array(Int64, num_elems=1)
                 self._initialize_cluster(tidx, mbar, self.num_warps)
         sRowS = sColS = None
-        if const_expr(self.blocked and self.rowwise):  # the CTA's scale bytes, gathered before they are stored
+        if const_expr(self.rowwise):  # the CTA's row-scale bytes, gathered before they are stored
             sRowS = smem.allocate_tensor(cutlass.Uint8,
                                          cute.make_ordered_layout((BLOCK, self.scale_cols), order=(1, 0)),
                                          byte_alignment=16)
@@ -293,17 +294,15 @@ class NormMXCast(ReductionBase):
                 col_amax[v] = abs_max_nan(col_amax[v], cute.arch.shuffle_sync_bfly(col_amax[v], offset=8 << step))
 
         # 5. rowwise cast: 8 payload bytes per row of the strip (a base per thread plus constant offsets: rows are K
-        # bytes apart); the block's scale byte from its first lane (kq 0), to the plain layout or to shared memory.
+        # bytes apart); the block's scale byte from its first lane (kq 0) to shared memory.
         strip_m = m0 + row0
         valid_rows = M - strip_m  # rows r < valid_rows exist
-        cb = k >> 5
         k_ok_i = Int32(1)
         if const_expr(not self.even_k):
             k_ok_i = Int32(k_ok)
-        row_q = row_s = row_op = None
+        row_q = row_op = None
         if const_expr(self.rowwise):
             row_q = mRowQ.iterator.toint() + Int64(strip_m) * K + Int64(k)
-            row_s = mRowS.iterator.toint() + Int64(strip_m) * self.k_blocks + Int64(cb)  # plain layout
         if const_expr(self.row_operand):  # BF16 [M, K]: 16 bytes per row of the strip
             row_op = mRowOp.iterator.toint() + (Int64(strip_m) * K + Int64(k)) * 2
         for r in cutlass.range_constexpr(STRIP_ROWS):
@@ -314,11 +313,8 @@ class NormMXCast(ReductionBase):
             row_ok = Int32(r < valid_rows) * k_ok_i
             if const_expr(self.rowwise):
                 store_v2_u32(row_q, r * K, lo, hi, row_ok)
-                if const_expr(self.blocked):  # every row of the tile gets a byte: 0 past M and past K (padding)
-                    if kq == 0:
-                        sRowS[row0 + r, c0 // BLOCK] = (byte * row_ok).to(cutlass.Uint8)
-                else:
-                    store_u8(row_s, r * self.k_blocks, byte, row_ok * Int32(kq == 0))
+                if kq == 0:  # 0 past M and past K: the blocked layout's padding (the plain one stores none of it)
+                    sRowS[row0 + r, c0 // BLOCK] = (byte * row_ok).to(cutlass.Uint8)
             if const_expr(self.row_operand):
                 store_v4_u32(row_op, r * K * 2, dequantized_bf16x2(lo, byte, False), dequantized_bf16x2(lo, byte, True),
                              dequantized_bf16x2(hi, byte, False), dequantized_bf16x2(hi, byte, True), row_ok)
@@ -359,9 +355,43 @@ class NormMXCast(ReductionBase):
                 odd = [byte_perm(col_words[2 * j, i], col_words[2 * j + 1, i], 0x7632) for j in range(4)]
                 store_v4_u32(col_op, 2 * i * K * 2, *even, Int32(2 * i < valid_rows) * k_ok_i)
                 store_v4_u32(col_op, (2 * i + 1) * K * 2, *odd, Int32(2 * i + 1 < valid_rows) * k_ok_i)
-        if const_expr(self.blocked and (self.rowwise or self.colwise)):
+        if const_expr(self.rowwise or (self.blocked and self.colwise)):
             cute.arch.barrier()
-            self._store_blocked_scales(sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
+            if const_expr(self.blocked):
+                self._store_blocked_scales(sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx)
+            else:
+                self._store_plain_row_scales(sRowS, mRowS, M, m0, k0, tidx)
+
+    @cute.jit
+    def _store_plain_row_scales(self, sRowS, mRowS, M, m0, k0, tidx):
+        """The tile's row-scale bytes from shared memory into the plain `[M, K/32]` matrix, consecutive threads on
+        consecutive bytes: 4-byte words when K/32 is a multiple of 4 (every word then aligned), else bytes. Stored
+        from the lanes, one byte each, they were as many L2 requests as the rowwise payload's."""
+        row_s = mRowS.iterator.toint()
+        cb0 = k0 // BLOCK
+        if const_expr(self.k_blocks % 4 == 0):
+            row_words = cute.recast_tensor(sRowS, Int32)  # (32, scale_cols / 4)
+            per_row = self.scale_cols // 4
+            n_words = BLOCK * per_row
+            for it in cutlass.range_constexpr(cute.ceil_div(n_words, self.num_threads)):
+                idx = tidx + it * self.num_threads
+                inside = Int32(idx < n_words)
+                idx = cutlass.min(idx, n_words - 1)
+                rr = idx // per_row
+                cb = cb0 + (idx % per_row) * 4
+                ok = inside * Int32(m0 + rr < M) * Int32(cb < self.k_blocks)
+                store_u32(row_s + Int64(m0 + rr) * self.k_blocks + Int64(cb), 0, row_words[rr, idx % per_row], ok)
+        else:
+            n_bytes = BLOCK * self.scale_cols
+            for it in cutlass.range_constexpr(cute.ceil_div(n_bytes, self.num_threads)):
+                idx = tidx + it * self.num_threads
+                inside = Int32(idx < n_bytes)
+                idx = cutlass.min(idx, n_bytes - 1)
+                rr = idx // self.scale_cols
+                cb = cb0 + idx % self.scale_cols
+                ok = inside * Int32(m0 + rr < M) * Int32(cb < self.k_blocks)
+                store_u8(row_s + Int64(m0 + rr) * self.k_blocks + Int64(cb), 0, Int32(sRowS[rr, idx % self.scale_cols]),
+                         ok)
 
     @cute.jit
     def _store_blocked_scales(self, sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx):

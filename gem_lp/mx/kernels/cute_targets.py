@@ -48,6 +48,7 @@ def builds() -> list[tuple[str, int, torch.dtype, bool, bool, str, dict]]:
     out.append(("rmsnorm K1024 fp16 plain floor", 1024, torch.float16, True, False, "floor", {}))
     out.append(("dual-cast K1024 fp32 blocked", 1024, torch.float32, False, True, "rceil", {}))
     out.append(("rmsnorm K96 bf16 blocked", 96, torch.bfloat16, True, True, "rceil", {}))  # K not a tile multiple
+    out.append(("rmsnorm K96 bf16 plain", 96, torch.bfloat16, True, False, "rceil", {}))  # row scales as bytes
     return out
 
 
