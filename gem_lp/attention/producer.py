@@ -94,11 +94,12 @@ def _payload(x, byte, HW_CAST: tl.constexpr):
 def _block_amax(x, ORIENT: tl.constexpr, ROW_BLOCKS_IN_THREAD: tl.constexpr):
     """Each element's MX block max (as |x| bits) under orientation ORIENT."""
     if ORIENT == 1:  # hdim: 1x32 along D
-        amax = max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD)
+        amax = max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD, False)
     elif ORIENT == 2:  # seq: 32 tokens x 1 feature (rows past the sequence are 0: never the max)
-        amax = max_cols_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD)
+        amax = max_cols_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD, False)
     else:  # square: 32 tokens x 32 features
-        amax = max_cols_of_blocks(max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD), ROW_BLOCKS_IN_THREAD)
+        amax = max_cols_of_blocks(max_rows_of_blocks(abs_bits(x), ROW_BLOCKS_IN_THREAD, False), ROW_BLOCKS_IN_THREAD,
+                                  False)
     return amax
 
 

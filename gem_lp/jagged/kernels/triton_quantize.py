@@ -31,8 +31,8 @@ from gem_lp.runtime.device import interpreter_enabled, skips_dispatch, sm_count
 from gem_lp.runtime.triton_launch import KernelLaunch
 from gem_lp.mx.formats import PAYLOAD_DTYPE
 from gem_lp.mx.kernels.triton_numerics import abs_bits, exact_f32
-from gem_lp.mx.kernels.triton_quantize import (block_payload, block_scale, check_strip_launch, float_max_cols_of_blocks,
-                                  float_max_rows_of_blocks, max_cols_of_blocks, max_rows_of_blocks, tile_axes)
+from gem_lp.mx.kernels.triton_quantize import (block_payload, block_scale, check_strip_launch, max_cols_of_blocks,
+                                  max_rows_of_blocks, tile_axes)
 from gem_lp.jagged.tensor import JaggedMXTensor, scale_sizes
 
 
@@ -110,25 +110,6 @@ def _seq_scale_offset(feature, tile, j, num_tiles, SHIFTS: tl.constexpr):
     if SHIFTS:
         return ((feature >> 7) * num_tiles + tile) * 512 + (feature & 31) * 16 + ((feature >> 5) & 3) * 4 + j
     return ((feature // 128) * num_tiles + tile) * 512 + (feature % 32) * 16 + ((feature % 128) // 32) * 4 + j
-
-
-@triton.jit
-def _amax_rows(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT_MAX: tl.constexpr):
-    """Amax bits (int32) of each 1x32 block (axes e and g, dims kept) of `a`: |x| as FP32 (FLOAT_MAX,
-    `float_max_rows_of_blocks`) or as int32 bits (`abs_bits`)."""
-    if FLOAT_MAX:
-        return float_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    else:
-        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-
-
-@triton.jit
-def _amax_cols(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT_MAX: tl.constexpr):
-    """Amax bits (int32) of each 32x1 block (axes r and c, dims kept) of `a` (see `_amax_rows`)."""
-    if FLOAT_MAX:
-        return float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    else:
-        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
 
 
 @triton.jit
@@ -237,19 +218,19 @@ def _quantize_features(
         p_off = t * (H * D) + f
         col = ci * CB + cb  # hdim-form scale columns of this feature chunk
         if DO_HDIM or DO_SQUARE:
-            hdim_amax = _amax_rows(a, ROW_BLOCKS_IN_THREAD, FLOAT_MAX)  # 1x32 along D
+            hdim_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD, FLOAT_MAX)  # 1x32 along D
         if DO_HDIM:
             _store_payload(p_hdim_chunk + p_off, _payload(x, hdim_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
             byte = block_scale(hdim_amax, RCEIL)
             tl.store(s_hdim_head + _hdim_scale_offset(rows, col, N_COL_BLOCKS, SHIFTS), byte.to(tl.uint8))
         if DO_SEQ:  # 32x1 along tokens
-            seq_amax = _amax_cols(a, ROW_BLOCKS_IN_THREAD, FLOAT_MAX)
+            seq_amax = max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD, FLOAT_MAX)
             _store_payload(p_seq_chunk + p_off, _payload(x, seq_amax, RCEIL, HW_CAST, LEAN), valid, MASKED)
             byte = block_scale(seq_amax, RCEIL)
             tl.store(s_seq_head + _seq_scale_offset(ci * CHUNK_D + f_in, tile, jb, num_tiles, SHIFTS),
                      byte.to(tl.uint8))
         if DO_SQUARE:  # 32x32
-            square_amax = max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD)
+            square_amax = max_cols_of_blocks(hdim_amax, ROW_BLOCKS_IN_THREAD, False)
             _store_payload(p_square_chunk + p_off, _payload(x, square_amax, RCEIL, HW_CAST, LEAN), valid,
                            MASKED)
             byte = block_scale(square_amax, RCEIL)

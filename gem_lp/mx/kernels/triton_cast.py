@@ -42,9 +42,8 @@ from gem_lp.mx.formats import (BLOCK, COLWISE_ROW_ALIGN, INPUT_DTYPES, PAYLOAD_D
                                check_scaling, colwise_row_stride)
 from gem_lp.mx.layout import blocked_size
 from gem_lp.mx.kernels.triton_numerics import abs_bits, exact_f32
-from gem_lp.mx.kernels.triton_quantize import (block_payload, block_scale, float_max_cols_of_blocks, float_max_rows_of_blocks,
-                                  max_cols_of_blocks, max_rows_of_blocks, store_colwise_pairs, store_scales,
-                                  strip_coordinates)
+from gem_lp.mx.kernels.triton_quantize import (block_payload, block_scale, max_cols_of_blocks, max_rows_of_blocks,
+                                  store_colwise_pairs, store_scales, strip_coordinates)
 from gem_lp.mx.casts import NormMXOutputs  # noqa: F401  (the kernel's outputs)
 from gem_lp.mx.reference import check_input_activation
 
@@ -339,24 +338,6 @@ def _abs_for_maxima(y):
 
 
 @triton.jit
-def _amax_bits_of_rows(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """Bits of the max of `a` (`_abs_for_maxima` of a strip tile) over each 1x32 block (axes e and g), dims kept."""
-    if _FLOAT_BLOCK_MAXIMA:
-        return float_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    else:
-        return max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-
-
-@triton.jit
-def _amax_bits_of_cols(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """Bits of the max of `a` over each 32x1 block (axes r and c), dims kept."""
-    if _FLOAT_BLOCK_MAXIMA:
-        return float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-    else:
-        return max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD)
-
-
-@triton.jit
 def _cast_strips(
     y, m, k, m_strip, m_block, k_block, m0, k0, M, K: tl.constexpr, in_bounds,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_stride, col_scale_ptr, row_op_ptr, col_op_ptr,
@@ -369,7 +350,7 @@ def _cast_strips(
     mask = None if EVEN else in_bounds
     row_off = m0.to(tl.int64) * K + k0 + m * K + k  # element offsets in an [M, K] output
     if ROW_MX or ROW_OP:
-        byte = block_scale(_amax_bits_of_rows(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD, _FLOAT_BLOCK_MAXIMA), RCEIL)
         q = block_payload(y, byte, HW_CAST)
         if ROW_MX:
             tl.store(row_data_ptr + row_off, q, mask=mask)
@@ -377,7 +358,7 @@ def _cast_strips(
         if ROW_OP:
             store_operand(row_op_ptr + row_off, e4m3_value(q, HW_CAST) * scale_value(byte), mask, HW_CAST)
     if COL_MX or COL_OP:
-        byte = block_scale(_amax_bits_of_cols(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD, _FLOAT_BLOCK_MAXIMA), RCEIL)
         if COL_MX:  # payload of y^T, rows col_stride apart: a thread's rows of a column are consecutive bytes
             if PAIRED_COLWISE:
                 # Masked by the padded row length col_stride, not by M: a multiple of 16 (the mask is then

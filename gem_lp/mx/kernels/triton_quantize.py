@@ -192,8 +192,11 @@ def _max_over(a, INNER: tl.constexpr, OUTER: tl.constexpr, FLOAT: tl.constexpr):
 
 
 @triton.jit
-def _rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT: tl.constexpr):
-    """Max over each 1x32 block (axes e and g; g sits at axis 3 or 0, see `tile_axes`)."""
+def max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT: tl.constexpr):
+    """Max over each 1x32 block (axes e and g; g sits at axis 3 or 0, see `tile_axes`), dims kept: the integer max
+    of `a` (`abs_bits(x)`), or with FLOAT the NaN-propagating max of FP32 `a` (`|x|`) as int32 bits, the same bits
+    (NaN and Inf blocks included: canonical NaN's bits, like Inf's, reach 0x7F800000) in fewer instructions where
+    compiled (|x| is an operand modifier of the max). The interpreter lacks `max.NaN`: FLOAT on compiled kernels."""
     if ROW_BLOCKS_IN_THREAD:
         return _max_over(a, 5, 3, FLOAT)
     else:
@@ -201,38 +204,13 @@ def _rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT: tl.constexpr):
 
 
 @triton.jit
-def _cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT: tl.constexpr):
-    """Max over each 32x1 block (axes r and c; c sits at axis 0 or 1, see `tile_axes`)."""
+def max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr, FLOAT: tl.constexpr):
+    """Max over each 32x1 block (axes r and c; c sits at axis 0 or 1, see `tile_axes`), dims kept; FLOAT: see
+    `max_rows_of_blocks`."""
     if ROW_BLOCKS_IN_THREAD:
         return _max_over(a, 4, 0, FLOAT)
     else:
         return _max_over(a, 4, 1, FLOAT)
-
-
-@triton.jit
-def max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """Max over each 1x32 block (axes e and g), dims kept."""
-    return _rows_of_blocks(a, ROW_BLOCKS_IN_THREAD, False)
-
-
-@triton.jit
-def max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """Max over each 32x1 block (axes r and c), dims kept."""
-    return _cols_of_blocks(a, ROW_BLOCKS_IN_THREAD, False)
-
-
-@triton.jit
-def float_max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """`max_rows_of_blocks` of FP32 `|x|` (NaN-propagating), as int32 bits: the same bits as the integer max of
-    `abs_bits`, NaN and Inf blocks included (canonical NaN's bits, like Inf's, reach 0x7F800000), in fewer
-    instructions where compiled (|x| is an operand modifier of the max). The interpreter lacks `max.NaN`."""
-    return _rows_of_blocks(a, ROW_BLOCKS_IN_THREAD, True)
-
-
-@triton.jit
-def float_max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD: tl.constexpr):
-    """`max_cols_of_blocks` of FP32 `|x|`, as int32 bits (see `float_max_rows_of_blocks`)."""
-    return _cols_of_blocks(a, ROW_BLOCKS_IN_THREAD, True)
 
 
 @triton.jit
@@ -311,7 +289,7 @@ def _mx_cast_2d_kernel(
     a = abs_bits(x)  # int32, NaN-proof max
 
     if ROWWISE or SQUARE:
-        row_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD)
+        row_amax = max_rows_of_blocks(a, ROW_BLOCKS_IN_THREAD, False)
     if ROWWISE:
         byte = block_scale(row_amax, RCEIL)
         q = block_payload(x, byte, HW_CAST)
@@ -323,7 +301,7 @@ def _mx_cast_2d_kernel(
         # one scale per row and 32-column block: indices constant along the block's axes
         store_scales(row_scale_ptr, byte, m0 + m, (k0 + k_block) // 32, M, K // 32, BLOCKED_SCALES, EVEN)
     if COLWISE:
-        byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_cols_of_blocks(a, ROW_BLOCKS_IN_THREAD, False), RCEIL)
         # Payload of x^T ([K, M] contiguous): each thread's THREAD_ROWS rows of a column are consecutive
         # bytes there. Storing the tile with its last two axes swapped makes that run the vector
         # (Triton vectorizes along the last axis), and the swap is a renaming of registers.
@@ -339,7 +317,7 @@ def _mx_cast_2d_kernel(
                          mask=tl.permute(in_bounds, (0, 1, 2, 3, 5, 4)))
         store_scales(col_scale_ptr, byte, k0 + k, (m0 + m_block) // 32, K, (M + 31) // 32, BLOCKED_SCALES, EVEN)
     if SQUARE:
-        byte = block_scale(max_cols_of_blocks(row_amax, ROW_BLOCKS_IN_THREAD), RCEIL)
+        byte = block_scale(max_cols_of_blocks(row_amax, ROW_BLOCKS_IN_THREAD, False), RCEIL)
         q = block_payload(x, byte, HW_CAST)
         out = sq_data_ptr + m0.to(tl.int64) * K + k0 + m * K + k
         if EVEN:
