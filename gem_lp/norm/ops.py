@@ -2,11 +2,15 @@
 (`gem_lp.runtime.dispatch`)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from gem_lp.checks import check_norm
 from gem_lp.mx.formats import BLOCK, MXTensor, check_scaling
+from gem_lp.mx.layout import to_blocked
+from gem_lp.mx.ops import SCALE_LAYOUTS
 from gem_lp.mx.reference import rms_norm_fp32
 from gem_lp.norm.reference import RMSNormQuantized, rms_norm_quantize_reference
 from gem_lp.runtime import dispatch
@@ -39,11 +43,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, precis
 
 
 def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, scaling: str = "rceil",
-                      backend: str = "auto") -> RMSNormQuantized:
+                      scale_layout: str = "plain", backend: str = "auto") -> RMSNormQuantized:
     """RMSNorm of `x [..., K]` (flattened to `[M, K]`, K a multiple of 32) quantized to MXFP8.
 
     `y = fp32(x) * rstd * fp32(weight)` is quantized from FP32, rowwise (1x32 along K of `y [M, K]`) and
-    colwise (`y^T [K, M]` along M, partial last block allowed); `rstd [M]` float32; scales plain. Not
+    colwise (`y^T [K, M]` along M, partial last block allowed); `rstd [M]` float32. `scale_layout`: "plain"
+    (`[M, K/32]` and `[K, ceil(M/32)]`) or "blocked" (the flat 128x4 layout of `gem_lp.mx.to_blocked` that
+    block-scaled GEMMs read; the CuTe kernel writes it faster than the plain one, docs/PERF.md). Not
     differentiable. `backend`: "auto" (the table's: cute on sm_90 / sm_100 with the CuTe DSL stack, triton on
     other GPUs, the reference on the CPU), "reference", "triton" or "cute" (K at most 8192). The kernels' colwise
     payload is a `[K, M]` view with rows padded to a multiple of 16 bytes (not contiguous unless M is a multiple of
@@ -51,6 +57,9 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     """
     check_norm(x, weight, eps)
     check_scaling(scaling)
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    blocked = scale_layout == "blocked"
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"rms_norm_quantize needs x's last dim K to be a multiple of {BLOCK}, got K={k}")
@@ -67,14 +76,19 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     if chosen == "cute":
         from gem_lp.mx.kernels.cute_cast_launch import norm_mx_cast
 
-        out = norm_mx_cast(x2, weight, eps, scaling=scaling, blocked_scales=False)
-        return RMSNormQuantized(MXTensor(out.row_data, out.row_scale, "1d", 1, scaling, torch.float32),
-                                MXTensor(out.col_data, out.col_scale, "1d", 1, scaling, torch.float32), out.rstd)
+        out = norm_mx_cast(x2, weight, eps, scaling=scaling, blocked_scales=blocked)
+        return RMSNormQuantized(MXTensor(out.row_data, out.row_scale, "1d", 1, scaling, torch.float32, scale_layout),
+                                MXTensor(out.col_data, out.col_scale, "1d", 1, scaling, torch.float32, scale_layout),
+                                out.rstd)
     if chosen == "triton":
         from gem_lp.mx.kernels.triton_cast import rms_norm_mx
 
         x2 = x2 if x2.stride(-1) == 1 or k == 1 else x2.contiguous()
         out = rms_norm_mx(x2, weight if weight.stride(0) == 1 else weight.contiguous(), eps, scaling=scaling,
-                          blocked_scales=False)
+                          blocked_scales=blocked)
         return RMSNormQuantized(out.rowwise, out.colwise, out.rstd)
-    return rms_norm_quantize_reference(x2, weight, eps, scaling)
+    out = rms_norm_quantize_reference(x2, weight, eps, scaling)
+    if blocked:
+        out = RMSNormQuantized(*(replace(q, scale=to_blocked(q.scale), scale_layout="blocked")
+                                 for q in (out.rowwise, out.colwise)), out.rstd)
+    return out

@@ -14,7 +14,8 @@ class RMSNormQuantized:
     """RMSNorm output `y [M, K]` in MXFP8 with both layouts, from one FP32 computation.
 
     Attributes:
-        rowwise: y quantized 1x32 along K (payload `[M, K]`, scale `[M, K/32]`): the forward GEMM operand.
+        rowwise: y quantized 1x32 along K (payload `[M, K]`, scale `[M, K/32]`, or flat in the blocked layout
+            with `rms_norm_quantize(..., scale_layout="blocked")`): the forward GEMM operand.
         colwise: y^T `[K, M]` quantized 1x32 along M (scale `[K, ceil(M/32)]`, a partial last block takes
             its max over the real rows): the operand of the weight gradient. Contiguous here; the kernels'
             payload is a view with rows padded to a multiple of 16 bytes (same values).

@@ -195,20 +195,21 @@ def test_eps_zero_and_zero_rows():
     check_casts(out, reference_casts(x, w, want_rstd.to(DEV), "rceil"), False, "eps=0")
 
 
-def test_public_op_dispatches_to_cute():
-    """rms_norm_quantize: auto runs the cute kernel here (plain scales, the reference's layout), any rank of x,
+@pytest.mark.parametrize("scale_layout", ["plain", "blocked"])
+def test_public_op_dispatches_to_cute(scale_layout):
+    """rms_norm_quantize: auto runs the cute kernel here (scales in the layout asked for), any rank of x,
     non-contiguous x copied first; the values equal the reference's (exact sums)."""
     x = exact_sum_input(2 * 77, 512, torch.bfloat16, 3).view(2, 77, 512)
     w = norm_weight(512, torch.bfloat16, 3)
     for inp in (x, x.transpose(0, 1)):
-        got = rms_norm_quantize(inp, w, 1e-6)
-        want = rms_norm_quantize(inp.cpu(), w.cpu(), 1e-6, backend="reference")
-        cute = rms_norm_quantize(inp, w, 1e-6, backend="cute")
+        got = rms_norm_quantize(inp, w, 1e-6, scale_layout=scale_layout)
+        want = rms_norm_quantize(inp.cpu(), w.cpu(), 1e-6, scale_layout=scale_layout, backend="reference")
+        cute = rms_norm_quantize(inp, w, 1e-6, scale_layout=scale_layout, backend="cute")
         for a in (got, cute):
             assert_same_floats(a.rstd, want.rstd, "rstd")
             for name in ("rowwise", "colwise"):
                 ma, mb = getattr(a, name), getattr(want, name)
-                assert ma.scale_layout == "plain"
+                assert ma.scale_layout == mb.scale_layout == scale_layout
                 assert_same_bytes(ma.data, mb.data, f"{name} payload")
                 assert_same_bytes(ma.scale, mb.scale, f"{name} scale")
                 assert_same_floats(dequantize(ma), dequantize(mb), f"{name} values")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gem_lp.mx import quantize_reference
+from gem_lp.mx import quantize_reference, to_blocked
 from gem_lp.norm import RMSNorm, rms_norm, rms_norm_quantize, rms_norm_quantize_reference
 from gem_lp.norm.reference import rms_norm_backward_reference
 
@@ -83,18 +83,26 @@ def test_fp32_precision_rounds_once_from_fp32_math():
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
-def test_rms_norm_quantize_backends_give_the_references_values(backend):
-    """Exact sums of squares (integers times a quarter): every backend's rstd, scales and payload bytes equal the
-    reference; the kernels' colwise payload is a padded view, compared as values."""
+@pytest.mark.parametrize("scale_layout", ["plain", "blocked"])
+def test_rms_norm_quantize_backends_give_the_references_values(backend, scale_layout):
+    """Exact sums of squares (integers times a quarter): every backend's rstd, scales (in the layout asked for) and
+    payload bytes equal the reference; the kernels' colwise payload is a padded view, compared as values."""
     g = torch.Generator().manual_seed(3)
     x = torch.randint(-15, 16, (33, 64), generator=g).float() * 0.25
     w = torch.rand(64, generator=g) + 0.5
-    got = rms_norm_quantize(x, w, 1e-6, backend=backend)
+    got = rms_norm_quantize(x, w, 1e-6, scale_layout=scale_layout, backend=backend)
     ref = rms_norm_quantize_reference(x, w, 1e-6, "rceil")
     assert torch.equal(got.rstd, ref.rstd)
     for a, b in ((got.rowwise, ref.rowwise), (got.colwise, ref.colwise)):
-        assert a.scale_layout == b.scale_layout == "plain"
-        assert torch.equal(_u8(a.data), _u8(b.data)) and torch.equal(a.scale, b.scale)
+        assert a.scale_layout == scale_layout and b.scale_layout == "plain"
+        assert torch.equal(_u8(a.data), _u8(b.data))
+        assert torch.equal(a.scale, to_blocked(b.scale) if scale_layout == "blocked" else b.scale)
+        assert torch.equal(a.plain_scale(), b.scale)
+
+
+def test_rms_norm_quantize_names_a_bad_scale_layout():
+    with pytest.raises(ValueError, match=r"scale_layout must be one of \('plain', 'blocked'\), got 'tiled'"):
+        rms_norm_quantize(torch.ones(4, 32), torch.ones(32), scale_layout="tiled")
 
 
 def test_reference_backward_is_autograds():
