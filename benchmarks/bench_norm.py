@@ -8,8 +8,8 @@ Rows per shape (group `norm MxK`):
   copy                 a device copy of as many bytes as ours moves (the ceiling of the group)
   ours cute            `norm_mx_cast` (blocked scales, the launch table's choice), then every other launch of
                        `LAUNCH_CANDIDATES` (same bytes, checked), to keep the table honest
-  ours public op       `rms_norm_quantize(backend="cute")` (plain scales, host checks included); its host
-                       microseconds per call in the JSON (`host_us_per_call`)
+  ours public op       `rms_norm_quantize(backend="cute")`, plain and blocked scales (host checks included); its
+                       host microseconds per call in the JSON (`host_us_per_call`)
   triton               `rms_norm_quantize(backend="triton")`
   torch.compile        of `rms_norm_quantize_reference` (RMSNorm + both casts, unfused)
   quack rmsnorm_fwd    BF16 RMSNorm only (reads x, writes BF16 y): what copy speed looks like for a norm
@@ -111,12 +111,17 @@ def norm_group(bench: Bench, M: int, K: int, candidates: bool) -> None:
         name = f"ours cute tile_k={launch.tile_k} cluster={launch.cluster_n}" + (" (table)" if launch == default else "")
         bench.time(group, name + tag(ok), lambda launch=launch: norm_mx_cast(x, w, EPS, launch=launch), nbytes=nbytes,
                    exact=ok)
-    q = rms_norm_quantize(x, w, EPS, backend="cute")
-    ok = exact((q.rowwise.data, q.rowwise.scale, False), (q.colwise.data, q.colwise.scale, False), q.rstd, x, w)
-    host = host_us_per_call(lambda: rms_norm_quantize(x, w, EPS, backend="cute"))
-    print(f"  [{group}] public op host time: {host:.1f} us per call", flush=True)
-    bench.time(group, "ours public op rms_norm_quantize(cute)" + tag(ok), lambda: rms_norm_quantize(x, w, EPS, backend="cute"),
-               nbytes=nbytes, exact=ok, host_us_per_call=host)
+    for layout in ("plain", "blocked"):
+        def op(layout=layout):
+            return rms_norm_quantize(x, w, EPS, scale_layout=layout, backend="cute")
+
+        q, blocked = op(), layout == "blocked"
+        ok = exact((q.rowwise.data, q.rowwise.scale, blocked), (q.colwise.data, q.colwise.scale, blocked), q.rstd,
+                   x, w)
+        host = host_us_per_call(op)
+        print(f"  [{group}] public op ({layout} scales) host time: {host:.1f} us per call", flush=True)
+        bench.time(group, f"ours public op rms_norm_quantize(cute, {layout} scales)" + tag(ok), op, nbytes=nbytes,
+                   exact=ok, host_us_per_call=host)
     try:
         q = rms_norm_quantize(x, w, EPS, backend="triton")
         ok = exact((q.rowwise.data, q.rowwise.scale, False), (q.colwise.data, q.colwise.scale, False), q.rstd, x, w)
