@@ -365,33 +365,22 @@ class NormMXCast(ReductionBase):
     @cute.jit
     def _store_plain_row_scales(self, sRowS, mRowS, M, m0, k0, tidx):
         """The tile's row-scale bytes from shared memory into the plain `[M, K/32]` matrix, consecutive threads on
-        consecutive bytes: 4-byte words when K/32 is a multiple of 4 (every word then aligned), else bytes. Stored
+        consecutive units: 4-byte words when K/32 is a multiple of 4 (every word then aligned), else bytes. Stored
         from the lanes, one byte each, they were as many L2 requests as the rowwise payload's."""
+        unit = 4 if self.k_blocks % 4 == 0 else 1
+        units = cute.recast_tensor(sRowS, Int32) if const_expr(unit == 4) else sRowS  # (32, scale_cols / unit)
+        store = store_u32 if const_expr(unit == 4) else store_u8
+        per_row = self.scale_cols // unit
+        n_units = BLOCK * per_row
         row_s = mRowS.iterator.toint()
-        cb0 = k0 // BLOCK
-        if const_expr(self.k_blocks % 4 == 0):
-            row_words = cute.recast_tensor(sRowS, Int32)  # (32, scale_cols / 4)
-            per_row = self.scale_cols // 4
-            n_words = BLOCK * per_row
-            for it in cutlass.range_constexpr(cute.ceil_div(n_words, self.num_threads)):
-                idx = tidx + it * self.num_threads
-                inside = Int32(idx < n_words)
-                idx = cutlass.min(idx, n_words - 1)
-                rr = idx // per_row
-                cb = cb0 + (idx % per_row) * 4
-                ok = inside * Int32(m0 + rr < M) * Int32(cb < self.k_blocks)
-                store_u32(row_s + Int64(m0 + rr) * self.k_blocks + Int64(cb), 0, row_words[rr, idx % per_row], ok)
-        else:
-            n_bytes = BLOCK * self.scale_cols
-            for it in cutlass.range_constexpr(cute.ceil_div(n_bytes, self.num_threads)):
-                idx = tidx + it * self.num_threads
-                inside = Int32(idx < n_bytes)
-                idx = cutlass.min(idx, n_bytes - 1)
-                rr = idx // self.scale_cols
-                cb = cb0 + idx % self.scale_cols
-                ok = inside * Int32(m0 + rr < M) * Int32(cb < self.k_blocks)
-                store_u8(row_s + Int64(m0 + rr) * self.k_blocks + Int64(cb), 0, Int32(sRowS[rr, idx % self.scale_cols]),
-                         ok)
+        for it in cutlass.range_constexpr(cute.ceil_div(n_units, self.num_threads)):
+            idx = tidx + it * self.num_threads
+            inside = Int32(idx < n_units)
+            idx = cutlass.min(idx, n_units - 1)
+            rr = idx // per_row
+            cb = k0 // BLOCK + (idx % per_row) * unit
+            ok = inside * Int32(m0 + rr < M) * Int32(cb < self.k_blocks)
+            store(row_s + Int64(m0 + rr) * self.k_blocks + Int64(cb), 0, Int32(units[rr, idx % per_row]), ok)
 
     @cute.jit
     def _store_blocked_scales(self, sRowS, sColS, mRowS, mColS, m0, k0, bidx, col_blocks, tidx):
