@@ -90,6 +90,7 @@ def weight_grad_operands(M: int, K: int, N: int, device: torch.device, seed: int
     cast the forward saves) and dY's colwise operand `[N, rows]` (rows: the cuBLAS route's padded M, rounded up to
     16; zeros past M), from BF16 X `[M, K]` and dY `[M, N]` (an outlier token with `outlier`)."""
     from gem_lp.linear.gemm import gemm_rows
+    from gem_lp.linear.kernels.cute_gemm import contracted_tokens
     from gem_lp.linear.operands import casts, dy_operands
 
     g = torch.Generator().manual_seed(seed)
@@ -99,7 +100,7 @@ def weight_grad_operands(M: int, K: int, N: int, device: torch.device, seed: int
     dy = torch.randn(M, N, generator=g)
     x, dy = x.to(device, torch.bfloat16), dy.to(device, torch.bfloat16)
     col = casts(x, None, scaling="rceil", rowwise=False, colwise=True).colwise
-    rows = -(-gemm_rows(M) // 16) * 16
+    rows = contracted_tokens(gemm_rows(M))
     dy_col_t = dy_operands(dy, "rceil", "cublas", rows=rows, row=False, col=True)[1]
     return col.data, col.scale, dy_col_t
 

@@ -47,6 +47,22 @@ TABLES = {"sm_90a": (SM90, SM90_DEFAULT)}
 _COMPILED: dict[tuple, object] = register_cache("linear.gemm", {})
 
 
+def _compile(launch: GemmLaunch, mA, mS, mB, mD, epi, **split):
+    """quack's `GemmDefaultSm90` with our MX A transform (A `mA` + scale words `mS` decoded in registers) for these
+    fake operands; `split`: quack's split-K arguments."""
+    import cutlass
+    from quack.gemm_default_epi import GemmDefaultSm90
+    from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
+    from quack.operand_transform import TransformAOperand
+
+    from gem_lp.linear.kernels.cute_gemm_transform import SCALE_TILE_K, MXTransformA
+
+    return compile_gemm_kernel(
+        GemmDefaultSm90, cutlass.BFloat16, (launch.tile_m, launch.tile_n, SCALE_TILE_K), (1, launch.cluster_n, 1),
+        False, True, False, False, (9, 0), TransformAOperand(mA, mS), mB, mD, None, epi,
+        make_fake_scheduler_args(False, False, 1), None, transform_a=MXTransformA, **split)
+
+
 def launch_for(arch: str, N: int, K: int) -> GemmLaunch:
     if arch not in TABLES:
         raise ValueError(f"mx_gemm_sm90 has launch tables for {sorted(TABLES)}, not {arch!r}")
@@ -107,10 +123,8 @@ def _build(N: int, K: int, out_dtype: torch.dtype, has_bias: bool, launch: GemmL
     import cutlass.cute as cute
     from quack.compile_utils import make_fake_tensor
     from quack.gemm_default_epi import GemmDefaultSm90
-    from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
-    from quack.operand_transform import TransformAOperand
 
-    from gem_lp.linear.kernels.cute_gemm_transform import A_RUN, SCALE_TILE_K, SCALE_TILE_WORDS, MXTransformA
+    from gem_lp.linear.kernels.cute_gemm_transform import A_RUN, SCALE_TILE_K, SCALE_TILE_WORDS
 
     m, row_tiles = cute.sym_int(), cute.sym_int()
     col_tiles = ceil_div(K, SCALE_TILE_K)
@@ -123,10 +137,7 @@ def _build(N: int, K: int, out_dtype: torch.dtype, has_bias: bool, launch: GemmL
     mD = fake(d_dtype, (m, N), stride=(N, 1), assumed_align=16)
     bias = make_fake_tensor(cutlass.Float32, (N,), leading_dim=0, divisibility=4) if has_bias else None
     epi = GemmDefaultSm90.EpilogueArguments(mRowVecBroadcast=bias)
-    fn = _COMPILED[key] = compile_gemm_kernel(
-        GemmDefaultSm90, cutlass.BFloat16, (launch.tile_m, launch.tile_n, SCALE_TILE_K), (1, launch.cluster_n, 1),
-        False, True, False, False, (9, 0), TransformAOperand(mA, mS), mB, mD, None, epi,
-        make_fake_scheduler_args(False, False, 1), None, transform_a=MXTransformA)
+    fn = _COMPILED[key] = _compile(launch, mA, mS, mB, mD, epi)
     return fn
 
 
@@ -210,6 +221,11 @@ TOKEN_ALIGN = 16  # the payload crosses as 16-byte runs: the tokens the GEMM con
 _WGRAD: dict[tuple, object] = register_cache("linear.weight_grad", {})
 
 
+def contracted_tokens(M: int) -> int:
+    """The token count the weight-gradient GEMM contracts over: M rounded up to `TOKEN_ALIGN`."""
+    return ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN
+
+
 def weight_grad_split(tiles: int, k_tiles: int, sms: int) -> int:
     """Splits of the token range per output tile: enough CTAs for every SM, each split at least
     `WGRAD_MIN_K_TILES` k-tiles."""
@@ -227,10 +243,8 @@ def _build_weight_grad(N: int, out_dtype: torch.dtype, split_k: int, launch: Gem
     import cutlass.cute as cute
     from quack.gemm_config import SplitKMode
     from quack.gemm_default_epi import GemmDefaultSm90
-    from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
-    from quack.operand_transform import TransformAOperand
 
-    from gem_lp.linear.kernels.cute_gemm_transform import A_RUN, SCALE_TILE_K, SCALE_TILE_WORDS, MXTransformA
+    from gem_lp.linear.kernels.cute_gemm_transform import A_RUN, SCALE_TILE_WORDS
 
     k_in, runs, tiles_k = cute.sym_int(), cute.sym_int(), cute.sym_int()
     fake = cute.runtime.make_fake_tensor
@@ -252,11 +266,7 @@ def _build_weight_grad(N: int, out_dtype: torch.dtype, split_k: int, launch: Gem
             split_k_workspace=fake(cutlass.Float32, tuple(cute.sym_int() for _ in range(4)),
                                    stride=(1, cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4),
                                            cute.sym_int64(divisibility=4)), assumed_align=16))
-    fn = _WGRAD[key] = compile_gemm_kernel(
-        GemmDefaultSm90, cutlass.BFloat16, (launch.tile_m, launch.tile_n, SCALE_TILE_K), (1, launch.cluster_n, 1),
-        False, True, False, False, (9, 0), TransformAOperand(mA, mS), mB, mD, None, epi,
-        make_fake_scheduler_args(False, False, 1), None, transform_a=MXTransformA, split_k=split_k,
-        split_k_mode=SplitKMode.SERIAL)
+    fn = _WGRAD[key] = _compile(launch, mA, mS, mB, mD, epi, split_k=split_k, split_k_mode=SplitKMode.SERIAL)
     return fn
 
 
@@ -267,7 +277,7 @@ def weight_grad_taken(arch: str, M: int, dy_col: torch.Tensor) -> bool:
     from M = 1024 on). The saved payload is always of its form (`colwise_payload_buffer`)."""
     N, rows = dy_col.shape
     return (ceil_div(N, WGRAD_SM90.tile_n) <= WGRAD_MAX_N_TILES.get(arch, 0) and dy_col.dtype == torch.bfloat16
-            and N % N_MULTIPLE == 0 and rows >= ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN)
+            and N % N_MULTIPLE == 0 and rows >= contracted_tokens(M))
 
 
 def check_weight_grad_args(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: torch.Tensor,
@@ -277,7 +287,7 @@ def check_weight_grad_args(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_co
         raise ValueError(f"x_payload must be a 2-D [K, M] {PAYLOAD_DTYPE} tensor (X's colwise payload), got "
                          f"{getattr(x_payload, 'dtype', None)} {tuple(getattr(x_payload, 'shape', ()))}")
     K, M = x_payload.shape
-    tokens = ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN
+    tokens = contracted_tokens(M)
     if K == 0 or (M > 1 and x_payload.stride(1) != 1) or x_payload.stride(0) % 16 or x_payload.stride(0) < tokens:
         raise ValueError(f"x_payload [K, M={M}] must have K > 0, a contiguous last dim and a row stride that is a "
                          f"multiple of 16 and >= {tokens} (colwise_payload_buffer), got shape "
@@ -329,7 +339,7 @@ def mx_weight_grad_sm90(x_payload: torch.Tensor, x_scale: torch.Tensor, dy_col: 
     from gem_lp.linear.kernels.cute_gemm_transform import A_RUN, SCALE_TILE_K, SCALE_TILE_WORDS
 
     launch = launch or WGRAD_SM90
-    tokens = ceil_div(M, TOKEN_ALIGN) * TOKEN_ALIGN
+    tokens = contracted_tokens(M)
     tiles = ceil_div(K, launch.tile_m) * ceil_div(N, launch.tile_n)
     index = 0 if fake else (torch.cuda.current_device() if dev.index is None else dev.index)
     if split_k is None:  # a build without a GPU takes an H100's / H200's 132 SMs

@@ -25,11 +25,13 @@ def _sm90(K: int, N: int, out_dtype: torch.dtype, bias: bool) -> None:
 
 
 def _sm90_weight_grad(N: int, out_dtype: torch.dtype) -> None:
+    from gem_lp.linear.gemm import gemm_rows
     from gem_lp.linear.kernels.cute_gemm import mx_weight_grad_sm90
-    from gem_lp.mx.formats import BLOCK, ceil_div
+    from gem_lp.mx.formats import BLOCK, ceil_div, colwise_row_stride
     from gem_lp.mx.layout import blocked_size
 
-    K, M, stride, rows = 1024, 273044, 273056, 278528  # M dynamic: any token count takes this build
+    K, M = 1024, 273044  # M dynamic: any token count takes this build
+    stride, rows = colwise_row_stride(M), gemm_rows(M)
     x = torch.empty(K * stride, dtype=torch.float8_e4m3fn, device="cuda").as_strided((K, M), (stride, 1))
     s = torch.empty(blocked_size(K, ceil_div(M, BLOCK)), dtype=torch.uint8, device="cuda")
     dy = torch.empty(rows, N, dtype=torch.bfloat16, device="cuda")
