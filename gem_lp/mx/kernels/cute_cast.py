@@ -27,7 +27,7 @@ rows wider than one CTA holds, and shares the rows' partial sums of squares thro
    plain `[M, K/32]` matrix the CTA's run of each row. Column scales are one byte per column of the CTA's row block:
    blocked, through shared memory; plain, the `[K, ceil(M/32)]` matrix stored row block by row block (`[ceil(M/32),
    K]` in memory, its transpose the matrix), so that a row block's bytes are contiguous and leave the lanes as
-   8-byte words (stored column-major, each byte was a 32-byte sector of its own). No output needs a fill launch.
+   8-byte words (column-major, each byte would be a 32-byte sector of its own). No output needs a fill launch.
 
 The bytes equal `gem_lp.mx.reference`'s for the same FP32 y; rstd equals the reference's whenever the FP32 sum of
 squares is exact (the summation order differs from torch's otherwise).

@@ -155,7 +155,7 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     if normalize:
         weight = weight.contiguous()
     k_blocks, m_blocks = K // BLOCK, ceil_div(M, BLOCK)
-    row_data = row_scale = col_data = col_scale = col_scale_buf = col_buf = row_op = col_op = None
+    row_data = row_scale = col_data = col_scale = col_buf = row_op = col_op = None
     stride = colwise_row_stride(M)
     if rowwise:
         row_data = _new_buffer((M, K), PAYLOAD_DTYPE, dev)
@@ -163,11 +163,9 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     if colwise:
         col_buf = _new_buffer((K * stride,), PAYLOAD_DTYPE, dev)
         col_data = col_buf.as_strided((K, M), (stride, 1))
-        if blocked_scales:
-            col_scale = col_scale_buf = _new_buffer((blocked_size(K, m_blocks),), SCALE_DTYPE, dev)
-        else:  # row block by row block: the kernel stores each row block's K bytes as one run
-            col_scale_buf = _new_buffer((m_blocks, K), SCALE_DTYPE, dev)
-            col_scale = col_scale_buf.t()
+        # plain: row block by row block, the kernel storing each row block's K bytes as one run
+        col_scale = _new_buffer((blocked_size(K, m_blocks),), SCALE_DTYPE, dev) if blocked_scales else \
+            _new_buffer((m_blocks, K), SCALE_DTYPE, dev).t()
     fake = fake_mode()  # a build: nothing is written
     if row_operand:
         row_op = _new_buffer((rows, K), torch.bfloat16, dev)
@@ -199,10 +197,10 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     else:
         fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
                     normalize, scaling_key, blocked_scales, outputs)
-    if not fake:
+    if not fake:  # col_scale.t(): the plain matrix's storage (a flat blocked layout is its own transpose)
         fn(x, weight, None if row_data is None else row_data.view(torch.uint8).view(-1),
            None if row_scale is None else row_scale.view(-1), None if col_buf is None else col_buf.view(torch.uint8),
-           None if col_scale is None else col_scale_buf.view(-1), rstd, None if row_op is None else row_op.view(-1),
+           None if col_scale is None else col_scale.t().view(-1), rstd, None if row_op is None else row_op.view(-1),
            None if col_op is None else col_op.view(-1), sums, stride, float(eps))
     return out
 

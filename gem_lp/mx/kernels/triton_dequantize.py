@@ -70,7 +70,7 @@ def check_mx_operand(mx: MXTensor, name: str) -> None:
     blocked = mx.scale_layout == "blocked"
     if s.dtype != SCALE_DTYPE or (blocked and not s.is_contiguous()) or s.device != d.device:
         raise ValueError(f"{name}.scale must be a uint8 tensor on {d.device} (contiguous when blocked), got {s.dtype} "
-                         f"on {s.device}")
+                         f"on {s.device} with strides {s.stride()}")
     if blocked:
         if s.shape != (blocked_size(rows, n_cb),):
             raise ValueError(f"{name}.scale (blocked) must hold {blocked_size(rows, n_cb)} bytes for a "
