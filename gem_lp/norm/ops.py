@@ -53,7 +53,8 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     differentiable. `backend`: "auto" (the table's: cute on sm_90 / sm_100 with the CuTe DSL stack, triton on
     other GPUs, the reference on the CPU), "reference", "triton" or "cute" (K at most 8192). The kernels' colwise
     payload is a `[K, M]` view with rows padded to a multiple of 16 bytes (not contiguous unless M is a multiple of
-    16; the reference's is contiguous): compare values, not layouts.
+    16), the CuTe kernel's plain colwise scales a transposed view (strides `(1, K)`); the reference's are contiguous:
+    compare values, not layouts.
     """
     check_norm(x, weight, eps)
     check_scaling(scaling)

@@ -88,6 +88,8 @@ def check_casts(out, refs, blocked, tag):
     assert out.col_data.shape == col.data.shape and out.col_data.stride(0) % 16 == 0
     assert_same_bytes(out.col_data, col.data, f"col payload {tag}")
     assert_same_bytes(out.col_scale, to_blocked(col.scale) if blocked else col.scale, f"col scale {tag}")
+    if not blocked:  # stored row block by row block
+        assert out.col_scale.stride() == (1, col.scale.shape[0]), f"col scale strides {tag}"
 
 
 def assert_same_floats(a, b, what):

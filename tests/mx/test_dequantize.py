@@ -31,3 +31,17 @@ def test_dequantize_operand_is_exact(rows, cols, blocked):
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0, equal_nan=True)
     assert math.isnan(float(mx_dequantize_operand(mx, torch.float32)[0, 0]))
+
+
+def test_plain_scales_of_any_strides():
+    """Plain scales given as a transposed view (the CuTe cast's colwise scales) dequantize as the contiguous ones;
+    blocked scales must be contiguous."""
+    mx = generic_mx(70, 96, 5)
+    viewed = MXTensor(mx.data, mx.scale.t().contiguous().t(), "1d", 1, mx.scaling, mx.orig_dtype)
+    assert not viewed.scale.is_contiguous()
+    torch.testing.assert_close(mx_dequantize_operand(viewed, torch.float32), mx_dequantize_operand(mx, torch.float32),
+                               rtol=0, atol=0, equal_nan=True)
+    blocked = generic_mx(70, 96, 5, blocked=True)
+    every_other = torch.stack([blocked.scale, blocked.scale], 1)[:, 0]  # the same bytes, stride 2
+    with pytest.raises(ValueError, match="contiguous when blocked"):
+        mx_dequantize_operand(MXTensor(blocked.data, every_other, "1d", 1, mx.scaling, mx.orig_dtype, "blocked"))

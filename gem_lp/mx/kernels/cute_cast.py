@@ -24,8 +24,10 @@ rows wider than one CTA holds, and shares the rows' partial sums of squares thro
 5. Scales: the row scales through shared memory, so that they leave as 4-byte words (single-byte stores from the
    lanes were a third of the kernel's L2 requests): in the 128x4 blocked layout a row's 4 scales of a 128-column
    group (zero padding included: the grid rounds the row blocks up to 128 rows, CTAs past M cast zero rows), in the
-   plain `[M, K/32]` matrix the CTA's run of each row. Column scales are one byte per column of the CTA's row block
-   in either layout (plain: straight from the lanes). No output needs a fill launch.
+   plain `[M, K/32]` matrix the CTA's run of each row. Column scales are one byte per column of the CTA's row block:
+   blocked, through shared memory; plain, the `[K, ceil(M/32)]` matrix stored row block by row block (`[ceil(M/32),
+   K]` in memory, its transpose the matrix), so that a row block's bytes are contiguous and leave the lanes as
+   8-byte words (column-major, each byte would be a 32-byte sector of its own). No output needs a fill launch.
 
 The bytes equal `gem_lp.mx.reference`'s for the same FP32 y; rstd equals the reference's whenever the FP32 sum of
 squares is exact (the summation order differs from torch's otherwise).
@@ -324,12 +326,13 @@ class NormMXCast(ReductionBase):
         col_q = col_s = lead_m = col_words = None
         if const_expr(self.colwise):
             col_q = mColQ.iterator.toint() + Int64(k) * Int64(col_stride) + Int64(strip_m)
-            col_s = mColS.iterator.toint() + Int64(k) * Int64(col_blocks) + Int64(bidx)  # plain layout
+            col_s = mColS.iterator.toint() + Int64(bidx) * K + Int64(k)  # plain: stored [col_blocks, K]
         strip_ok = Int32(strip_m < M) * k_ok_i
         if const_expr(self.colwise):
             lead_m = Int32(mq == 0) * Int32(bidx < col_blocks)
         if const_expr(self.col_operand):  # the strip's BF16 pairs of rows (2 i, 2 i + 1) of column v: [v, i]
             col_words = cute.make_rmem_tensor(cute.make_layout((STRIP_COLS, STRIP_ROWS // 2)), Int32)
+        col_scale_words = [Int32(0), Int32(0)]  # plain layout: the strip's 8 column-scale bytes, columns k .. k + 7
         if const_expr(self.colwise or self.col_operand):
             for v in cutlass.range_constexpr(STRIP_COLS):
                 byte = scale_byte(col_amax[v], rceil=self.rceil)
@@ -342,12 +345,14 @@ class NormMXCast(ReductionBase):
                         if mq == 0:
                             sColS[c0 + v] = (byte * k_ok_i).to(cutlass.Uint8)
                     else:
-                        store_u8(col_s + Int64(v) * Int64(col_blocks), 0, byte, lead_m * k_ok_i)
+                        col_scale_words[v // 4] = col_scale_words[v // 4] | (byte << (8 * (v % 4)))
                 if const_expr(self.col_operand):
                     col_words[v, 0] = dequantized_bf16x2(lo, byte, False)
                     col_words[v, 1] = dequantized_bf16x2(lo, byte, True)
                     col_words[v, 2] = dequantized_bf16x2(hi, byte, False)
                     col_words[v, 3] = dequantized_bf16x2(hi, byte, True)
+        if const_expr(self.colwise and not self.blocked):  # 8-byte aligned: K a multiple of 32, k of 8
+            store_v2_u32(col_s, 0, col_scale_words[0], col_scale_words[1], lead_m * k_ok_i)
         if const_expr(self.col_operand):  # laid out as y: 16 bytes per row of the strip, columns paired by `prmt`
             col_op = mColOp.iterator.toint() + (Int64(strip_m) * K + Int64(k)) * 2
             for i in cutlass.range_constexpr(STRIP_ROWS // 2):

@@ -27,7 +27,8 @@ _DEFAULT_BUILDS: dict[tuple, object] = {}
 class NormCastOutputs:
     """Payloads (float8_e4m3fn) and E8M0 scale bytes (uint8) of `y [M, K]` (rowwise) and `y^T [K, M]` (colwise),
     and rstd `[M]` (None without the norm). `col_data` is a `[K, M]` view whose rows are `colwise_row_stride(M)`
-    bytes apart. Scales are flat 128x4 blocked layouts, or plain `[M, K/32]` / `[K, ceil(M/32)]` matrices.
+    bytes apart. Scales are flat 128x4 blocked layouts, or plain `[M, K/32]` / `[K, ceil(M/32)]` matrices, the
+    latter the transposed view of a contiguous `[ceil(M/32), K]` tensor (strides `(1, K)`).
     `row_operand` and `col_operand`: the dequantized casts in BF16, both laid out as y, `[R, K]` with R >= M rows
     (zeros past M); a GEMM contracting over M reads `col_operand` transposed. `column_sums`: x's FP32 column sums
     `[K]`. Outputs not asked for are None."""
@@ -162,7 +163,9 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     if colwise:
         col_buf = _new_buffer((K * stride,), PAYLOAD_DTYPE, dev)
         col_data = col_buf.as_strided((K, M), (stride, 1))
-        col_scale = _new_buffer((blocked_size(K, m_blocks),) if blocked_scales else (K, m_blocks), SCALE_DTYPE, dev)
+        # plain: row block by row block, the kernel storing each row block's K bytes as one run
+        col_scale = _new_buffer((blocked_size(K, m_blocks),), SCALE_DTYPE, dev) if blocked_scales else \
+            _new_buffer((m_blocks, K), SCALE_DTYPE, dev).t()
     fake = fake_mode()  # a build: nothing is written
     if row_operand:
         row_op = _new_buffer((rows, K), torch.bfloat16, dev)
@@ -194,10 +197,10 @@ def norm_mx_cast(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0,
     else:
         fn = _build(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[w_dtype] if normalize else None, K, launch,
                     normalize, scaling_key, blocked_scales, outputs)
-    if not fake:
+    if not fake:  # col_scale.t(): the plain matrix's storage (a flat blocked layout is its own transpose)
         fn(x, weight, None if row_data is None else row_data.view(torch.uint8).view(-1),
            None if row_scale is None else row_scale.view(-1), None if col_buf is None else col_buf.view(torch.uint8),
-           None if col_scale is None else col_scale.view(-1), rstd, None if row_op is None else row_op.view(-1),
+           None if col_scale is None else col_scale.t().view(-1), rstd, None if row_op is None else row_op.view(-1),
            None if col_op is None else col_op.view(-1), sums, stride, float(eps))
     return out
 

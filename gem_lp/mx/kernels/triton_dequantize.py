@@ -49,7 +49,7 @@ def _check_runnable(t: torch.Tensor, name: str) -> None:
 
 
 def check_mx_operand(mx: MXTensor, name: str) -> None:
-    """`mx` must be a 2-D MXFP8 tensor blocked along dim 1, scales plain or 128x4 blocked.
+    """`mx` must be a 2-D MXFP8 tensor blocked along dim 1, scales plain (any strides) or 128x4 blocked.
 
     The payload's last dim must be contiguous; its rows may be padded (row stride >= columns), as the colwise
     payloads of `rms_norm_mx` are (a `[K, M]` view of a buffer with rows a multiple of 32 bytes apart).
@@ -67,9 +67,11 @@ def check_mx_operand(mx: MXTensor, name: str) -> None:
     rows, cols = d.shape
     n_cb = ceil_div(cols, BLOCK)
     s = mx.scale
-    if s.dtype != SCALE_DTYPE or not s.is_contiguous() or s.device != d.device:
-        raise ValueError(f"{name}.scale must be a contiguous uint8 tensor on {d.device}, got {s.dtype} on {s.device}")
-    if mx.scale_layout == "blocked":
+    blocked = mx.scale_layout == "blocked"
+    if s.dtype != SCALE_DTYPE or (blocked and not s.is_contiguous()) or s.device != d.device:
+        raise ValueError(f"{name}.scale must be a uint8 tensor on {d.device} (contiguous when blocked), got {s.dtype} "
+                         f"on {s.device} with strides {s.stride()}")
+    if blocked:
         if s.shape != (blocked_size(rows, n_cb),):
             raise ValueError(f"{name}.scale (blocked) must hold {blocked_size(rows, n_cb)} bytes for a "
                              f"[{rows}, {n_cb}] scale matrix, got shape {tuple(s.shape)}")
@@ -87,7 +89,9 @@ def mx_dequantize_operand(mx: MXTensor, dtype: torch.dtype = torch.bfloat16) -> 
     check_mx_operand(mx, "mx")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
-    return dequantize_operand(mx.data, mx.scale, mx.scale_layout == "blocked", dtype)
+    blocked = mx.scale_layout == "blocked"
+    # plain scales of any strides (the CuTe cast's colwise ones are a transposed view): the kernel reads a matrix
+    return dequantize_operand(mx.data, mx.scale if blocked else mx.scale.contiguous(), blocked, dtype)
 
 
 def dequantize_operand(data: torch.Tensor, scale: torch.Tensor, blocked: bool, dtype: torch.dtype,
